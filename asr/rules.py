@@ -1,0 +1,111 @@
+"""Whisper's decoding rules as one logit filter, vectorised over every position being
+predicted. The draft and the target call the same filter with the same prefixes, so the
+rules hold identically at each verified position (the order and arithmetic follow
+transformers' Whisper logits processors, which in turn follow openai/whisper)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Prefix:
+    """What the rules need to know about the tokens before each predicted position."""
+
+    generated: Tensor  # [N] tokens generated so far (after the prompt)
+    last: Tensor  # [N] previous token (meaningful when generated >= 1)
+    penultimate: Tensor  # [N] token before it (meaningful when generated >= 2)
+    last_timestamp: Tensor  # [N] last timestamp token generated, -1 if none
+
+    @classmethod
+    def at(cls, tokens: Tensor, sample_begin: Tensor, positions: Tensor, timestamp_begin: int) -> "Prefix":
+        """tokens [B, L] with proposals written in place; sample_begin [B]; positions [B, q]
+        are the indices being predicted. Returns one entry per (row, position), row-major."""
+        columns = torch.arange(tokens.shape[1], device=tokens.device)
+        generated_region = columns >= sample_begin[:, None]
+        timestamps = torch.where(generated_region & (tokens >= timestamp_begin), tokens, -1)
+        # Timestamps never decrease under the rules, so the running max is the last one.
+        last_timestamp = timestamps.cummax(dim=1).values
+        before = (positions - 1).clamp(min=0)
+        return cls(
+            generated=(positions - sample_begin[:, None]).reshape(-1),
+            last=tokens.gather(1, before).reshape(-1),
+            penultimate=tokens.gather(1, (positions - 2).clamp(min=0)).reshape(-1),
+            last_timestamp=last_timestamp.gather(1, before).reshape(-1),
+        )
+
+
+class DecodingRules:
+    """Suppressed tokens, begin-suppress, and (with timestamps) the timestamp rules."""
+
+    def __init__(
+        self,
+        *,
+        vocab_size: int,
+        eot: int,
+        no_timestamps: int,
+        suppress: list[int],
+        begin_suppress: list[int],
+        timestamps: bool,
+        max_initial_timestamp_index: int | None = 50,
+        device: torch.device | str = "cpu",
+    ):
+        self.vocab_size = vocab_size
+        self.eot = eot
+        self.no_timestamps = no_timestamps
+        self.timestamp_begin = no_timestamps + 1
+        self.timestamps = timestamps
+        self.max_initial_timestamp_index = max_initial_timestamp_index
+        self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
+        self.begin_suppress = torch.tensor(sorted(set(begin_suppress)), dtype=torch.long, device=device)
+        vocab = torch.arange(vocab_size, device=device)
+        self._is_timestamp = vocab >= self.timestamp_begin
+        self._is_text = vocab < eot
+        self._vocab = vocab
+        self._after_initial = (
+            vocab > self.timestamp_begin + max_initial_timestamp_index
+            if max_initial_timestamp_index is not None
+            else torch.zeros_like(self._is_timestamp)
+        )
+
+    def apply(self, logits: Tensor, prefix: Prefix) -> Tensor:
+        """Filters logits [N, V] in place and returns them."""
+        if self.suppress.numel():
+            logits[:, self.suppress] = NEG_INF
+        at_begin = prefix.generated == 0
+        if self.begin_suppress.numel():
+            columns = logits[:, self.begin_suppress]
+            logits[:, self.begin_suppress] = columns.masked_fill(at_begin[:, None], NEG_INF)
+        if self.timestamps:
+            self._timestamp_rules(logits, prefix, at_begin)
+        return logits
+
+    def _timestamp_rules(self, logits: Tensor, prefix: Prefix, at_begin: Tensor) -> None:
+        logits[:, self.no_timestamps] = NEG_INF
+        ts_begin = self.timestamp_begin
+        last_is_ts = (prefix.generated >= 1) & (prefix.last >= ts_begin)
+        penultimate_is_ts = (prefix.generated < 2) | (prefix.penultimate >= ts_begin)
+        # Timestamps come in pairs, except directly before end-of-text.
+        mask = (last_is_ts & penultimate_is_ts)[:, None] & self._is_timestamp
+        mask |= (last_is_ts & ~penultimate_is_ts)[:, None] & self._is_text
+        # Timestamps never decrease, and a segment has non-zero length.
+        has_ts = prefix.last_timestamp >= 0
+        closing_pair = last_is_ts & ~penultimate_is_ts
+        lowest = torch.where(
+            has_ts, prefix.last_timestamp + (~closing_pair).long(), torch.full_like(prefix.last_timestamp, ts_begin)
+        )
+        mask |= self._is_timestamp & (self._vocab < lowest[:, None])
+        # The first generated token is a timestamp, no later than max_initial_timestamp.
+        mask |= at_begin[:, None] & (~self._is_timestamp | self._after_initial)
+        logits.masked_fill_(mask, NEG_INF)
+        # If the timestamps together are likelier than any text token, emit a timestamp.
+        logprobs = torch.log_softmax(logits.float(), dim=-1)
+        timestamp_logprob = logprobs[:, ts_begin:].logsumexp(dim=-1)
+        max_text_logprob = logprobs[:, :ts_begin].max(dim=-1).values
+        force_timestamp = (timestamp_logprob > max_text_logprob)[:, None]
+        logits[:, :ts_begin] = logits[:, :ts_begin].masked_fill(force_timestamp, NEG_INF)

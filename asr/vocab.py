@@ -1,0 +1,82 @@
+"""Whisper's special tokens and text decoding, read from a tokenizer by name (ids shift
+between vocabularies: English-only models and large-v3 differ from base)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+
+@dataclass(frozen=True)
+class Vocabulary:
+    tokenizer: Tokenizer
+    size: int  # rows of the model's embedding, timestamps included
+    eot: int
+    sot: int
+    sot_prev: int
+    sot_lm: int
+    no_speech: int
+    no_timestamps: int
+    transcribe: int
+    translate: int
+    languages: dict[str, int] = field(default_factory=dict)  # "en" -> <|en|>
+
+    @property
+    def timestamp_begin(self) -> int:
+        return self.no_timestamps + 1
+
+    @property
+    def multilingual(self) -> bool:
+        return self.size >= 51865  # Whisper's own test: English-only vocabularies are smaller
+
+    def sot_sequence(self, language: str | None, task: str) -> list[int]:
+        """<|startoftranscript|> [<|lang|> <|task|>]; English-only models take no more."""
+        if not self.multilingual:
+            return [self.sot]
+        if language not in self.languages:
+            raise ValueError(f"unknown language {language!r}; choose one of {', '.join(self.languages)}")
+        return [self.sot, self.languages[language], self.translate if task == "translate" else self.transcribe]
+
+    def non_speech_specials(self) -> list[int]:
+        """Control tokens a transcript must never contain (as openai/whisper suppresses)."""
+        return [self.transcribe, self.translate, self.sot, self.sot_prev, self.sot_lm, self.no_speech]
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode([t for t in tokens if t < self.eot])
+
+    @classmethod
+    def from_tokenizer_file(cls, path: str | Path, size: int) -> "Vocabulary":
+        path = Path(path)
+        tokenizer = Tokenizer.from_file(str(path))
+        added = {t["content"]: t["id"] for t in json.loads(path.read_text())["added_tokens"]}
+
+        def token(*names: str) -> int:
+            for name in names:
+                if name in added:
+                    return added[name]
+            raise ValueError(f"{path}: tokenizer has none of {names}; is this a Whisper tokenizer?")
+
+        translate = token("<|translate|>")
+        sot = token("<|startoftranscript|>")
+        languages = {
+            name[2:-2]: i for name, i in added.items() if sot < i < translate and name.startswith("<|")
+        }
+        return cls(
+            tokenizer=tokenizer,
+            size=size,
+            eot=token("<|endoftext|>"),
+            sot=sot,
+            sot_prev=token("<|startofprev|>"),
+            sot_lm=token("<|startoflm|>"),
+            no_speech=token("<|nospeech|>", "<|nocaptions|>"),
+            no_timestamps=token("<|notimestamps|>"),
+            transcribe=token("<|transcribe|>"),
+            translate=translate,
+            languages=languages,
+        )
