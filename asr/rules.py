@@ -63,15 +63,7 @@ class DecodingRules:
         self.max_initial_timestamp_index = max_initial_timestamp_index
         self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
         self.begin_suppress = torch.tensor(sorted(set(begin_suppress)), dtype=torch.long, device=device)
-        vocab = torch.arange(vocab_size, device=device)
-        self._is_timestamp = vocab >= self.timestamp_begin
-        self._is_text = vocab < eot
-        self._vocab = vocab
-        self._after_initial = (
-            vocab > self.timestamp_begin + max_initial_timestamp_index
-            if max_initial_timestamp_index is not None
-            else torch.zeros_like(self._is_timestamp)
-        )
+        self._timestamp_offsets = torch.arange(vocab_size - self.timestamp_begin, device=device)
 
     def apply(self, logits: Tensor, prefix: Prefix) -> Tensor:
         """Filters logits [N, V] in place and returns them."""
@@ -86,26 +78,26 @@ class DecodingRules:
         return logits
 
     def _timestamp_rules(self, logits: Tensor, prefix: Prefix, at_begin: Tensor) -> None:
-        logits[:, self.no_timestamps] = NEG_INF
+        # Row-wise masks over column slices: no [N, V] temporaries on this hot path.
         ts_begin = self.timestamp_begin
+        text, timestamps = logits[:, :ts_begin], logits[:, ts_begin:]
+        logits[:, self.no_timestamps] = NEG_INF
         last_is_ts = (prefix.generated >= 1) & (prefix.last >= ts_begin)
         penultimate_is_ts = (prefix.generated < 2) | (prefix.penultimate >= ts_begin)
+        closing_pair = last_is_ts & ~penultimate_is_ts
         # Timestamps come in pairs, except directly before end-of-text.
-        mask = (last_is_ts & penultimate_is_ts)[:, None] & self._is_timestamp
-        mask |= (last_is_ts & ~penultimate_is_ts)[:, None] & self._is_text
+        timestamps.masked_fill_((last_is_ts & penultimate_is_ts)[:, None], NEG_INF)
+        logits[:, : self.eot].masked_fill_(closing_pair[:, None], NEG_INF)
         # Timestamps never decrease, and a segment has non-zero length.
         has_ts = prefix.last_timestamp >= 0
-        closing_pair = last_is_ts & ~penultimate_is_ts
-        lowest = torch.where(
-            has_ts, prefix.last_timestamp + (~closing_pair).long(), torch.full_like(prefix.last_timestamp, ts_begin)
-        )
-        mask |= self._is_timestamp & (self._vocab < lowest[:, None])
+        lowest = torch.where(has_ts, prefix.last_timestamp + (~closing_pair).long() - ts_begin, 0)
+        timestamps.masked_fill_(self._timestamp_offsets < lowest[:, None], NEG_INF)
         # The first generated token is a timestamp, no later than max_initial_timestamp.
-        mask |= at_begin[:, None] & (~self._is_timestamp | self._after_initial)
-        logits.masked_fill_(mask, NEG_INF)
-        # If the timestamps together are likelier than any text token, emit a timestamp.
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        timestamp_logprob = logprobs[:, ts_begin:].logsumexp(dim=-1)
-        max_text_logprob = logprobs[:, :ts_begin].max(dim=-1).values
-        force_timestamp = (timestamp_logprob > max_text_logprob)[:, None]
-        logits[:, :ts_begin] = logits[:, :ts_begin].masked_fill(force_timestamp, NEG_INF)
+        text.masked_fill_(at_begin[:, None], NEG_INF)
+        if self.max_initial_timestamp_index is not None:
+            timestamps[:, self.max_initial_timestamp_index + 1 :].masked_fill_(at_begin[:, None], NEG_INF)
+        # If the timestamps together are likelier than any text token, emit a timestamp
+        # (log-softmax's normaliser cancels out of this comparison).
+        timestamp_mass = timestamps.float().logsumexp(dim=-1)
+        best_text = text.float().max(dim=-1).values
+        text.masked_fill_((timestamp_mass > best_text)[:, None], NEG_INF)

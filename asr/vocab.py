@@ -3,7 +3,6 @@ between vocabularies: English-only models and large-v3 differ from base)."""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,8 +52,11 @@ class Vocabulary:
     @classmethod
     def from_tokenizer_file(cls, path: str | Path, size: int) -> "Vocabulary":
         path = Path(path)
-        tokenizer = Tokenizer.from_file(str(path))
-        added = {t["content"]: t["id"] for t in json.loads(path.read_text())["added_tokens"]}
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as error:
+            raise ValueError(f"{path}: not a readable tokenizer.json ({error})") from error
+        added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
 
         def token(*names: str) -> int:
             for name in names:

