@@ -1,0 +1,149 @@
+"""Tiny Whisper models with random weights, built so their logits are well separated
+(random tiny models are otherwise full of near-ties), plus paths to real data."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GenerationConfig, WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+
+from asr.models import packaged_directory
+
+REPO = Path(__file__).resolve().parent.parent
+DEV = REPO.parent / "shared" / "eval" / "dev"
+SAMPLES = REPO / "samples"
+TOKENIZER = packaged_directory("whisper-base")[0] / "tokenizer.json"
+
+EOT, SOT, EN, TRANSCRIBE, NO_TIMESTAMPS = 50257, 50258, 50259, 50359, 50363
+# Control tokens never worth emitting (what the pipeline suppresses too).
+SUPPRESS = [1, 2, 7, 8, 9, 10, 14, 25] + list(range(50258, 50363))
+BEGIN_SUPPRESS = [220, EOT]
+MAX_TARGET_POSITIONS = 64
+FRAMES = 60  # mel frames per window of the tiny models
+
+
+def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 80, vocab_size: int = 51865) -> WhisperConfig:
+    return WhisperConfig(
+        vocab_size=vocab_size,
+        num_mel_bins=num_mel_bins,
+        d_model=d_model,
+        encoder_layers=2,
+        decoder_layers=decoder_layers,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=2 * d_model,
+        decoder_ffn_dim=2 * d_model,
+        max_source_positions=FRAMES // 2,
+        max_target_positions=MAX_TARGET_POSITIONS,
+        tie_word_embeddings=False,
+        decoder_start_token_id=SOT,
+        eos_token_id=EOT,
+        pad_token_id=EOT,
+        bos_token_id=EOT,
+    )
+
+
+@torch.no_grad()
+def separate_logits(model: torch.nn.Module) -> None:
+    """A sharp output head, an encoder that matters, and end-of-text that sometimes wins,
+    so rows end at different lengths."""
+    model.proj_out.weight.normal_(0, 1)
+    model.model.decoder.embed_tokens.weight.normal_(0, 1)
+    if getattr(model.model, "encoder", None) is not None:
+        model.model.encoder.conv1.weight.mul_(8)  # content, not position, dominates the encoding
+        model.model.encoder.layer_norm.weight.mul_(10)
+    for layer in model.model.decoder.layers:
+        layer.encoder_attn.out_proj.weight.mul_(4)
+
+
+def tiny_target(seed: int, dtype: torch.dtype = torch.float64, **config) -> WhisperForConditionalGeneration:
+    torch.manual_seed(seed)
+    model = WhisperForConditionalGeneration(tiny_config(**config))
+    separate_logits(model)
+    return model.to(dtype).eval()
+
+
+@torch.no_grad()
+def end_rows_at_different_lengths(model: WhisperForConditionalGeneration, features: torch.Tensor) -> None:
+    """Random models rarely say end-of-text. Give end-of-text the output row of a token
+    that some windows emit early and others late or never, scaled to win where it would."""
+    from asr.decoder import DecoderRunner
+    from asr.rules import DecodingRules
+    from asr.speculative import SpeculativeDecoder
+
+    rules = DecodingRules(vocab_size=model.config.vocab_size, eot=EOT, no_timestamps=NO_TIMESTAMPS,
+                          suppress=SUPPRESS, begin_suppress=BEGIN_SUPPRESS, timestamps=False)
+    encoded = model.model.encoder(features).last_hidden_state
+    decoder = SpeculativeDecoder(DecoderRunner(model.model.decoder, model.proj_out.weight))
+    rows = [s.tokens for s in decoder.decode(encoded, [[SOT, EN, 50359, NO_TIMESTAMPS]] * len(features), rules, max_new_tokens=30)]
+
+    def spread(token: int) -> int:
+        firsts = {row.index(token) if token in row else len(row) for row in rows}
+        return len(firsts)
+
+    candidates = {t for row in rows for t in row[6:24]}
+    best = max(sorted(candidates), key=lambda t: (spread(t), min(r.index(t) if t in r else 99 for r in rows)))
+    model.proj_out.weight[EOT] = 1.05 * model.proj_out.weight[best]
+
+
+@torch.no_grad()
+def perturbed(model: torch.nn.Module, noise: float, seed: int) -> torch.nn.Module:
+    """A copy whose weights are jittered: it agrees with the original often, not always."""
+    torch.manual_seed(seed)
+    twin = copy.deepcopy(model)
+    for p in twin.parameters():
+        p.add_(noise * p.std() * torch.randn_like(p))
+    return twin
+
+
+@torch.no_grad()
+def decoder_only_draft(target: WhisperForConditionalGeneration, noise: float, seed: int) -> WhisperForCausalLM:
+    """A decoder-only draft (WhisperForCausalLM, as transformers loads distil-whisper's
+    assistant) reading the target's encoder output: the target's decoder, jittered."""
+    draft = WhisperForCausalLM(copy.deepcopy(target.config)).to(target.dtype).eval()
+    source = perturbed(target, noise, seed)
+    draft.model.decoder.load_state_dict(source.model.decoder.state_dict())
+    draft.proj_out.load_state_dict(source.proj_out.state_dict())
+    return draft
+
+
+def generation_config(timestamps: bool, max_new_tokens: int) -> GenerationConfig:
+    return GenerationConfig(
+        decoder_start_token_id=SOT,
+        eos_token_id=EOT,
+        pad_token_id=EOT,
+        bos_token_id=EOT,
+        no_timestamps_token_id=NO_TIMESTAMPS,
+        suppress_tokens=SUPPRESS,
+        begin_suppress_tokens=BEGIN_SUPPRESS,
+        max_initial_timestamp_index=50,
+        lang_to_id={"<|en|>": EN},
+        task_to_id={"transcribe": TRANSCRIBE, "translate": 50358},
+        is_multilingual=True,
+        return_timestamps=timestamps,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+    )
+
+
+def save_tiny(model: torch.nn.Module, directory: Path, timestamps: bool = True) -> Path:
+    """The layout of a hub repo or save_pretrained: weights, config, generation config, tokenizer."""
+    model.save_pretrained(directory)
+    generation_config(timestamps, 40).save_pretrained(directory)
+    shutil.copy(TOKENIZER, directory / "tokenizer.json")
+    return directory
+
+
+@pytest.fixture(scope="session")
+def dev_clips() -> list[Path]:
+    clips = sorted((DEV / "en_short").iterdir())
+    assert clips, f"no dev clips under {DEV}"
+    return clips
