@@ -142,7 +142,7 @@ def to_transformers(variables: dict[str, np.ndarray], dtype: torch.dtype) -> Whi
 
     with torch.device("meta"):
         model = WhisperForConditionalGeneration(config)
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(dtype) for name, a in state.items()}
+    tensors = {name: torch.from_numpy(np.array(a, dtype=np.float32)).to(dtype) for name, a in state.items()}
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [m for m in missing if m != "proj_out.weight"]
     if missing or unexpected:

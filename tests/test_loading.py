@@ -1,0 +1,193 @@
+"""Loading round trips (save_pretrained, hub cache layout, CTranslate2, packaged weights)
+and load-time compatibility checks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from asr.audio import load_audio
+from asr.ct2 import CT2FormatError
+from asr.features import WINDOW_FRAMES, log_mel
+from asr.models import IncompatibleModels, load_model, load_pair, packaged_directory
+from conftest import DEV, decoder_only_draft, perturbed, save_tiny, tiny_target
+
+PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
+
+
+@torch.inference_mode()
+def decoder_logits(model, features: torch.Tensor) -> torch.Tensor:
+    encoded = model.encode(features)
+    runner = model.runner()
+    cache = runner.new_cache(encoded, capacity=PROMPT.shape[1])
+    return runner.forward(PROMPT.to(encoded.device), torch.tensor([0]), cache)
+
+
+@torch.inference_mode()
+def reference_logits(hf_model, features: torch.Tensor) -> torch.Tensor:
+    return hf_model(input_features=features, decoder_input_ids=PROMPT).logits
+
+
+def tiny_features(dtype=torch.float32) -> torch.Tensor:
+    return torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(0)).to(dtype)
+
+
+def test_save_pretrained_round_trip(tmp_path: Path):
+    original = tiny_target(0, dtype=torch.float32)
+    loaded = load_model(str(save_tiny(original, tmp_path / "tiny")))
+    assert loaded.vocab.multilingual and loaded.vocab.eot == 50257
+    assert 50363 not in loaded.suppress and 1 in loaded.suppress
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
+
+
+def test_hub_id_loads_from_the_hub_cache_layout(tmp_path: Path, monkeypatch):
+    """The hub-id path is real code (huggingface_hub's snapshot_download); offline it
+    resolves a repo already in the cache, laid out exactly as a download leaves it."""
+    import huggingface_hub.constants
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--tiny-org--tiny-whisper"
+    original = tiny_target(1, dtype=torch.float32)
+    save_tiny(original, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = load_model("tiny-org/tiny-whisper")
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
+
+
+def test_unknown_hub_id_fails_clearly_offline(monkeypatch, tmp_path: Path):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(Exception) as error:
+        load_model("nobody/no-such-model")
+    assert "no-such-model" in str(error.value) or "offline" in str(error.value).lower()
+
+
+def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path):
+    """CTranslate2's own converter writes model.bin; our reader must give back the weights."""
+    from ctranslate2.converters import TransformersConverter
+
+    original = tiny_target(2, dtype=torch.float32)
+    with torch.no_grad():  # CTranslate2's Whisper ties the output head to the token embedding
+        original.model.decoder.embed_tokens.weight.copy_(original.proj_out.weight)
+    source = save_tiny(original, tmp_path / "hf")
+    TransformersConverter(str(source), copy_files=["tokenizer.json"]).convert(str(tmp_path / "ct2"), quantization="float32")
+    loaded = load_model(str(tmp_path / "ct2"))
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()),
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def base_ct2_dir(tmp_path_factory) -> Path:
+    """The packaged whisper-base laid out as a plain faster-whisper directory."""
+    data, parts = packaged_directory("whisper-base")
+    directory = tmp_path_factory.mktemp("whisper-base-ct2")
+    with open(directory / "model.bin", "wb") as out:
+        for part in parts:
+            out.write(part.read_bytes())
+    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+        shutil.copy(data / name, directory / name)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def jfk_window() -> torch.Tensor:
+    return log_mel(load_audio(DEV / "en_short" / "jfk.flac"), 80)[None, :, :WINDOW_FRAMES]
+
+
+def test_ctranslate2_directory_equals_the_packaged_conversion(base_ct2_dir: Path, jfk_window):
+    packaged = load_model("packaged:whisper-base")
+    directory = load_model(str(base_ct2_dir))
+    assert packaged.suppress == directory.suppress
+    assert packaged.vocab.languages == directory.vocab.languages and packaged.vocab.eot == directory.vocab.eot
+    torch.testing.assert_close(decoder_logits(directory, jfk_window), decoder_logits(packaged, jfk_window), rtol=0, atol=0)
+
+
+def test_our_conversion_decodes_like_ctranslate2_itself(base_ct2_dir: Path, jfk_window):
+    """Greedy tokens from CTranslate2's own engine on the same weights and features."""
+    import ctranslate2
+
+    from asr.models import ModelPair
+    from asr.speculative import SpeculativeDecoder
+    from asr.transcribe import Transcriber, TranscribeOptions
+
+    engine = ctranslate2.models.Whisper(str(base_ct2_dir), device="cpu", compute_type="float32")
+    prompt = [50258, 50259, 50359, 50363]
+    theirs = engine.generate(ctranslate2.StorageView.from_array(np.ascontiguousarray(jfk_window.numpy())), [prompt],
+                             beam_size=1, max_length=100)[0].sequences_ids[0]
+    model = load_model(str(base_ct2_dir))
+    rules = Transcriber(ModelPair(model, None), TranscribeOptions(without_timestamps=True)).rules(timestamps=False)
+    ours = SpeculativeDecoder(model.runner()).decode(model.encode(jfk_window), [prompt], rules, max_new_tokens=96)[0].tokens
+    assert ours == theirs
+    assert "ask not what your country" in model.vocab.decode(ours)
+
+
+def test_packaged_english_only_model_loads():
+    model = load_model("packaged:tiny.en")
+    assert not model.vocab.multilingual and model.vocab.sot == 50257 and model.vocab.timestamp_begin == 50363
+    assert model.vocab.sot_sequence(None, "transcribe") == [50257]
+
+
+def test_decoder_only_draft_shares_the_target_encoder(tmp_path: Path):
+    target = tiny_target(3, dtype=torch.float32)
+    save_tiny(target, tmp_path / "target")
+    save_tiny(decoder_only_draft(target, noise=0.1, seed=3), tmp_path / "draft")
+    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert pair.draft.encoder is None and not pair.draft_has_own_encoder
+
+
+def test_full_draft_with_the_targets_encoder_shares_it_and_frees_its_copy(tmp_path: Path):
+    target = tiny_target(4, dtype=torch.float32)
+    draft = perturbed(target, 0.1, seed=4)
+    draft.model.encoder.load_state_dict(target.model.encoder.state_dict())
+    save_tiny(target, tmp_path / "target")
+    save_tiny(draft, tmp_path / "draft")
+    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))
+    assert not pair.draft_has_own_encoder and pair.draft.encoder is None
+
+
+def test_full_draft_with_its_own_encoder(tmp_path: Path):
+    target = tiny_target(5, dtype=torch.float32)
+    save_tiny(target, tmp_path / "target")
+    save_tiny(tiny_target(6, dtype=torch.float32, d_model=32), tmp_path / "small")
+    pair = load_pair(str(tmp_path / "target"), str(tmp_path / "small"))
+    assert pair.draft_has_own_encoder
+    with pytest.raises(IncompatibleModels, match="own"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "small"), draft_encoder="shared")
+
+
+def test_incompatible_pairs_fail_at_load_time_with_advice(tmp_path: Path):
+    target = tiny_target(7, dtype=torch.float32)
+    save_tiny(target, tmp_path / "target")
+    save_tiny(tiny_target(8, dtype=torch.float32, vocab_size=51864), tmp_path / "english")
+    save_tiny(tiny_target(9, dtype=torch.float32, num_mel_bins=128), tmp_path / "mels")
+    save_tiny(perturbed(target, 0.1, seed=7), tmp_path / "other-encoder")
+    with pytest.raises(IncompatibleModels, match="vocabulary of 51864"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "english"))
+    with pytest.raises(IncompatibleModels, match="128 mel bins"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "mels"))
+    with pytest.raises(IncompatibleModels, match="encoder differs"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "other-encoder"), draft_encoder="shared")
+    narrow = decoder_only_draft(tiny_target(10, dtype=torch.float32, d_model=32), noise=0.0, seed=0)
+    save_tiny(narrow, tmp_path / "narrow")
+    with pytest.raises(IncompatibleModels, match="width 32"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "narrow"))
+
+
+def test_bad_model_directories_fail_clearly(tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="neither a save_pretrained"):
+        load_model(str(tmp_path))
+    (tmp_path / "model.bin").write_bytes(b"\x06\x00\x00\x00\x0b\x00WhisperSpec\x03\x00")
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(CT2FormatError, match="truncated"):
+        load_model(str(tmp_path))
+    with pytest.raises(ValueError, match="not a file"):
+        load_model(str(tmp_path / "config.json"))

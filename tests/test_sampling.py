@@ -1,0 +1,77 @@
+"""At temperature > 0, rejection sampling keeps the target's distribution: samples drawn
+through a disagreeing draft pass a chi-square test against the target's exact
+probabilities, and fail it against the draft's."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from scipy.stats import chi2
+
+from asr.decoder import DecoderRunner
+from asr.rules import DecodingRules, Prefix
+from asr.speculative import DraftLength, SpeculativeDecoder
+from conftest import BEGIN_SUPPRESS, EN, EOT, NO_TIMESTAMPS, SOT, SUPPRESS, TRANSCRIBE, decoder_only_draft, tiny_target
+
+TEMPERATURE = 2.0
+PROMPT = [SOT, EN, TRANSCRIBE, NO_TIMESTAMPS]
+RULES = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
+                      begin_suppress=BEGIN_SUPPRESS, timestamps=False)
+
+
+def runner(model) -> DecoderRunner:
+    return DecoderRunner(model.model.decoder, model.proj_out.weight)
+
+
+@torch.inference_mode()
+def exact_distribution(model, encoded: torch.Tensor, prefix: list[int]) -> torch.Tensor:
+    run = runner(model)
+    cache = run.new_cache(encoded, capacity=16)
+    logits = run.forward(torch.tensor([prefix]), torch.tensor([0]), cache)[:, -1]
+    positions = torch.tensor([[len(prefix)]])
+    RULES.apply(logits, Prefix.at(torch.tensor([prefix + [0]]), torch.tensor([len(PROMPT)]), positions, RULES.timestamp_begin))
+    return torch.softmax(logits[0].float() / TEMPERATURE, -1)
+
+
+def chi_square_p(counts: Counter, probs: torch.Tensor) -> float:
+    total = sum(counts.values())
+    expected = probs * total
+    bins = (expected >= 5).nonzero()[:, 0].tolist()
+    assert len(bins) >= 3, "distribution too peaked for a useful test"
+    observed = [counts.get(t, 0) for t in bins]
+    expect = [float(expected[t]) for t in bins]
+    observed.append(total - sum(observed))
+    expect.append(total - sum(expect))
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expect) if e > 0)
+    return float(chi2.sf(statistic, len(observed) - 1))
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    target = tiny_target(7, dtype=torch.float32)
+    draft = decoder_only_draft(target, noise=0.05, seed=7)
+    features = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    rows = 250
+    decoder = SpeculativeDecoder(runner(target), runner(draft))
+    generator = torch.Generator().manual_seed(0)
+    samples, proposed, accepted = [], 0, 0
+    for _ in range(6):
+        result = decoder.decode(encoded.expand(rows, -1, -1), [PROMPT] * rows, RULES, max_new_tokens=3,
+                                temperature=TEMPERATURE, draft_length=DraftLength(fixed=2), generator=generator)
+        samples += [tuple(s.tokens) for s in result]
+        proposed += sum(s.stats.draft_proposed for s in result)
+        accepted += sum(s.stats.draft_accepted for s in result)
+    assert 0.2 < accepted / proposed < 0.9, "the draft should be accepted sometimes, rejected sometimes"
+
+    first = Counter(s[0] for s in samples if s)
+    p_target = exact_distribution(target, encoded, PROMPT)
+    assert chi_square_p(first, p_target) > 1e-3
+    p_draft = exact_distribution(draft, encoded, PROMPT)
+    assert chi_square_p(first, p_draft) < 1e-6, "the test must be able to tell the draft's distribution apart"
+
+    # The second token, given the commonest first one, exercises acceptance after acceptance.
+    top = first.most_common(1)[0][0]
+    second = Counter(s[1] for s in samples if len(s) > 1 and s[0] == top)
+    assert chi_square_p(second, exact_distribution(target, encoded, PROMPT + [top])) > 1e-3
