@@ -42,6 +42,9 @@ class DecoderRunner:
         self.decoder = decoder
         self.layers = list(decoder.layers)
         self.output_projection = output_projection  # [V, D], tied to the token embedding
+        # On CPU, BLAS reads a [D, V] copy fastest for one row and the [V, D] original
+        # fastest for several (2x each way, measured: scripts/benchmark.py --head); a GPU needs neither.
+        self._projection_rows = output_projection.t().contiguous() if output_projection.device.type == "cpu" else None
         first = self.layers[0].self_attn
         self.num_heads = first.num_heads
         self.head_dim = first.head_dim
@@ -61,14 +64,19 @@ class DecoderRunner:
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
     @torch.inference_mode()
-    def new_cache(self, encoder_output: Tensor, capacity: int) -> KVCache:
+    def new_cache(self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None) -> KVCache:
+        """cross_from: a cache of a runner with these very weights over the same encoder
+        output, whose cross-attention K/V are reused rather than computed again."""
         batch = encoder_output.shape[0]
         dtype, device = encoder_output.dtype, encoder_output.device
         shape = (batch, self.num_heads, capacity, self.head_dim)
-        cross_k, cross_v = [], []
-        for layer in self.layers:
-            cross_k.append(self._heads(layer.encoder_attn.k_proj(encoder_output)).contiguous())
-            cross_v.append(self._heads(layer.encoder_attn.v_proj(encoder_output)).contiguous())
+        if cross_from is not None:
+            cross_k, cross_v = list(cross_from.cross_k), list(cross_from.cross_v)
+        else:
+            cross_k, cross_v = [], []
+            for layer in self.layers:
+                cross_k.append(self._heads(layer.encoder_attn.k_proj(encoder_output)).contiguous())
+                cross_v.append(self._heads(layer.encoder_attn.v_proj(encoder_output)).contiguous())
         return KVCache(
             self_k=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             self_v=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
@@ -117,4 +125,13 @@ class DecoderRunner:
 
         if logits_at is not None:
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        return F.linear(self.decoder.layer_norm(x), self.output_projection)
+        return self._project(self.decoder.layer_norm(x))
+
+    def _project(self, hidden: Tensor) -> Tensor:
+        if self._projection_rows is None:
+            return F.linear(hidden, self.output_projection)
+        batch, length, width = hidden.shape
+        if batch * length == 1:
+            return hidden @ self._projection_rows
+        flat = hidden.reshape(batch * length, width)
+        return (self.output_projection @ flat.t()).t().contiguous().view(batch, length, -1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import re
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -34,11 +35,17 @@ class LabelledClip:
     path: Path
     duration: float
     reference: str
+    language: str = "en"
 
 
 def read_manifest(path: Path) -> list[LabelledClip]:
-    """A tab-separated file with columns file, duration_seconds, reference (more allowed);
-    files are relative to the manifest's folder."""
+    """A tab-separated file with columns file, duration_seconds, reference and optionally
+    notes ("lang=de" marks a non-English clip); files are relative to the manifest's folder."""
     with open(path, newline="", encoding="utf-8") as handle:
         rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
-    return [LabelledClip(path.parent / r["file"], float(r["duration_seconds"]), r["reference"]) for r in rows]
+    clips = []
+    for row in rows:
+        language = re.search(r"lang=(\w+)", row.get("notes") or "")
+        clips.append(LabelledClip(path.parent / row["file"], float(row["duration_seconds"]), row["reference"],
+                                  language.group(1) if language else "en"))
+    return clips

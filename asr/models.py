@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -75,7 +76,10 @@ class WhisperModel:
     def dtype(self) -> torch.dtype:
         return self.model.proj_out.weight.dtype
 
+    @cached_property
     def runner(self) -> DecoderRunner:
+        """One per model: runners are stateless (caches belong to each decode) but hold a
+        re-laid-out copy of the output head, made once."""
         return DecoderRunner(self.decoder, self.model.proj_out.weight)
 
     @torch.inference_mode()
@@ -192,7 +196,7 @@ def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: s
             "large-v3 models use 128, earlier ones 80; pick a draft of the same generation"
         )
     if draft.encoder is None or draft_encoder == "shared":
-        width = draft.runner().cross_attention_width
+        width = draft.runner.cross_attention_width
         if width != t.d_model:
             raise IncompatibleModels(
                 f"draft {draft.name} cross-attends to width {width} but target {target.name}'s encoder outputs {t.d_model}: "

@@ -144,7 +144,9 @@ class SpeculativeDecoder:
         draft_cached = length - 1
         if use_draft:
             encoder_output = draft_encoder_output if draft_encoder_output is not None else target_encoder_output
-            draft = _Model(self.draft, self.draft.new_cache(encoder_output, capacity))
+            same_cross = draft_encoder_output is None and self.draft.decoder is self.target.decoder
+            cache = self.draft.new_cache(encoder_output, capacity, cross_from=target.cache if same_cross else None)
+            draft = _Model(self.draft, cache)
             self._prefill(draft, tokens, length, sot, None, None)
 
         rows = torch.arange(batch, device=device)  # original index of each live row
@@ -160,7 +162,7 @@ class SpeculativeDecoder:
             draft_probs = None
             started = time.perf_counter()
             if k > 0:
-                draft_probs = self._propose(draft, tokens, length, draft_cached, sample_begin, rules, k, temperature, generator)
+                k, draft_probs = self._propose(draft, tokens, length, draft_cached, sample_begin, rules, k, temperature, generator)
                 draft_cached = length + k - 1
             drafted = time.perf_counter()
 
@@ -262,10 +264,11 @@ class SpeculativeDecoder:
         k: int,
         temperature: float,
         generator: torch.Generator | None,
-    ) -> Tensor | None:
-        """Writes k proposals per row into tokens[length : length + k]. The draft first
-        catches up on the tokens it has not seen (one, or two after a full acceptance).
-        Returns the draft's distributions [B, k, V] when sampling."""
+    ) -> tuple[int, Tensor | None]:
+        """Writes up to k proposals per row into tokens[length : length + k]. The draft first
+        catches up on the tokens it has not seen (one, or two after a full acceptance), and
+        stops early once every row has proposed end-of-text. Returns how many it proposed,
+        and the draft's distributions [B, k, V] when sampling."""
         live = tokens.shape[0]
         arange_rows = torch.arange(live, device=tokens.device)
         start = draft_cached
@@ -285,11 +288,15 @@ class SpeculativeDecoder:
             else:
                 proposal = logits.argmax(-1)
             tokens[arange_rows, position] = proposal
+            ended = ended | (proposal == rules.eot) if i else proposal == rules.eot
+            if bool(ended.all()):
+                k = i + 1
+                break
             start = start + unseen if i == 0 else start + 1
             unseen = torch.ones_like(unseen)
             feed = proposal[:, None]
             last = torch.zeros_like(last)
-        return torch.stack(probs, 1) if probs else None
+        return k, torch.stack(probs, 1) if probs else None
 
 
 def _to_target_vocabulary(logits: Tensor, vocab_size: int) -> Tensor:

@@ -107,8 +107,8 @@ class Transcriber:
         self.batch_size = batch_size
         target = models.target
         self.vocab = target.vocab
-        self._target_runner = target.runner()
-        self._draft_runner = models.draft.runner() if models.draft is not None else None
+        self._target_runner = target.runner
+        self._draft_runner = models.draft.runner if models.draft is not None else None
         self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")

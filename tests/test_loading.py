@@ -22,7 +22,7 @@ PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
 @torch.inference_mode()
 def decoder_logits(model, features: torch.Tensor) -> torch.Tensor:
     encoded = model.encode(features)
-    runner = model.runner()
+    runner = model.runner
     cache = runner.new_cache(encoded, capacity=PROMPT.shape[1])
     return runner.forward(PROMPT.to(encoded.device), torch.tensor([0]), cache)
 
@@ -125,7 +125,7 @@ def test_our_conversion_decodes_like_ctranslate2_itself(base_ct2_dir: Path, jfk_
                              beam_size=1, max_length=100)[0].sequences_ids[0]
     model = load_model(str(base_ct2_dir))
     rules = Transcriber(ModelPair(model, None), TranscribeOptions(without_timestamps=True)).rules(timestamps=False)
-    ours = SpeculativeDecoder(model.runner()).decode(model.encode(jfk_window), [prompt], rules, max_new_tokens=96)[0].tokens
+    ours = SpeculativeDecoder(model.runner).decode(model.encode(jfk_window), [prompt], rules, max_new_tokens=96)[0].tokens
     assert ours == theirs
     assert "ask not what your country" in model.vocab.decode(ours)
 
