@@ -38,10 +38,14 @@ class KVCache:
 class DecoderRunner:
     """Runs a transformers `WhisperDecoder`'s weights over our own static cache."""
 
-    def __init__(self, decoder: nn.Module, output_projection: Tensor):
+    def __init__(self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None):
+        """head_token_ids: for a draft whose output head covers only some tokens, the token
+        id of each head row; logits of the other tokens come back as -inf."""
         self.decoder = decoder
         self.layers = list(decoder.layers)
-        self.output_projection = output_projection  # [V, D], tied to the token embedding
+        self.output_projection = output_projection  # [V or len(head_token_ids), D]
+        self.head_token_ids = head_token_ids
+        self.vocab_size = decoder.embed_tokens.num_embeddings
         # On CPU, BLAS reads a [D, V] copy fastest for one row and the [V, D] original
         # fastest for several (2x each way, measured: scripts/benchmark.py --head); a GPU needs neither.
         self._projection_rows = output_projection.t().contiguous() if output_projection.device.type == "cpu" else None
@@ -50,10 +54,6 @@ class DecoderRunner:
         self.head_dim = first.head_dim
         self.max_positions = decoder.embed_positions.weight.shape[0]
         self.embed_scale = getattr(decoder, "embed_scale", 1.0)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.output_projection.shape[0]
 
     @property
     def cross_attention_width(self) -> int:
@@ -128,6 +128,14 @@ class DecoderRunner:
         return self._project(self.decoder.layer_norm(x))
 
     def _project(self, hidden: Tensor) -> Tensor:
+        logits = self._project_head(hidden)
+        if self.head_token_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
+        full[..., self.head_token_ids] = logits
+        return full
+
+    def _project_head(self, hidden: Tensor) -> Tensor:
         if self._projection_rows is None:
             return F.linear(hidden, self.output_projection)
         batch, length, width = hidden.shape

@@ -4,6 +4,7 @@ a draft fits its target, made at load time."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ class WhisperModel:
     vocab: Vocabulary
     suppress: list[int]
     begin_suppress: list[int]
+    head_token_ids: Tensor | None = None  # a draft whose output head covers only these tokens
 
     @property
     def config(self) -> WhisperConfig:
@@ -80,7 +82,10 @@ class WhisperModel:
     def runner(self) -> DecoderRunner:
         """One per model: runners are stateless (caches belong to each decode) but hold a
         re-laid-out copy of the output head, made once."""
-        return DecoderRunner(self.decoder, self.model.proj_out.weight)
+        if self.head_token_ids is None:
+            return DecoderRunner(self.decoder, self.model.proj_out.weight)
+        head = self.model.proj_out.weight[self.head_token_ids]
+        return DecoderRunner(self.decoder, head, self.head_token_ids)
 
     @torch.inference_mode()
     def encode(self, features: Tensor) -> Tensor:
@@ -130,14 +135,25 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
     return Path(snapshot_download(source, allow_patterns=patterns)), None
 
 
-def load_model(source: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32) -> WhisperModel:
+def load_model(
+    source: str,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
+    target: WhisperModel | None = None,
+) -> WhisperModel:
+    """target: for a draft distilled by this project, the model whose token embedding
+    (and output head) it shares."""
     directory, model_parts = resolve_directory(source)
-    if model_parts is not None or (directory / "model.bin").is_file():
+    head_token_ids = None
+    config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
+    if "asr_draft" in config:
+        model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
+        suppress, begin_suppress = [], []  # a draft follows its target's rules
+    elif model_parts is not None or (directory / "model.bin").is_file():
         model = load_ct2_directory(directory, dtype, model_parts)
-        config = _read_json(directory / "config.json")
         suppress, begin_suppress = config.get("suppress_ids", []), config.get("suppress_ids_begin", [])
-    elif (directory / "config.json").is_file():
-        config = _read_json(directory / "config.json")
+    elif config:
         if config.get("model_type") != "whisper":
             raise ValueError(f"{directory}: config.json describes a {config.get('model_type')!r} model, not Whisper")
         architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
@@ -152,7 +168,50 @@ def load_model(source: str, *, device: str | torch.device = "cpu", dtype: torch.
         raise FileNotFoundError(f"{directory}: tokenizer.json is missing")
     vocab = Vocabulary.from_tokenizer_file(tokenizer_file, size=model.config.vocab_size)
     model.to(device=device, dtype=dtype)
-    return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress))
+    if head_token_ids is not None:
+        head_token_ids = head_token_ids.to(device)
+    return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress), head_token_ids)
+
+
+DRAFT_WEIGHTS = "model.safetensors"
+
+
+def encoder_fingerprint(encoder: nn.Module) -> str:
+    """Identifies the encoder a distilled draft was trained on (its first convolution,
+    rounded to float16 so any copy of the same weights matches)."""
+    weight = encoder.conv1.weight.detach().to("cpu", torch.float16).contiguous()
+    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+
+
+def _load_distilled_draft(
+    directory: Path, config: dict, target: WhisperModel | None, dtype: torch.dtype
+) -> tuple[WhisperForCausalLM, Tensor]:
+    """A draft saved by scripts/distill_draft.py: its decoder layers and head token ids are
+    stored; the token and position embeddings are the target's, shared, not stored."""
+    meta = config["asr_draft"]
+    if target is None:
+        raise IncompatibleModels(
+            f"{directory}: a distilled draft shares its target's embedding; load it as a draft (--draft), not a target"
+        )
+    if target.encoder is None or meta.get("target_encoder") != encoder_fingerprint(target.encoder):
+        raise IncompatibleModels(
+            f"{directory}: this draft was distilled for {meta.get('target_name', 'another target')} and reads that "
+            f"target's encoder, not {target.name}'s: distil a draft for this target with scripts/distill_draft.py"
+        )
+    from safetensors.torch import load_file
+
+    whisper_config = WhisperConfig.from_dict({k: v for k, v in config.items() if k != "asr_draft"})
+    tensors = load_file(str(directory / DRAFT_WEIGHTS))
+    head_token_ids = tensors.pop("head_token_ids").long()
+    tensors = {name: t.to(dtype) for name, t in tensors.items()}
+    shared = target.model.model.decoder
+    tensors["model.decoder.embed_tokens.weight"] = shared.embed_tokens.weight
+    tensors["model.decoder.embed_positions.weight"] = shared.embed_positions.weight
+    tensors["proj_out.weight"] = target.model.proj_out.weight
+    with torch.device("meta"):
+        model = WhisperForCausalLM(whisper_config)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    return model.eval(), head_token_ids
 
 
 def load_pair(
@@ -175,7 +234,7 @@ def load_pair(
         return ModelPair(target_model, None)
     if draft == TARGET_AS_DRAFT or draft == target:
         return ModelPair(target_model, target_model)
-    draft_model = load_model(draft, device=device, dtype=dtype)
+    draft_model = load_model(draft, device=device, dtype=dtype, target=target_model)
     own = check_compatible(target_model, draft_model, draft_encoder)
     if not own and draft_model.encoder is not None:
         draft_model.model.model.encoder = None  # shared: the copy is never run, so free it

@@ -95,8 +95,8 @@ class SpeculativeDecoder:
     """Decodes a batch of windows with a target decoder and an optional draft decoder."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None):
-        if draft is not None and draft.vocab_size > target.vocab_size:
-            raise ValueError("the draft's vocabulary is larger than the target's")
+        if draft is not None and draft.vocab_size != target.vocab_size:
+            raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target = target
         self.draft = draft
 
@@ -278,7 +278,6 @@ class SpeculativeDecoder:
         probs = []
         for i in range(k):
             logits = draft.runner.forward(feed, start, draft.cache, logits_at=last)[:, 0]
-            logits = _to_target_vocabulary(logits, rules.vocab_size)
             position = length + i
             rules.apply(logits, Prefix.at(tokens, sample_begin, position[:, None], rules.timestamp_begin))
             if temperature > 0:
@@ -297,15 +296,6 @@ class SpeculativeDecoder:
             feed = proposal[:, None]
             last = torch.zeros_like(last)
         return k, torch.stack(probs, 1) if probs else None
-
-
-def _to_target_vocabulary(logits: Tensor, vocab_size: int) -> Tensor:
-    """A draft with a smaller head never proposes the tokens it lacks."""
-    if logits.shape[-1] == vocab_size:
-        return logits
-    padded = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-    padded[:, : logits.shape[-1]] = logits
-    return padded
 
 
 def _rejection_sample(

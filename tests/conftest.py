@@ -30,7 +30,8 @@ MAX_TARGET_POSITIONS = 64
 FRAMES = 60  # mel frames per window of the tiny models
 
 
-def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 80, vocab_size: int = 51865) -> WhisperConfig:
+def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 80, vocab_size: int = 51865,
+                frames: int = FRAMES) -> WhisperConfig:
     return WhisperConfig(
         vocab_size=vocab_size,
         num_mel_bins=num_mel_bins,
@@ -41,7 +42,7 @@ def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 
         decoder_attention_heads=4,
         encoder_ffn_dim=2 * d_model,
         decoder_ffn_dim=2 * d_model,
-        max_source_positions=FRAMES // 2,
+        max_source_positions=frames // 2,
         max_target_positions=MAX_TARGET_POSITIONS,
         tie_word_embeddings=False,
         decoder_start_token_id=SOT,

@@ -1,0 +1,255 @@
+"""Distilling a shared-encoder draft for a target (distil-whisper's recipe, small): the
+target pseudo-labels audio greedily with our engine; a decoder of a few of the target's
+own layers (first and last by default), reading the target's frozen encoder output and
+sharing its token embedding, learns those labels with cross-entropy plus KL to the
+target's distribution. Its output head covers only the tokens the target emitted: a
+cheap head is most of a cheap draft, and exactness never depends on the draft."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm import tqdm
+from transformers.models.whisper.modeling_whisper import WhisperDecoder
+
+from asr.audio import AUDIO_EXTENSIONS, AudioError, load_audio
+from asr.features import WINDOW_FRAMES, log_mel
+from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
+from asr.speculative import SpeculativeDecoder
+from asr.transcribe import TranscribeOptions, Transcriber
+
+TOP_K = 32  # teacher probabilities kept per position for the KL term
+
+
+def list_audio(source: Path) -> list[Path]:
+    """A folder of audio files, or a manifest (.tsv with a `file` column, relative paths)."""
+    if source.is_dir():
+        files = sorted(p for p in source.iterdir() if p.suffix.lower() in AUDIO_EXTENSIONS)
+    elif source.suffix == ".tsv":
+        lines = source.read_text(encoding="utf-8").splitlines()
+        column = lines[0].split("\t").index("file")
+        files = [source.parent / line.split("\t")[column] for line in lines[1:] if line.strip()]
+    else:
+        raise ValueError(f"{source}: expected a folder of audio files or a .tsv manifest with a 'file' column")
+    if not files:
+        raise ValueError(f"{source}: no audio files")
+    return files
+
+
+@dataclass
+class Label:
+    """A window the target transcribed: its tokens (prompt, output, end-of-text) and, for
+    each predicted position, the target's top-k token ids and log-probabilities."""
+
+    path: str
+    tokens: list[int]
+    prompt_length: int
+    top_ids: Tensor  # [predicted positions, TOP_K]
+    top_logprobs: Tensor  # [predicted positions, TOP_K], float16
+
+
+class PseudoLabels:
+    """Encoder outputs (a float16 memmap) and labels, in a work folder; resumable."""
+
+    def __init__(self, work: Path, count: int, frames: int, width: int):
+        work.mkdir(parents=True, exist_ok=True)
+        self.path = work / "labels.pt"
+        encoder_file = work / "encoder.f16"
+        mode = "r+" if encoder_file.exists() else "w+"
+        self.encoded = np.memmap(encoder_file, dtype=np.float16, mode=mode, shape=(count, frames, width))
+        saved = torch.load(self.path, weights_only=False) if self.path.exists() else {"labels": [], "next": 0}
+        self.labels: list[Label | None] = saved["labels"]
+        self.next: int = saved["next"]  # inputs handled so far (unreadable ones are None)
+
+    def save(self) -> None:
+        self.encoded.flush()
+        temporary = self.path.with_suffix(".part")
+        torch.save({"labels": self.labels, "next": self.next}, temporary)
+        os.replace(temporary, self.path)
+
+
+@torch.inference_mode()
+def pseudo_label(target: WhisperModel, files: list[Path], work: Path, language: str, batch_size: int) -> PseudoLabels:
+    transcriber = Transcriber(ModelPair(target, None), TranscribeOptions(language=language))
+    rules = transcriber.rules(timestamps=True)
+    prompt = target.vocab.sot_sequence(language, "transcribe")
+    runner = target.runner
+    store = PseudoLabels(work, len(files), target.config.max_source_positions, target.config.d_model)
+    progress = tqdm(total=len(files), initial=store.next, desc="pseudo-labelling", unit="clip")
+    while store.next < len(files):
+        batch = files[store.next : store.next + batch_size]
+        windows, kept = [], []
+        for path in batch:
+            try:
+                audio = load_audio(path)
+            except AudioError as error:
+                tqdm.write(f"skipped: {error}")
+                continue
+            if len(audio) > 30 * 16000:
+                tqdm.write(f"skipped: {path}: longer than one 30 s window")
+                continue
+            windows.append(log_mel(audio, target.config.num_mel_bins)[:, :WINDOW_FRAMES])
+            kept.append(path)
+        labels: dict[Path, Label] = {}
+        if windows:
+            encoded = target.encode(torch.stack(windows))
+            max_new = min(224, runner.max_positions - 1 - len(prompt))
+            sequences = SpeculativeDecoder(runner).decode(encoded, [prompt] * len(kept), rules, max_new_tokens=max_new)
+            rows = [prompt + s.tokens + [target.vocab.eot] for s in sequences]
+            width = max(map(len, rows))
+            padded = torch.tensor([r + [target.vocab.eot] * (width - len(r)) for r in rows], device=encoded.device)
+            cache = runner.new_cache(encoded, capacity=width)
+            logprobs = torch.log_softmax(runner.forward(padded, torch.zeros(len(rows), dtype=torch.long), cache).float(), -1)
+            for i, (path, row) in enumerate(zip(kept, rows)):
+                predicted = logprobs[i, len(prompt) - 1 : len(row) - 1]
+                top = predicted.topk(TOP_K, dim=-1)
+                store.encoded[store.next + batch.index(path)] = encoded[i].cpu().numpy().astype(np.float16)
+                labels[path] = Label(str(path), row, len(prompt), top.indices.cpu().int(), top.values.cpu().half())
+        store.labels += [labels.get(path) for path in batch]
+        store.next += len(batch)
+        store.save()
+        progress.update(len(batch))
+    progress.close()
+    return store
+
+
+class DraftDecoder(nn.Module):
+    """The student: a few of the target's decoder layers, its token and position
+    embeddings shared and frozen, and an output head over `head_token_ids` only (rows of
+    the shared embedding, as Whisper ties its head to it)."""
+
+    def __init__(self, target: WhisperModel, layers: list[int], head_token_ids: Tensor):
+        super().__init__()
+        config = copy.deepcopy(target.config)
+        config.decoder_layers = len(layers)
+        self.config = config
+        self.decoder = WhisperDecoder(config).to(target.dtype)
+        source = target.decoder
+        for own, index in zip(self.decoder.layers, layers):
+            own.load_state_dict(source.layers[index].state_dict())
+        self.decoder.layer_norm.load_state_dict(source.layer_norm.state_dict())
+        self.decoder.embed_tokens.weight = nn.Parameter(source.embed_tokens.weight.detach(), requires_grad=False)
+        self.decoder.embed_positions.weight = nn.Parameter(source.embed_positions.weight.detach(), requires_grad=False)
+        self.register_buffer("head_token_ids", head_token_ids.long())
+        self.layers_from = layers
+
+    def forward(self, input_ids: Tensor, encoder_output: Tensor) -> Tensor:
+        """Teacher-forced logits over the head's tokens [B, T, len(head_token_ids)]."""
+        hidden = self.decoder(input_ids=input_ids, encoder_hidden_states=encoder_output, use_cache=False).last_hidden_state
+        return hidden @ self.decoder.embed_tokens.weight[self.head_token_ids].t()
+
+    def trainable_state(self) -> dict[str, Tensor]:
+        return {f"model.decoder.{k}": v for k, v in self.decoder.state_dict().items() if not k.startswith("embed_")}
+
+    def save(self, out: Path, target: WhisperModel) -> None:
+        """transformers' layout (config.json + safetensors, WhisperForCausalLM names) minus
+        the shared embeddings, plus the head's token ids and the target it belongs to."""
+        from safetensors.torch import save_file
+
+        out.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in self.trainable_state().items()}
+        tensors["head_token_ids"] = self.head_token_ids.cpu().int()
+        config = self.config.to_dict()
+        config["architectures"] = ["WhisperForCausalLM"]
+        config["asr_draft"] = {
+            "target_name": target.name,
+            "target_encoder": encoder_fingerprint(target.encoder),
+            "layers_from_target": self.layers_from,
+            "head_size": int(self.head_token_ids.numel()),
+            "shares_target_embedding": True,
+        }
+        _atomic(out / DRAFT_WEIGHTS, lambda p: save_file(tensors, str(p)))
+        _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
+        _atomic(out / "tokenizer.json", lambda p: p.write_text(target.vocab.tokenizer.to_str()))
+
+
+def _atomic(path: Path, write) -> None:
+    temporary = path.with_name(f".{path.name}.part")
+    write(temporary)
+    os.replace(temporary, path)
+
+
+def spread_layers(total: int, count: int) -> list[int]:
+    """First and last, and evenly between: distil-whisper's initialisation."""
+    if count == 1:
+        return [0]
+    return [round(i * (total - 1) / (count - 1)) for i in range(count)]
+
+
+@dataclass
+class Batch:
+    encoder_output: Tensor
+    input_ids: Tensor  # [B, T]
+    targets: Tensor  # [B, T] head index of the next token; -1 outside the head, -100 where not scored
+    teacher_ids: Tensor  # [B, T, K] head indices, -1 where the token is outside the head
+    teacher_logprobs: Tensor  # [B, T, K]
+
+
+def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, head_index: Tensor, eot: int) -> Batch:
+    width = max(len(labels[i].tokens) for i in indices) - 1
+    count = len(indices)
+    input_ids = torch.full((count, width), eot, dtype=torch.long)
+    targets = torch.full((count, width), -100, dtype=torch.long)
+    teacher_ids = torch.full((count, width, TOP_K), -1, dtype=torch.long)
+    teacher_logprobs = torch.zeros(count, width, TOP_K)
+    for row, i in enumerate(indices):
+        label = labels[i]
+        tokens = torch.tensor(label.tokens)
+        input_ids[row, : len(tokens) - 1] = tokens[:-1]
+        scored = slice(label.prompt_length - 1, len(tokens) - 1)
+        targets[row, scored] = head_index[tokens[label.prompt_length :]]
+        teacher_ids[row, scored] = head_index[label.top_ids.long()]
+        teacher_logprobs[row, scored] = label.top_logprobs.float()
+    encoded = torch.from_numpy(np.asarray(store.encoded[sorted(indices)], dtype=np.float32))
+    order = [sorted(indices).index(i) for i in indices]
+    return Batch(encoded[order], input_ids, targets, teacher_ids, teacher_logprobs)
+
+
+def distillation_loss(logits: Tensor, batch: Batch) -> Tensor:
+    """Cross-entropy on the target's tokens + KL(target || draft) over the target's top-k
+    tokens that the head covers (renormalised)."""
+    logprobs = torch.log_softmax(logits.float(), -1)
+    scored = batch.targets >= 0
+    cross_entropy = F.nll_loss(logprobs[scored], batch.targets[scored])
+    inside = batch.teacher_ids >= 0
+    teacher = torch.log_softmax(torch.where(inside, batch.teacher_logprobs, float("-inf")), -1)
+    student = logprobs.gather(-1, batch.teacher_ids.clamp(min=0))
+    kl = torch.where(inside, teacher.exp() * (teacher - student), 0.0).sum(-1)
+    return cross_entropy + kl[scored & inside.any(-1)].mean()
+
+
+@torch.inference_mode()
+def agreement(draft: DraftDecoder, labels: list[Label], indices: list[int], store: PseudoLabels, head_index: Tensor,
+              eot: int, batch_size: int = 16) -> float:
+    """Teacher-forced top-1 agreement with the target's own tokens (end-of-text included)."""
+    hits = total = 0
+    for start in range(0, len(indices), batch_size):
+        batch = make_batch(labels, indices[start : start + batch_size], store, head_index, eot)
+        predicted = draft(batch.input_ids, batch.encoder_output).argmax(-1)
+        scored = batch.targets != -100  # a token outside the head counts as a miss
+        hits += int((predicted[scored] == batch.targets[scored]).sum())
+        total += int(scored.sum())
+    return hits / max(total, 1)
+
+
+def head_vocabulary(labels: list[Label], eot: int) -> Tensor:
+    emitted = {eot}
+    for label in labels:
+        emitted.update(label.tokens[label.prompt_length :])
+    return torch.tensor(sorted(emitted))
+
+
+def split_holdout(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    order = list(range(count))
+    random.Random(seed).shuffle(order)
+    held = max(1, round(count * fraction)) if count > 1 else 0
+    return sorted(order[held:]), sorted(order[:held])

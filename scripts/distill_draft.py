@@ -1,0 +1,126 @@
+"""Distil a shared-encoder draft for a Whisper target.
+
+    python scripts/distill_draft.py --target packaged:whisper-base --audio corpus/manifest.tsv \\
+        --out drafts/whisper-base-2l --layers 2 --epochs 4
+
+Pseudo-labels the audio with the target (greedy, batched, our engine), then trains a
+decoder of --layers of the target's layers on those labels (cross-entropy + KL), reading
+the target's encoder output and sharing its token embedding. Saves config.json +
+model.safetensors (+ tokenizer.json) into --out after every epoch, so the result loads
+with `--draft OUT` anywhere a draft can be given. Work files (encoder outputs, labels,
+the training checkpoint) go to OUT/work; --resume continues from them."""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from asr.distill import (
+    DraftDecoder,
+    agreement,
+    distillation_loss,
+    head_vocabulary,
+    list_audio,
+    make_batch,
+    pseudo_label,
+    split_holdout,
+    spread_layers,
+)
+from asr.models import load_model
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--target", required=True, help="hub id, directory, or packaged:NAME")
+    parser.add_argument("--audio", type=Path, required=True, help="folder of audio files or a .tsv manifest")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--label-batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--holdout", type=float, default=0.05, help="fraction of clips held back to measure agreement")
+    parser.add_argument("--language", default="en")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true", help="continue from OUT/work (labels and checkpoint)")
+    args = parser.parse_args(argv)
+
+    torch.manual_seed(args.seed)
+    work = args.out / "work"
+    if work.exists() and not args.resume:
+        print(f"{work} exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
+        return 2
+    target = load_model(args.target)
+    files = list_audio(args.audio)
+    print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
+    store = pseudo_label(target, files, work, args.language, args.label_batch_size)
+    labels = store.labels
+    usable = [i for i, label in enumerate(labels) if label is not None]
+    train, held = split_holdout(len(usable), args.holdout, args.seed)
+    train, held = [usable[i] for i in train], [usable[i] for i in held]
+    eot = target.vocab.eot
+    head = head_vocabulary([labels[i] for i in train], eot)
+    head_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
+    head_index[head] = torch.arange(len(head))
+    layers = spread_layers(target.config.decoder_layers, args.layers)
+    draft = DraftDecoder(target, layers, head)
+    print(f"draft: target layers {layers}, head of {len(head)} tokens; {len(train)} clips to train on, {len(held)} held back")
+
+    parameters = [p for p in draft.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01)
+    steps_per_epoch = -(-len(train) // args.batch_size)
+    total_steps = steps_per_epoch * args.epochs
+    warmup = min(50, total_steps // 10 + 1)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: min(1.0, (step + 1) / warmup) * max(0.0, 1 - step / max(total_steps, 1))
+    )
+    checkpoint = work / "checkpoint.pt"
+    first_epoch = 0
+    if args.resume and checkpoint.exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["head"].tolist() != head.tolist():
+            print("checkpoint was trained on other labels; remove OUT/work to start again", file=sys.stderr)
+            return 2
+        draft.load_state_dict(state["draft"])
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        first_epoch = state["epoch"]
+        print(f"resumed after epoch {first_epoch}")
+    if first_epoch == 0:
+        print(f"agreement before training (held-out, teacher-forced): {agreement(draft, labels, held, store, head_index, eot):.1%}")
+
+    for epoch in range(first_epoch, args.epochs):
+        order = list(train)
+        random.Random(args.seed * 1000 + epoch).shuffle(order)
+        draft.train()
+        started = time.perf_counter()
+        progress = tqdm(range(0, len(order), args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step")
+        for start in progress:
+            batch = make_batch(labels, order[start : start + args.batch_size], store, head_index, eot)
+            loss = distillation_loss(draft(batch.input_ids, batch.encoder_output), batch)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(parameters, 1.0)
+            optimizer.step()
+            schedule.step()
+            progress.set_postfix(loss=f"{loss.item():.3f}")
+        draft.eval()
+        score = agreement(draft, labels, held, store, head_index, eot)
+        print(f"epoch {epoch + 1}: held-out agreement {score:.1%} ({time.perf_counter() - started:.0f} s)")
+        draft.save(args.out, target)
+        temporary = checkpoint.with_suffix(".part")
+        torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+                    "epoch": epoch + 1, "head": head}, temporary)
+        temporary.replace(checkpoint)
+    print(f"draft saved to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
