@@ -52,11 +52,15 @@ def synthesize(job: tuple[int, str, int, Path]) -> tuple[str, float, str, str] |
     voice = rng.choice(VOICES) + rng.choice(VARIANTS)
     rate, pitch = rng.randint(120, 210), rng.randint(20, 80)
     with tempfile.NamedTemporaryFile(suffix=".wav") as raw:
-        done = subprocess.run(["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", raw.name, text],
-                              capture_output=True)
-        if done.returncode != 0:
+        # Text on stdin: a sentence starting with "-" must not read as an option.
+        done = subprocess.run(["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", raw.name, "--stdin"],
+                              input=text.encode(), capture_output=True)
+        try:
+            audio, rate_in = soundfile.read(raw.name, dtype="float32")
+        except soundfile.LibsndfileError:
             return None
-        audio, rate_in = soundfile.read(raw.name, dtype="float32")
+        if done.returncode != 0 or len(audio) == 0:
+            return None
     speed = rng.uniform(0.9, 1.1)  # resampling as if played faster or slower: tempo and pitch move together
     audio = soxr.resample(audio, rate_in * speed, SAMPLE_RATE)
     audio = audio / (np.abs(audio).max() + 1e-9) * rng.uniform(0.2, 0.9)
