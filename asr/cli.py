@@ -119,8 +119,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
         info = transcript.info
         busy = info.encoder_seconds + info.decoder_seconds
         rtf = info.duration / busy if busy else float("inf")
-        print(f"{path} ({info.duration:.1f} s audio, {busy:.2f} s, {rtf:.1f}x real time, "
-              f"acceptance {info.stats.acceptance_rate:.0%}): {transcript.text}")
+        drafted = f", acceptance {info.stats.acceptance_rate:.0%}" if info.speculative else ""
+        print(f"{path} ({info.duration:.1f} s audio, {busy:.2f} s, {rtf:.1f}x real time{drafted}): {transcript.text}")
         done += 1
     print(f"{done} transcribed, {len(errors)} failed, {time.perf_counter() - started:.1f} s", file=sys.stderr)
     for error in errors:

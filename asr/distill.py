@@ -78,7 +78,9 @@ class PseudoLabels:
 
 
 @torch.inference_mode()
-def pseudo_label(target: WhisperModel, files: list[Path], work: Path, language: str, batch_size: int) -> PseudoLabels:
+def pseudo_label(
+    target: WhisperModel, files: list[Path], work: Path, language: str, batch_size: int, max_new_tokens: int = 128
+) -> PseudoLabels:
     transcriber = Transcriber(ModelPair(target, None), TranscribeOptions(language=language))
     rules = transcriber.rules(timestamps=True)
     prompt = target.vocab.sot_sequence(language, "transcribe")
@@ -100,11 +102,18 @@ def pseudo_label(target: WhisperModel, files: list[Path], work: Path, language: 
             windows.append(log_mel(audio, target.config.num_mel_bins)[:, :WINDOW_FRAMES])
             kept.append(path)
         labels: dict[Path, Label] = {}
+        max_new = min(max_new_tokens, runner.max_positions - 1 - len(prompt))
         if windows:
             encoded = target.encode(torch.stack(windows))
-            max_new = min(224, runner.max_positions - 1 - len(prompt))
             sequences = SpeculativeDecoder(runner).decode(encoded, [prompt] * len(kept), rules, max_new_tokens=max_new)
-            rows = [prompt + s.tokens + [target.vocab.eot] for s in sequences]
+            # A window that runs into the cap is a loop, not a transcript: not worth imitating.
+            endless = {i for i, s in enumerate(sequences) if len(s.tokens) >= max_new}
+            for i in sorted(endless):
+                tqdm.write(f"skipped: {kept[i]}: no end-of-text within {max_new} tokens")
+            kept = [p for i, p in enumerate(kept) if i not in endless]
+            encoded = encoded[[i for i in range(len(sequences)) if i not in endless]]
+            rows = [prompt + s.tokens + [target.vocab.eot] for i, s in enumerate(sequences) if i not in endless]
+        if windows and rows:
             width = max(map(len, rows))
             padded = torch.tensor([r + [target.vocab.eot] * (width - len(r)) for r in rows], device=encoded.device)
             cache = runner.new_cache(encoded, capacity=width)
@@ -253,3 +262,29 @@ def split_holdout(count: int, fraction: float, seed: int) -> tuple[list[int], li
     random.Random(seed).shuffle(order)
     held = max(1, round(count * fraction)) if count > 1 else 0
     return sorted(order[held:]), sorted(order[:held])
+
+
+@torch.inference_mode()
+def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str, batch_size: int = 8) -> tuple[int, int]:
+    """How often the draft, fed the target's own greedy transcript of each clip's first
+    window, predicts the target's next token (end-of-text included). Returns (hits, tokens)."""
+    target, draft = pair.target, pair.draft
+    rules = Transcriber(ModelPair(target, None), TranscribeOptions(language=language)).rules(timestamps=True)
+    prompt = target.vocab.sot_sequence(language, "transcribe")
+    hits = total = 0
+    for start in range(0, len(files), batch_size):
+        windows = [log_mel(load_audio(p), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for p in files[start : start + batch_size]]
+        features = torch.stack(windows)
+        encoded = target.encode(features)
+        sequences = SpeculativeDecoder(target.runner).decode(encoded, [prompt] * len(windows), rules)
+        rows = [prompt + s.tokens + [target.vocab.eot] for s in sequences]
+        width = max(map(len, rows))
+        padded = torch.tensor([r + [target.vocab.eot] * (width - len(r)) for r in rows], device=encoded.device)
+        draft_encoded = draft.encode(features) if pair.draft_has_own_encoder else encoded
+        cache = draft.runner.new_cache(draft_encoded, capacity=width)
+        predicted = draft.runner.forward(padded, torch.zeros(len(rows), dtype=torch.long), cache).argmax(-1)
+        for i, row in enumerate(rows):
+            expected = torch.tensor(row[len(prompt) :], device=predicted.device)
+            hits += int((predicted[i, len(prompt) - 1 : len(row) - 1] == expected).sum())
+            total += len(expected)
+    return hits, total

@@ -43,6 +43,9 @@ PACKAGED: dict[str, tuple[str, str, list[tuple[str, str]]]] = {
 }
 
 
+BUNDLED_DRAFTS = Path(__file__).resolve().parent / "drafts"  # drafts distilled by this project, shipped in the repo
+
+
 class IncompatibleModels(ValueError):
     """A draft that cannot serve this target; the message says what to do instead."""
 
@@ -122,6 +125,11 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
     honours HF_HUB_OFFLINE) into its cache, giving the same layout as save_pretrained."""
     if source.startswith("packaged:"):
         return packaged_directory(source.split(":", 1)[1])
+    if source.startswith("bundled:"):
+        path = BUNDLED_DRAFTS / source.split(":", 1)[1]
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"no bundled draft {source!r} under {BUNDLED_DRAFTS}")
+        return path, None
     path = Path(source).expanduser()
     if path.exists():
         if not path.is_dir():
