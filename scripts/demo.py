@@ -22,9 +22,8 @@ def main() -> int:
     target, draft = PRESETS[DEFAULT_PRESET]
     print(f"preset {DEFAULT_PRESET!r}: target {target}, draft {draft}")
     if draft == TARGET_AS_DRAFT:
-        print("note: this preset drafts with the target's own decoder until a distilled draft ships. Every\n"
-              "      proposal is accepted, which proves the mechanics, but drafting costs as much as decoding,\n"
-              "      so it cannot be faster than target-only; expect a speed-up a little below 1.0x.\n")
+        print("note: this preset drafts with the target's own decoder. Every proposal is accepted, which proves\n"
+              "      the mechanics, but drafting costs as much as decoding, so it cannot be faster than target-only.\n")
     started = time.perf_counter()
     pair = load_pair(target, draft)
     print(f"models loaded in {time.perf_counter() - started:.1f} s\n")

@@ -132,7 +132,7 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     document = json.loads((out / "1089-134691-0001.json").read_text())
     assert "could wait no longer" in document["text"].lower()
     assert document["language"] == "en" and document["stats"]["speculative"] is True
-    assert document["stats"]["draft_tokens_accepted"] == document["stats"]["draft_tokens_proposed"] > 0
+    assert 0 < document["stats"]["draft_tokens_accepted"] <= document["stats"]["draft_tokens_proposed"]
 
 
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):

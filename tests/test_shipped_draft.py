@@ -1,0 +1,45 @@
+"""The embedded preset's distilled draft, shipped in the repo."""
+
+from __future__ import annotations
+
+import pytest
+
+from asr.audio import load_audio
+from asr.metrics import read_manifest
+from asr.models import BUNDLED_DRAFTS, PRESETS, load_pair
+from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
+from conftest import DEV
+
+SHIPPED = PRESETS["embedded"][1]
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_pair(*PRESETS["embedded"])
+
+
+def test_shipped_draft_is_small_and_self_describing():
+    directory = BUNDLED_DRAFTS / SHIPPED.split(":", 1)[1]
+    size = sum(p.stat().st_size for p in directory.iterdir() if p.is_file())
+    assert size < 20 * 2**20
+    assert {"config.json", "model.safetensors", "tokenizer.json", "README.md"} <= {p.name for p in directory.iterdir()}
+
+
+def test_shipped_draft_shares_the_targets_encoder_and_embedding(embedded):
+    assert embedded.draft.encoder is None and not embedded.draft_has_own_encoder
+    assert embedded.draft.decoder.embed_tokens.weight is embedded.target.decoder.embed_tokens.weight
+    assert embedded.draft.config.decoder_layers < embedded.target.config.decoder_layers
+    assert len(embedded.draft.head_token_ids) < embedded.target.config.vocab_size
+
+
+def test_shipped_draft_keeps_transcripts_identical(embedded):
+    clips = read_manifest(DEV / "manifest.tsv")
+    audio = [AudioInput(str(c.path), load_audio(c.path)) for c in clips if c.duration <= 30]
+    plain = {t.source: t for t in Transcriber(embedded, TranscribeOptions(speculative=False)).transcribe_many(audio)}
+    fast = {t.source: t for t in Transcriber(embedded, TranscribeOptions(speculative=True), batch_size=2).transcribe_many(audio)}
+    proposed = accepted = 0
+    for name, transcript in plain.items():
+        assert [s.tokens for s in fast[name].segments] == [s.tokens for s in transcript.segments], name
+        proposed += fast[name].info.stats.draft_proposed
+        accepted += fast[name].info.stats.draft_accepted
+    assert accepted / proposed > 0.5  # a real draft, on real speech it never trained on
