@@ -8,7 +8,6 @@ the target's distribution (Leviathan et al. 2023, Chen et al. 2023)."""
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 
@@ -275,6 +274,7 @@ class SpeculativeDecoder:
         unseen = length - draft_cached
         feed = tokens.gather(1, start[:, None] + torch.arange(int(unseen.max()), device=tokens.device))
         last = (unseen - 1)[:, None]
+        ended = torch.zeros(live, dtype=torch.bool, device=tokens.device)
         probs = []
         for i in range(k):
             logits = draft.runner.forward(feed, start, draft.cache, logits_at=last)[:, 0]
@@ -287,11 +287,11 @@ class SpeculativeDecoder:
             else:
                 proposal = logits.argmax(-1)
             tokens[arange_rows, position] = proposal
-            ended = ended | (proposal == rules.eot) if i else proposal == rules.eot
+            ended |= proposal == rules.eot
             if bool(ended.all()):
                 k = i + 1
                 break
-            start = start + unseen if i == 0 else start + 1
+            start = start + unseen
             unseen = torch.ones_like(unseen)
             feed = proposal[:, None]
             last = torch.zeros_like(last)
