@@ -44,7 +44,6 @@ class DecoderRunner:
         id of each head row; logits of the other tokens come back as -inf."""
         self.decoder = decoder
         self.layers = list(decoder.layers)
-        self.output_projection = output_projection  # [V or len(head_token_ids), D]
         self.head_token_ids = head_token_ids
         self.vocab_size = decoder.embed_tokens.num_embeddings
         self._head = fast_linear(output_projection, None)
@@ -140,8 +139,8 @@ Linear = Callable[[Tensor], Tensor]
 def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
     """x @ weight.T + bias. On CPU in float32, one row goes through the default BLAS
     (its matrix-vector path is the fastest here) and several rows through oneDNN with a
-    pre-packed weight, 1.5-2.5x faster than BLAS for the 2 to ~40 rows of verifying;
-    elsewhere (GPU, float64) it is plain F.linear."""
+    pre-packed weight, which the default BLAS path is much slower at for the few rows of
+    verifying; elsewhere (GPU, float64) it is plain F.linear."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
