@@ -23,6 +23,7 @@ from tqdm import tqdm
 from transformers.models.whisper.modeling_whisper import WhisperDecoder
 
 from asr.audio import AUDIO_EXTENSIONS, AudioError, load_audio
+from asr.decoder import DecoderRunner
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
 from asr.speculative import SpeculativeDecoder
@@ -116,10 +117,7 @@ def pseudo_label(
             encoded = encoded[[i for i in range(len(sequences)) if i not in endless]]
             rows = [prompt + s.tokens + [target.vocab.eot] for i, s in enumerate(sequences) if i not in endless]
         if windows and rows:
-            width = max(map(len, rows))
-            padded = torch.tensor([r + [target.vocab.eot] * (width - len(r)) for r in rows], device=encoded.device)
-            cache = runner.new_cache(encoded, capacity=width)
-            logprobs = torch.log_softmax(runner.forward(padded, torch.zeros(len(rows), dtype=torch.long), cache).float(), -1)
+            logprobs = torch.log_softmax(teacher_forced_logits(runner, encoded, rows, target.vocab.eot).float(), -1)
             for i, (path, row) in enumerate(zip(kept, rows)):
                 predicted = logprobs[i, len(prompt) - 1 : len(row) - 1]
                 top = predicted.topk(TOP_K, dim=-1)
@@ -133,6 +131,14 @@ def pseudo_label(
         progress.update(len(batch))
     progress.close()
     return store
+
+
+def teacher_forced_logits(runner: DecoderRunner, encoded: Tensor, rows: list[list[int]], pad: int) -> Tensor:
+    """Logits [B, T, V] at every position of each row (rows right-padded with `pad`)."""
+    width = max(map(len, rows))
+    padded = torch.tensor([r + [pad] * (width - len(r)) for r in rows], device=encoded.device)
+    cache = runner.new_cache(encoded, capacity=width)
+    return runner.forward(padded, torch.zeros(len(rows), dtype=torch.long, device=encoded.device), cache)
 
 
 class DraftDecoder(nn.Module):
@@ -283,11 +289,8 @@ def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str, 
         encoded = target.encode(features)
         sequences = SpeculativeDecoder(target.runner).decode(encoded, [prompt] * len(windows), rules)
         rows = [prompt + s.tokens + [target.vocab.eot] for s in sequences]
-        width = max(map(len, rows))
-        padded = torch.tensor([r + [target.vocab.eot] * (width - len(r)) for r in rows], device=encoded.device)
         draft_encoded = draft.encode(features) if pair.draft_has_own_encoder else encoded
-        cache = draft.runner.new_cache(draft_encoded, capacity=width)
-        predicted = draft.runner.forward(padded, torch.zeros(len(rows), dtype=torch.long), cache).argmax(-1)
+        predicted = teacher_forced_logits(draft.runner, draft_encoded, rows, target.vocab.eot).argmax(-1)
         for i, row in enumerate(rows):
             expected = torch.tensor(row[len(prompt) :], device=predicted.device)
             hits += int((predicted[i, len(prompt) - 1 : len(row) - 1] == expected).sum())

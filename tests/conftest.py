@@ -28,6 +28,7 @@ SUPPRESS = [1, 2, 7, 8, 9, 10, 14, 25] + list(range(50258, 50363))
 BEGIN_SUPPRESS = [220, EOT]
 MAX_TARGET_POSITIONS = 64
 FRAMES = 60  # mel frames per window of the tiny models
+SPECIAL_TOKEN_IDS = dict(decoder_start_token_id=SOT, eos_token_id=EOT, pad_token_id=EOT, bos_token_id=EOT)
 
 
 def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 80, vocab_size: int = 51865,
@@ -45,10 +46,7 @@ def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 
         max_source_positions=frames // 2,
         max_target_positions=MAX_TARGET_POSITIONS,
         tie_word_embeddings=False,
-        decoder_start_token_id=SOT,
-        eos_token_id=EOT,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
+        **SPECIAL_TOKEN_IDS,
     )
 
 
@@ -118,10 +116,7 @@ def decoder_only_draft(target: WhisperForConditionalGeneration, noise: float, se
 
 def generation_config(timestamps: bool, max_new_tokens: int) -> GenerationConfig:
     return GenerationConfig(
-        decoder_start_token_id=SOT,
-        eos_token_id=EOT,
-        pad_token_id=EOT,
-        bos_token_id=EOT,
+        **SPECIAL_TOKEN_IDS,
         no_timestamps_token_id=NO_TIMESTAMPS,
         suppress_tokens=SUPPRESS,
         begin_suppress_tokens=BEGIN_SUPPRESS,
