@@ -60,34 +60,44 @@ class Label:
 
 
 class PseudoLabels:
-    """Encoder outputs (a float16 memmap) and labels, in a work folder; resumable."""
+    """Encoder outputs (a float16 memmap) and labels, in a work folder; resumable, and
+    extendable by appending audio to the list it was made for."""
 
-    def __init__(self, work: Path, count: int, frames: int, width: int):
+    def __init__(self, work: Path, files: list[Path], frames: int, width: int):
         work.mkdir(parents=True, exist_ok=True)
         self.path = work / "labels.pt"
+        self.files = [str(p) for p in files]
+        saved = {"files": [], "labels": [], "next": 0}
+        if self.path.exists():
+            with torch.serialization.safe_globals([Label]):
+                saved = torch.load(self.path, weights_only=True)
+        if saved["files"] != self.files[: len(saved["files"])]:
+            raise ValueError(f"{work}: labelled for other audio (more audio may only be appended to the list)")
         encoder_file = work / "encoder.f16"
+        size = len(files) * frames * width * np.dtype(np.float16).itemsize
+        if encoder_file.exists() and encoder_file.stat().st_size < size:
+            os.truncate(encoder_file, size)  # grows it: audio was appended
         mode = "r+" if encoder_file.exists() else "w+"
-        self.encoded = np.memmap(encoder_file, dtype=np.float16, mode=mode, shape=(count, frames, width))
-        saved = torch.load(self.path, weights_only=False) if self.path.exists() else {"labels": [], "next": 0}
+        self.encoded = np.memmap(encoder_file, dtype=np.float16, mode=mode, shape=(len(files), frames, width))
         self.labels: list[Label | None] = saved["labels"]
         self.next: int = saved["next"]  # inputs handled so far (unreadable ones are None)
 
     def save(self) -> None:
         self.encoded.flush()
         temporary = self.path.with_suffix(".part")
-        torch.save({"labels": self.labels, "next": self.next}, temporary)
+        torch.save({"files": self.files[: self.next], "labels": self.labels, "next": self.next}, temporary)
         os.replace(temporary, self.path)
 
 
 @torch.inference_mode()
 def pseudo_label(
-    target: WhisperModel, files: list[Path], work: Path, language: str, batch_size: int, max_new_tokens: int = 128
+    target: WhisperModel, files: list[Path], work: Path, language: str, batch_size: int, max_new_tokens: int = 224
 ) -> PseudoLabels:
     transcriber = Transcriber(ModelPair(target, None), TranscribeOptions(language=language))
     rules = transcriber.rules(timestamps=True)
     prompt = target.vocab.sot_sequence(language, "transcribe")
     runner = target.runner
-    store = PseudoLabels(work, len(files), target.config.max_source_positions, target.config.d_model)
+    store = PseudoLabels(work, files, target.config.max_source_positions, target.config.d_model)
     progress = tqdm(total=len(files), initial=store.next, desc="pseudo-labelling", unit="clip")
     saved_at = time.monotonic()
     while store.next < len(files):
@@ -146,10 +156,11 @@ class DraftDecoder(nn.Module):
     embeddings shared and frozen, and an output head over `head_token_ids` only (rows of
     the shared embedding, as Whisper ties its head to it)."""
 
-    def __init__(self, target: WhisperModel, layers: list[int], head_token_ids: Tensor):
+    def __init__(self, target: WhisperModel, layers: list[int], head_token_ids: Tensor, dropout: float = 0.0):
         super().__init__()
         config = copy.deepcopy(target.config)
         config.decoder_layers = len(layers)
+        config.dropout = dropout  # training only: a small draft memorises a small corpus
         self.config = config
         self.decoder = WhisperDecoder(config).to(target.dtype)
         source = target.decoder
@@ -266,6 +277,18 @@ def head_vocabulary(labels: list[Label], eot: int) -> Tensor:
     for label in labels:
         emitted.update(label.tokens[label.prompt_length :])
     return torch.tensor(sorted(emitted))
+
+
+def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> list[list[int]]:
+    """Shuffled batches of indices into `lengths`, each of similar lengths (padding costs
+    as much as tokens): shuffle, sort within pools of 50 batches, shuffle the batches."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    pool = 50 * batch_size
+    order = [i for start in range(0, len(order), pool) for i in sorted(order[start : start + pool], key=lengths.__getitem__)]
+    batches = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def split_holdout(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:

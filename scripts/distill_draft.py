@@ -8,7 +8,9 @@ decoder of --layers of the target's layers on those labels (cross-entropy + KL),
 the target's encoder output and sharing its token embedding. Saves config.json +
 model.safetensors (+ tokenizer.json) into --out after every epoch, so the result loads
 with `--draft OUT` anywhere a draft can be given. Work files (encoder outputs, labels,
-the training checkpoint) go to OUT/work; --resume continues from them."""
+the training checkpoint) go to OUT/work; --resume continues from them, and labels only
+the new files when audio was appended to the list (delete OUT/work/checkpoint.pt then, to
+train afresh on all the labels)."""
 
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from asr.distill import (
     agreement,
     distillation_loss,
     head_vocabulary,
+    length_batches,
     list_audio,
     make_batch,
     pseudo_label,
@@ -45,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--label-batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--holdout", type=float, default=0.05, help="fraction of clips held back to measure agreement")
     parser.add_argument("--language", default="en")
     parser.add_argument("--seed", type=int, default=0)
@@ -59,7 +63,11 @@ def main(argv: list[str] | None = None) -> int:
     target = load_model(args.target)
     files = list_audio(args.audio)
     print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
-    store = pseudo_label(target, files, work, args.language, args.label_batch_size)
+    try:
+        store = pseudo_label(target, files, work, args.language, args.label_batch_size)
+    except ValueError as error:
+        print(error, file=sys.stderr)
+        return 2
     labels = store.labels
     usable = [i for i, label in enumerate(labels) if label is not None]
     train, held = split_holdout(len(usable), args.holdout, args.seed)
@@ -69,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     head_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     head_index[head] = torch.arange(len(head))
     layers = spread_layers(target.config.decoder_layers, args.layers)
-    draft = DraftDecoder(target, layers, head)
+    draft = DraftDecoder(target, layers, head, args.dropout)
     print(f"draft: target layers {layers}, head of {len(head)} tokens; {len(train)} clips to train on, {len(held)} held back")
 
     parameters = [p for p in draft.parameters() if p.requires_grad]
@@ -83,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint = work / "checkpoint.pt"
     first_epoch = 0
     if args.resume and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
-        if state["head"].tolist() != head.tolist():
-            print("checkpoint was trained on other labels; remove OUT/work to start again", file=sys.stderr)
+        state = torch.load(checkpoint, weights_only=True)
+        if state["files"] != store.files or state["head"].tolist() != head.tolist():
+            print(f"{checkpoint} was trained on other labels (audio was added?): delete it to train on all of them",
+                  file=sys.stderr)
             return 2
         draft.load_state_dict(state["draft"])
         optimizer.load_state_dict(state["optimizer"])
@@ -96,13 +105,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"agreement before training (held-out, teacher-forced): {agreement(draft, labels, held, store, head_index, eot):.1%}")
 
     for epoch in range(first_epoch, args.epochs):
-        order = list(train)
-        random.Random(args.seed * 1000 + epoch).shuffle(order)
+        batches = length_batches([len(labels[i].tokens) for i in train], args.batch_size, random.Random(args.seed * 1000 + epoch))
         draft.train()
         started = time.perf_counter()
-        progress = tqdm(range(0, len(order), args.batch_size), desc=f"epoch {epoch + 1}/{args.epochs}", unit="step")
-        for start in progress:
-            batch = make_batch(labels, order[start : start + args.batch_size], store, head_index, eot)
+        progress = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step")
+        for rows in progress:
+            batch = make_batch(labels, [train[r] for r in rows], store, head_index, eot)
             loss = distillation_loss(draft(batch.input_ids, batch.encoder_output), batch)
             optimizer.zero_grad()
             loss.backward()
@@ -116,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         draft.save(args.out, target)
         temporary = checkpoint.with_suffix(".part")
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "epoch": epoch + 1, "head": head}, temporary)
+                    "epoch": epoch + 1, "head": head, "files": store.files}, temporary)
         temporary.replace(checkpoint)
     print(f"draft saved to {args.out}")
     return 0

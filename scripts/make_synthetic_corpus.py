@@ -1,9 +1,16 @@
 """Builds a synthetic English speech corpus for distilling a draft, where no speech corpus
-can be reached: sentences from Debian's `fortunes` package spoken by espeak-ng with
-varied voices, rates and pitches, then speed-perturbed and mixed with noise.
+can be reached: passages of public-domain and freely licensed English text spoken by
+espeak-ng with varied voices, rates and pitches, then speed-perturbed and mixed with noise.
 
-    apt-get install espeak-ng fortunes
+    apt-get install espeak-ng fortunes bible-kjv dict-devil
     python scripts/make_synthetic_corpus.py --out corpus/ --clips 3000
+
+Text: sentences from Debian's `fortunes`, the King James Bible (`bible-kjv`, public
+domain) and Ambrose Bierce's Devil's Dictionary (`dict-devil`, public domain); sources
+that are not installed are skipped. A clip is a run of consecutive sentences from one
+source read by one voice, with pauses between sentences, from --min-seconds up to
+--max-seconds long: several sentences per 30 s window, as in real recordings, give the
+target more tokens to label per (costly) encoder pass.
 
 Writes corpus/NNNNN.flac (16 kHz mono) and corpus/manifest.tsv (file, duration_seconds,
 reference, notes). Never point this at the evaluation recordings: they stay unseen."""
@@ -11,6 +18,7 @@ reference, notes). Never point this at the evaluation recordings: they stay unse
 from __future__ import annotations
 
 import argparse
+import gzip
 import random
 import re
 import subprocess
@@ -23,34 +31,54 @@ import soundfile
 import soxr
 
 FORTUNES = Path("/usr/share/games/fortunes")
+DEVIL = Path("/usr/share/dictd/devil.dict.dz")
 VOICES = ["en-us", "en-gb", "en-gb-scotland", "en-gb-x-gbclan", "en-gb-x-rp", "en-gb-x-gbcwmd", "en-029", "en-us-nyc"]
 VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5", "+klatt", "+klatt2", "+klatt4"]
 SAMPLE_RATE = 16_000
+PLAIN = re.compile(r"[A-Za-z0-9 ,.;:!?'\"()-]+")
 
 
-def sentences(directory: Path) -> list[str]:
-    """Plain-prose sentences of 4-30 words from every fortune file."""
-    found: set[str] = set()
-    for path in sorted(directory.iterdir()):
+def split_sentences(paragraph: str) -> list[str]:
+    """Sentences of 3-30 words in plain characters (espeak reads anything, but the labels
+    should be ordinary prose)."""
+    flat = " ".join(paragraph.replace("_", "").split())
+    return [s for s in re.split(r"(?<=[.!?])\s+", flat) if 3 <= len(s.split()) <= 30 and PLAIN.fullmatch(s)]
+
+
+def fortunes() -> list[str]:
+    """Plain-prose sentences from every fortune file, in file order."""
+    found: list[str] = []
+    if not FORTUNES.is_dir():
+        return found
+    for path in sorted(FORTUNES.iterdir()):
         if path.suffix or not path.is_file():
             continue
-        text = path.read_text(encoding="utf-8", errors="ignore")
-        for fortune in text.split("\n%\n"):
-            if re.search(r"^\s|[<>{}\[\]|_=#*\\]|\t", fortune, flags=re.M):
-                continue  # verse, code, tables, attributions, ascii art
-            flat = " ".join(fortune.split())
-            for sentence in re.split(r"(?<=[.!?])\s+", flat):
-                words = sentence.split()
-                if 4 <= len(words) <= 30 and re.fullmatch(r"[A-Za-z0-9 ,.;:!?'\"()-]+", sentence):
-                    found.add(sentence)
-    return sorted(found)
+        for fortune in path.read_text(encoding="utf-8", errors="ignore").split("\n%\n"):
+            if not re.search(r"^\s|[<>{}\[\]|_=#*\\]|\t", fortune, flags=re.M):  # verse, code, tables, ascii art
+                found += split_sentences(fortune)
+    return list(dict.fromkeys(found))
 
 
-def synthesize(job: tuple[int, str, int, Path]) -> tuple[str, float, str, str] | None:
-    index, text, seed, out_dir = job
-    rng = random.Random(seed)
-    voice = rng.choice(VOICES) + rng.choice(VARIANTS)
-    rate, pitch = rng.randint(120, 210), rng.randint(20, 80)
+def king_james_bible() -> list[str]:
+    try:
+        text = subprocess.run(["bible", "-f", "Ge1:1-Re22:21"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    verses = [line.split(" ", 1)[1] for line in text.splitlines() if " " in line]
+    return [s for verse in verses for s in split_sentences(verse)]
+
+
+def devils_dictionary() -> list[str]:
+    if not DEVIL.exists():
+        return []
+    text = gzip.open(DEVIL, "rt", encoding="utf-8", errors="ignore").read()
+    return [s for paragraph in re.split(r"\n\s*\n", text) for s in split_sentences(paragraph)]
+
+
+SOURCES = {"fortunes": fortunes, "kjv": king_james_bible, "devil": devils_dictionary}
+
+
+def speak(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int] | None:
     with tempfile.NamedTemporaryFile(suffix=".wav") as raw:
         # Text on stdin: a sentence starting with "-" must not read as an option.
         done = subprocess.run(["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", raw.name, "--stdin"],
@@ -59,13 +87,31 @@ def synthesize(job: tuple[int, str, int, Path]) -> tuple[str, float, str, str] |
             audio, rate_in = soundfile.read(raw.name, dtype="float32")
         except soundfile.LibsndfileError:
             return None
-        if done.returncode != 0 or len(audio) == 0:
-            return None
+    return (audio, rate_in) if done.returncode == 0 and len(audio) else None
+
+
+def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float, str, str] | None:
+    index, passage, seconds, seed, out_dir = job
+    rng = random.Random(seed)
+    voice = rng.choice(VOICES) + rng.choice(VARIANTS)
+    rate, pitch = rng.randint(120, 210), rng.randint(20, 80)
     speed = rng.uniform(0.9, 1.1)  # resampling as if played faster or slower: tempo and pitch move together
-    audio = soxr.resample(audio, rate_in * speed, SAMPLE_RATE)
+    pieces, spoken, length = [], [], rng.uniform(0.05, 0.8)
+    for sentence in passage:
+        said = speak(sentence, voice, rate, pitch)
+        if said is None:
+            break
+        audio = soxr.resample(said[0], said[1] * speed, SAMPLE_RATE)
+        pause = np.zeros(int(SAMPLE_RATE * rng.uniform(0.1, 0.9)), dtype=np.float32)
+        if spoken and length + (len(audio) + len(pause)) / SAMPLE_RATE > seconds:
+            break
+        pieces += [audio, pause]
+        spoken.append(sentence)
+        length += (len(audio) + len(pause)) / SAMPLE_RATE
+    if not spoken or length > 29.5:
+        return None
+    audio = np.concatenate([np.zeros(int(SAMPLE_RATE * rng.uniform(0.05, 0.8)), dtype=np.float32)] + pieces)
     audio = audio / (np.abs(audio).max() + 1e-9) * rng.uniform(0.2, 0.9)
-    lead, tail = (np.zeros(int(SAMPLE_RATE * rng.uniform(0.05, 0.8)), dtype=np.float32) for _ in range(2))
-    audio = np.concatenate([lead, audio, tail])
     noise_kind = rng.choice(["none", "white", "pink", "brown"])
     snr = rng.uniform(5, 35)
     if noise_kind != "none":
@@ -82,27 +128,34 @@ def synthesize(job: tuple[int, str, int, Path]) -> tuple[str, float, str, str] |
     soundfile.write(out_dir / name, audio, SAMPLE_RATE)
     notes = f"voice={voice} rate={rate} pitch={pitch} speed={speed:.2f} noise={noise_kind}" + (
         f"@{snr:.0f}dB" if noise_kind != "none" else "")
-    return name, len(audio) / SAMPLE_RATE, text, notes
+    return name, len(audio) / SAMPLE_RATE, " ".join(spoken), notes
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--clips", type=int, default=3000)
+    parser.add_argument("--min-seconds", type=float, default=4.0)
+    parser.add_argument("--max-seconds", type=float, default=28.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args()
-    pool = sentences(FORTUNES)
-    if not pool:
-        raise SystemExit(f"no sentences under {FORTUNES}: apt-get install fortunes")
-    random.Random(args.seed).shuffle(pool)
-    chosen = pool[: args.clips]
-    print(f"{len(pool)} sentences available, synthesising {len(chosen)}")
+    texts = {name: load() for name, load in SOURCES.items()}
+    texts = {name: sentences for name, sentences in texts.items() if sentences}
+    if not texts:
+        raise SystemExit("no text found: apt-get install fortunes bible-kjv dict-devil")
+    print(", ".join(f"{name}: {len(sentences)} sentences" for name, sentences in texts.items()))
+    rng = random.Random(args.seed)
+    jobs = []
+    for i in range(args.clips):
+        sentences = texts[rng.choice(sorted(texts))]  # each source equally often, whatever its size
+        start = rng.randrange(len(sentences))
+        jobs.append((i, sentences[start : start + 12], rng.uniform(args.min_seconds, args.max_seconds),
+                     args.seed * 1_000_003 + i, args.out))
     args.out.mkdir(parents=True, exist_ok=True)
-    jobs = [(i, text, args.seed * 1_000_003 + i, args.out) for i, text in enumerate(chosen)]
     rows = []
-    with ProcessPoolExecutor(args.workers) as pool_:
-        for row in pool_.map(synthesize, jobs, chunksize=16):
+    with ProcessPoolExecutor(args.workers) as workers:
+        for row in workers.map(synthesize, jobs, chunksize=8):
             if row is not None:
                 rows.append(row)
     with open(args.out / "manifest.tsv", "w", encoding="utf-8") as manifest:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import random
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +11,7 @@ import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
+from asr.distill import length_batches
 from asr.models import load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 from conftest import REPO, save_tiny, tiny_target
@@ -45,6 +47,17 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert main(common + ["--epochs", "2", "--resume"]) == 0
     assert "resumed after epoch 1" in capsys.readouterr().out
 
+    # More audio appended: only it is labelled; the old checkpoint no longer matches.
+    soundfile.write(audio_dir / "clip6.wav", (0.3 * np.sin(np.arange(SAMPLE_RATE) / 30)).astype(np.float32), SAMPLE_RATE)
+    assert main(common + ["--epochs", "1", "--resume"]) == 2
+    assert "checkpoint.pt" in capsys.readouterr().err
+    (out / "work" / "checkpoint.pt").unlink()
+    assert main(common + ["--epochs", "1", "--resume"]) == 0
+    assert "pseudo-labelling: 100%|██████████| 8/8" in capsys.readouterr().err
+    (audio_dir / "clip0.wav").unlink()  # labels no longer match the list: refused, not silently misaligned
+    assert main(common + ["--epochs", "1", "--resume"]) == 2
+    assert "labelled for other audio" in capsys.readouterr().err
+
     pair = load_pair(str(target_dir), str(out))
     assert pair.draft.encoder is None and not pair.draft_has_own_encoder
     assert pair.draft.head_token_ids is not None and len(pair.draft.head_token_ids) < pair.target.config.vocab_size
@@ -55,3 +68,12 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     fast = Transcriber(pair, TranscribeOptions(speculative=True, **options)).transcribe(clip)
     assert [s.tokens for s in fast.segments] == [s.tokens for s in plain.segments]
     assert fast.info.stats.draft_proposed > 0
+
+
+def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
+    lengths = [random.Random(i).randint(1, 200) for i in range(1000)]
+    batches = length_batches(lengths, 16, random.Random(0))
+    assert sorted(i for batch in batches for i in batch) == list(range(1000))
+    assert all(len(batch) <= 16 for batch in batches)
+    spread = np.mean([max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches])
+    assert spread < 20  # random batches of 16 would spread over ~180
