@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -25,8 +26,14 @@ def load_audio(path: str | Path) -> np.ndarray:
         raise AudioError(f"{path}: empty file")
     try:
         samples, rate = _read_soundfile(path)
-    except Exception:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
-        samples, rate = _read_ffmpeg(path)
+    except Exception as error:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
+        try:
+            samples, rate = _read_ffmpeg(path)
+        except AudioError:
+            if _libsndfile_format(path) is None:
+                raise
+            # libsndfile knows the format but not this data: say so, not FFmpeg's guess
+            raise AudioError(f"{path}: corrupt or truncated {_libsndfile_format(path)} audio ({error})") from error
     audio = to_model_input(samples, rate, str(path))
     if float(np.abs(audio).max()) < 1e-6:
         raise AudioError(f"{path}: contains only digital silence, nothing to transcribe")
@@ -56,6 +63,81 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 
+def audio_seconds(path: str | Path) -> float | None:
+    """The duration a file's header states, without decoding it; None when it cannot tell
+    (the file is then found out when read)."""
+    try:
+        import soundfile
+
+        return float(soundfile.info(str(path)).duration)
+    except Exception:
+        pass
+    try:
+        import av
+
+        with av.open(str(path)) as container:
+            stream = container.streams.audio[0]
+            if stream.duration is not None and stream.time_base is not None:
+                return float(stream.duration * stream.time_base)
+            return container.duration / av.time_base if container.duration else None
+    except Exception:
+        return None
+
+
+def stream_audio(path: str | Path, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
+    """16 kHz mono float32 blocks of about block_seconds, read and resampled as they are
+    needed, so a recording of hours is never held whole. The samples equal load_audio's
+    (the same readers, channel mean and resampler, streamed). Empty and silent input is
+    for the consumer to judge, since only the whole stream tells."""
+    path = Path(path)
+    if not path.is_file() or path.stat().st_size == 0:
+        load_audio(path)  # raises the error a whole read would
+    seconds = 0.0
+    for block in _blocks(path, block_seconds):
+        if not np.isfinite(block).all():
+            raise AudioError(f"{path}: contains NaN or infinite samples (after {seconds:.1f} s)")
+        seconds += len(block) / SAMPLE_RATE
+        yield block
+
+
+def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
+    try:
+        import soundfile
+
+        source = soundfile.SoundFile(str(path))
+    except Exception:  # not for libsndfile: FFmpeg reads it
+        yield from _ffmpeg_blocks(path, block_seconds)
+        return
+    import soxr
+
+    with source:
+        rate = source.samplerate
+        resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ") if rate != SAMPLE_RATE else None
+        block_frames = max(1, int(block_seconds * rate))
+        while True:
+            try:
+                block = source.read(block_frames, dtype="float32", always_2d=True)
+            except Exception as error:
+                raise AudioError(f"{path}: corrupt or truncated audio after {source.tell() / rate:.1f} s ({error})") from error
+            last = len(block) < block_frames
+            samples = block.mean(axis=1) if block.shape[1] > 1 else block[:, 0]
+            if resampler is not None:
+                samples = resampler.resample_chunk(samples, last=last)
+            if len(samples):
+                yield np.ascontiguousarray(samples, dtype=np.float32)
+            if last:
+                return
+
+
+def _libsndfile_format(path: Path) -> str | None:
+    try:
+        import soundfile
+
+        return soundfile.info(str(path)).format
+    except Exception:
+        return None
+
+
 def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
     import soundfile
 
@@ -64,23 +146,39 @@ def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
 
 
 def _read_ffmpeg(path: Path) -> tuple[np.ndarray, int]:
+    chunks = list(_ffmpeg_blocks(path, block_seconds=0))
+    if not chunks:
+        raise AudioError(f"{path}: contains no audio samples")
+    return np.concatenate(chunks), SAMPLE_RATE
+
+
+def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
+    """Decoded frames resampled to 16 kHz mono, gathered into blocks of block_seconds
+    (0: as decoded)."""
     import av
 
+    pending: list[np.ndarray] = []
+    size = 0
     try:
         with av.open(str(path)) as container:
             if not container.streams.audio:
                 raise AudioError(f"{path}: has no audio stream")
             resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
-            chunks = []
-            for frame in container.decode(audio=0):
-                for out in resampler.resample(frame):
-                    chunks.append(out.to_ndarray().reshape(-1))
-            for out in resampler.resample(None):
-                chunks.append(out.to_ndarray().reshape(-1))
+
+            def resampled():
+                for frame in container.decode(audio=0):
+                    yield from resampler.resample(frame)
+                yield from resampler.resample(None)
+
+            for out in resampled():
+                pending.append(out.to_ndarray().reshape(-1))
+                size += len(pending[-1])
+                if size >= block_seconds * SAMPLE_RATE:
+                    yield np.concatenate(pending)
+                    pending, size = [], 0
     except AudioError:
         raise
     except Exception as error:
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from error
-    if not chunks:
-        raise AudioError(f"{path}: contains no audio samples")
-    return np.concatenate(chunks), SAMPLE_RATE
+    if pending:
+        yield np.concatenate(pending)

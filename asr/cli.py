@@ -1,19 +1,23 @@
-"""`asr transcribe PATH...`: files or folders in, one transcript per file out."""
+"""`asr transcribe PATH...`: files or folders in, one transcript per file out.
+`asr evaluate MANIFEST.tsv --out DIR`: WER and speed of speculative vs target-only decoding."""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from asr.audio import AUDIO_EXTENSIONS, AudioError, load_audio
+from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray
+from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
+from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
-from asr.writers import FORMATS, write_transcript
+from asr.transcribe import TranscribeOptions
+from asr.writers import FORMATS
 
+LOCAL_RAY = "local"  # --ray without an address
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
@@ -24,16 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="audio files, or folders of audio files")
     t.add_argument("--out-dir", type=Path, default=Path("."), help="where transcripts go (default: .)")
     t.add_argument("--formats", default="txt,srt,vtt,json", help=f"comma-separated, from {','.join(FORMATS)}")
-    models = t.add_mutually_exclusive_group()
-    models.add_argument("--preset", choices=sorted(PRESETS), help=f"target + draft pair (default: {DEFAULT_PRESET})")
-    models.add_argument("--target", help="hub id, save_pretrained dir, CTranslate2 dir, or packaged:NAME")
-    t.add_argument("--draft", help="the draft for --target (same kinds of source; 'target' drafts with itself)")
-    t.add_argument("--draft-encoder", choices=["auto", "shared", "own"], default="auto",
-                   help="shared: the draft reads the target's encoder output; own: a full Whisper draft runs its encoder")
+    add_model_arguments(t)
     t.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
-    t.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when present)")
-    t.add_argument("--dtype", choices=sorted(DTYPES), help="default: float16 on GPU, float32 on CPU")
-    t.add_argument("--batch-size", type=int, default=1, help="windows (of different files) decoded together")
+    t.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=int, help="fixed k (default: adaptive)")
     t.add_argument("--language", help="e.g. en, de (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
@@ -42,22 +40,44 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
     t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens (one segment per window)")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    t.add_argument("--overwrite", action="store_true", help="redo files whose outputs are complete (default: skip them)")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar (shown when stderr is a terminal)")
+    t.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="ADDRESS",
+                   help="spread the files over a Ray cluster: the ADDRESS of a running one (auto, ray://HEAD:10001), "
+                        "or none to start one on this machine; put it after the paths or write --ray=ADDRESS")
+    t.add_argument("--workers", type=int, help="with --ray: model pipelines (default: one per GPU, else per --cpus-per-worker CPUs)")
+    t.add_argument("--cpus-per-worker", type=int, help="with --ray: CPUs (threads) per pipeline (default: 1 with GPUs, else up to 4)")
+
+    e = commands.add_parser("evaluate", help="WER and speed of speculative vs target-only decoding on a labelled manifest")
+    e.add_argument("manifest", type=Path, metavar="MANIFEST.tsv",
+                   help="tab-separated, with a header and columns file (relative to the manifest's folder) and reference")
+    e.add_argument("--out", type=Path, required=True, metavar="DIR", help="where report.json, report.md and the plots go")
+    add_model_arguments(e)
+    e.add_argument("--batch-size", type=int, default=1, help="our engine's batch (the transformers peers use 1)")
+    e.add_argument("--limit", type=int, help="only the first N files of the manifest")
+    e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
+                   help="also run transformers' generate and its assisted generation with the same draft")
     return parser
 
 
-def collect_inputs(paths: list[Path]) -> tuple[list[Path], list[str]]:
-    files, errors = [], []
-    for path in paths:
-        if path.is_dir():
-            found = sorted(p for p in path.iterdir() if p.suffix.lower() in AUDIO_EXTENSIONS and p.is_file())
-            if not found:
-                errors.append(f"{path}: folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})")
-            files.extend(found)
-        elif path.exists():
-            files.append(path)
-        else:
-            errors.append(f"{path}: no such file or folder")
-    return files, errors
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    models = parser.add_mutually_exclusive_group()
+    models.add_argument("--preset", choices=sorted(PRESETS), help=f"target + draft pair (default: {DEFAULT_PRESET})")
+    models.add_argument("--target", help="hub id, save_pretrained dir, CTranslate2 dir, or packaged:NAME")
+    parser.add_argument("--draft", help="the draft for --target (same kinds of source; 'target' drafts with itself)")
+    parser.add_argument("--draft-encoder", choices=["auto", "shared", "own"], default="auto",
+                        help="shared: the draft reads the target's encoder output; own: a full Whisper draft runs its encoder")
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when present)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: float16 on GPU, float32 on CPU")
+
+
+def device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    return device, DTYPES[args.dtype] if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
+
+
+def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:
+    return (args.target, args.draft) if args.target else PRESETS[args.preset or DEFAULT_PRESET]
 
 
 def temperatures(start: float, increment: float) -> tuple[float, ...]:
@@ -68,6 +88,7 @@ def temperatures(start: float, increment: float) -> tuple[float, ...]:
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
+    """Files and folders alike go through asr.batch (mirrored outputs, resume, errors.jsonl)."""
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
@@ -76,62 +97,69 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.draft and not args.target:
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
         return 2
-    files, errors = collect_inputs(args.paths)
-    stems: dict[str, Path] = {}
-    for path in files:
-        if path.stem in stems and stems[path.stem] != path:
-            errors.append(f"{path}: same name as {stems[path.stem]}; both would write {args.out_dir / path.stem}.*")
-        stems.setdefault(path.stem, path)
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
-    target, draft = (args.target, args.draft) if args.target else PRESETS[args.preset or DEFAULT_PRESET]
-    if args.no_speculation:
-        draft = None
+    if args.ray is not None and importlib.util.find_spec("ray") is None:
+        print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)
+        return 2
+    target, draft = model_sources(args)
+    options = TranscribeOptions(
+        language=args.language,
+        task=args.task,
+        temperatures=temperatures(args.temperature, args.temperature_increment),
+        speculative=not args.no_speculation,
+        num_draft_tokens=args.num_draft_tokens,
+        without_timestamps=args.without_timestamps,
+        seed=args.seed,
+    )
+    spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
+                        DTYPES[args.dtype] if args.dtype else None, options, max(1, args.batch_size))
+    run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats), overwrite=args.overwrite,
+                    progress=not args.no_progress and sys.stderr.isatty())
+    if args.ray is None:
+        try:
+            transcriber = spec.build()
+        except (ValueError, FileNotFoundError) as error:
+            print(f"asr: {error}", file=sys.stderr)
+            return 2
+        summary = transcribe_folder(run, transcriber)
+    else:
+        cluster = RayOptions(None if args.ray == LOCAL_RAY else args.ray, args.workers, args.cpus_per_worker)
+        summary = transcribe_folder_on_ray(run, spec, cluster, on_cluster=lambda line: print(line, file=sys.stderr))
+    print(summary.describe(), file=sys.stderr)
+    return 1 if summary.failed else 0
+
+
+def evaluate_command(args: argparse.Namespace) -> int:
+    if args.draft and not args.target:
+        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
+        return 2
+    target, draft = model_sources(args)
+    if draft is None:
+        print("asr: evaluation compares speculative with target-only decoding: give --draft with --target", file=sys.stderr)
+        return 2
+    device, dtype = device_and_dtype(args)
     try:
+        clips = read_manifest(args.manifest)[: args.limit]
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype)
-        options = TranscribeOptions(
-            language=args.language,
-            task=args.task,
-            temperatures=temperatures(args.temperature, args.temperature_increment),
-            speculative=not args.no_speculation,
-            num_draft_tokens=args.num_draft_tokens,
-            without_timestamps=args.without_timestamps,
-            seed=args.seed,
-        )
-        transcriber = Transcriber(pair, options, batch_size=max(1, args.batch_size))
-    except (ValueError, FileNotFoundError) as error:
+    except (ValueError, OSError) as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
-
-    def audio_inputs():
-        for path in files:
-            try:
-                yield AudioInput(str(path), load_audio(path))
-            except AudioError as error:
-                errors.append(str(error))
-                print(f"error: {error}", file=sys.stderr)
-
-    started = time.perf_counter()
-    done = 0
-    for transcript in transcriber.transcribe_many(audio_inputs()):
-        path = Path(transcript.source)
-        write_transcript(transcript, args.out_dir, path.stem, formats)
-        info = transcript.info
-        busy = info.encoder_seconds + info.decoder_seconds
-        rtf = info.duration / busy if busy else float("inf")
-        drafted = f", acceptance {info.stats.acceptance_rate:.0%}" if info.speculative else ""
-        print(f"{path} ({info.duration:.1f} s audio, {busy:.2f} s, {rtf:.1f}x real time{drafted}): {transcript.text}")
-        done += 1
-    print(f"{done} transcribed, {len(errors)} failed, {time.perf_counter() - started:.1f} s", file=sys.stderr)
-    for error in errors:
-        print(f"failed: {error}", file=sys.stderr)
-    return 1 if errors else 0
+    preset = None if args.target else args.preset or DEFAULT_PRESET
+    options = EvaluateOptions(batch_size=max(1, args.batch_size), peers=tuple(dict.fromkeys(args.peers)), preset=preset,
+                              progress=sys.stderr.isatty())
+    report = evaluate(clips, pair, options)
+    write_report(report, args.out, title=str(args.manifest))
+    print((args.out / "report.md").read_text())
+    for failure in report["failures"]:
+        print(f"failed: {failure['file']} ({failure['system'] or 'audio'}): {failure['reason']}", file=sys.stderr)
+    return 1 if report["failures"] else 0
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "transcribe":
         return transcribe_command(args)
+    if args.command == "evaluate":
+        return evaluate_command(args)
     return 2
 
 

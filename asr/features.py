@@ -1,9 +1,12 @@
 """Log-mel features, computed once for a whole recording and cut into 30 s windows
-(as openai/whisper does), so long audio costs one STFT, not one per window."""
+(as openai/whisper does), so long audio costs one STFT, not one per window; recordings
+too long to hold (hours) are read block by block instead (StreamedMel), with the same
+windows."""
 
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -42,11 +45,19 @@ def log_mel(audio: np.ndarray, n_mels: int, device: str | torch.device = "cpu") 
     waveform = torch.from_numpy(padded).to(device)
     window = torch.hann_window(N_FFT, device=device)
     stft = torch.stft(waveform, N_FFT, HOP_LENGTH, window=window, return_complex=True)
-    power = (stft[..., :-1].abs() ** 2).contiguous()
-    mel = _mel_filters(n_mels).to(device) @ power
-    log_spec = mel.clamp(min=1e-10).log10()
-    log_spec = torch.maximum(log_spec, log_spec.max() - 8.0)
-    return (log_spec + 4.0) / 4.0
+    log_spec = _log10_mel(stft[..., :-1], n_mels)
+    return _normalise(log_spec, log_spec.max())
+
+
+def _log10_mel(stft: Tensor, n_mels: int) -> Tensor:
+    power = (stft.abs() ** 2).contiguous()
+    mel = _mel_filters(n_mels).to(stft.device) @ power
+    return mel.clamp(min=1e-10).log10()
+
+
+def _normalise(log_spec: Tensor, peak: Tensor | float) -> Tensor:
+    """Whisper's scaling: an 80 dB range below the recording's loudest mel bin."""
+    return (log_spec.clamp(min=peak - 8.0) + 4.0) / 4.0
 
 
 def content_frames(audio: np.ndarray) -> int:
@@ -55,3 +66,103 @@ def content_frames(audio: np.ndarray) -> int:
 
 def window_at(mel: Tensor, seek: int) -> Tensor:
     return mel[:, seek : seek + WINDOW_FRAMES]
+
+
+class StreamedMel:
+    """The windows of log_mel for a recording read block by block, so that hours of
+    audio are never held at once: memory stays at about one window of samples.
+
+    log_mel's windows depend on the whole recording in two ways: its length, and its
+    loudest mel bin (the floor of the 80 dB range). A first pass over the stream measures
+    both; windows are then computed on demand as the seek moves forward (it never moves
+    back), each from the samples its frames see, with the same STFT framing and centre
+    padding as the whole-recording path, so `window(seek)` equals
+    `window_at(log_mel(samples), seek)` up to floating-point summation order. The price is
+    reading (decoding and resampling) the file twice.
+    """
+
+    def __init__(self, open_blocks: Callable[[], Iterator[np.ndarray]], n_mels: int, name: str = "audio"):
+        from asr.audio import AudioError
+
+        self._open = open_blocks
+        self.n_mels = n_mels
+        scan = _SampleStream(open_blocks())
+        peak = -10.0  # log10 of the clamp: what frames of pure padding give
+        first = 0
+        while not scan.ended or _frame_start(first) < scan.length:  # frames that see any audio
+            peak = max(peak, float(self._log10_frames(scan, first, first + WINDOW_FRAMES).max()))
+            first += WINDOW_FRAMES
+        if scan.length == 0:
+            raise AudioError(f"{name}: contains no audio samples")
+        if scan.peak_amplitude < 1e-6:
+            raise AudioError(f"{name}: contains only digital silence, nothing to transcribe")
+        self.peak = peak
+        self.samples = scan.length
+        self._stream: _SampleStream | None = None
+
+    @property
+    def frames(self) -> int:
+        return self.samples // HOP_LENGTH
+
+    @property
+    def duration(self) -> float:
+        return self.samples / SAMPLE_RATE
+
+    def window(self, seek: int) -> Tensor:
+        if self._stream is None:
+            self._stream = _SampleStream(self._open())
+        return _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)
+
+    def _log10_frames(self, stream: "_SampleStream", first: int, end: int) -> Tensor:
+        """Frames [first, end): frame f is centred on sample f * HOP_LENGTH."""
+        samples = stream.take(_frame_start(first), _frame_start(end - 1) + N_FFT)
+        window = torch.hann_window(N_FFT)
+        stft = torch.stft(torch.from_numpy(samples), N_FFT, HOP_LENGTH, window=window, center=False, return_complex=True)
+        return _log10_mel(stft, self.n_mels)
+
+
+def _frame_start(frame: int) -> int:
+    return frame * HOP_LENGTH - N_FFT // 2
+
+
+class _SampleStream:
+    """A forward-only view of a block stream as one signal: samples past the end are
+    zeros and samples before 0 mirror the start (torch.stft's centre padding of
+    log_mel's audio + silence). Samples before the last request are dropped."""
+
+    def __init__(self, blocks: Iterator[np.ndarray]):
+        self._blocks = blocks
+        self._buffer = np.zeros(0, dtype=np.float32)
+        self._offset = 0  # signal index of _buffer[0]
+        self.ended = False
+        self.peak_amplitude = 0.0
+
+    @property
+    def length(self) -> int:
+        """Samples read so far: the signal's length once ended."""
+        return self._offset + len(self._buffer)
+
+    def take(self, start: int, stop: int) -> np.ndarray:
+        while not self.ended and self.length < stop + 1:  # + 1: the mirror of the start reads one further
+            block = next(self._blocks, None)
+            if block is None:
+                self.ended = True
+            elif len(block):
+                self.peak_amplitude = max(self.peak_amplitude, float(np.abs(block).max()))
+                self._buffer = np.concatenate([self._buffer, block])
+        if max(start, 0) < self._offset:
+            raise ValueError(f"samples from {start} were already dropped (the stream is at {self._offset})")
+        signal = self._signal(max(start, 0), stop)
+        if start < 0:
+            signal = np.concatenate([self._signal(1, 1 - start)[::-1], signal])
+        self._drop_before(max(start, 0))
+        return np.ascontiguousarray(signal)
+
+    def _signal(self, start: int, stop: int) -> np.ndarray:
+        part = self._buffer[max(start - self._offset, 0) : max(stop - self._offset, 0)]
+        return np.concatenate([part, np.zeros(stop - start - len(part), dtype=np.float32)])
+
+    def _drop_before(self, index: int) -> None:
+        if index > self._offset:
+            self._buffer = self._buffer[index - self._offset :]
+            self._offset = index

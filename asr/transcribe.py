@@ -15,14 +15,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asr.audio import SAMPLE_RATE, load_audio
-from asr.features import FRAME_SECONDS, WINDOW_FRAMES, content_frames, log_mel, window_at
+from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
+from asr.features import FRAME_SECONDS, WINDOW_FRAMES, StreamedMel, content_frames, log_mel, window_at
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
+STREAM_ABOVE_SECONDS = 600.0  # Transcriber.read streams longer files block by block instead of loading them
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class Transcript:
 @dataclass
 class AudioInput:
     name: str
-    samples: np.ndarray
+    samples: np.ndarray | StreamedMel  # 16 kHz mono, or a long recording read block by block
 
 
 @dataclass
@@ -89,13 +90,18 @@ class _Job:
     """A recording being transcribed: its features and how far the seek has got."""
 
     audio: AudioInput
-    mel: Tensor
+    mel: Tensor | StreamedMel
     frames: int
     info: TranscriptionInfo
     language: str | None
     seek: int = 0
     segments: list[Segment] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # text tokens that condition the next window
+
+    def window(self) -> Tensor:
+        if isinstance(self.mel, StreamedMel):
+            return self.mel.window(self.seek)
+        return window_at(self.mel, self.seek)
 
 
 class Transcriber:
@@ -134,11 +140,18 @@ class Transcriber:
         )
 
     def transcribe(self, audio: str | Path | np.ndarray, name: str | None = None) -> Transcript:
-        if isinstance(audio, np.ndarray):
-            item = AudioInput(name or "audio", audio)
-        else:
-            item = AudioInput(name or str(audio), load_audio(audio))
+        item = AudioInput(name or "audio", audio) if isinstance(audio, np.ndarray) else self.read(audio, name)
         return next(iter(self.transcribe_many([item])))
+
+    def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
+        """A file as transcribe_many's input: loaded whole, or, when its header says it is
+        longer than stream_above_seconds, scanned once and then read block by block as the
+        windows advance. Raises AudioError for unusable input either way."""
+        seconds = audio_seconds(path)
+        if seconds is None or seconds <= stream_above_seconds:
+            return AudioInput(name or str(path), load_audio(path))
+        mel = StreamedMel(lambda: stream_audio(path), self.models.target.config.num_mel_bins, str(path))
+        return AudioInput(name or str(path), mel)
 
     def transcribe_many(self, inputs: Iterable[AudioInput]) -> Iterator[Transcript]:
         """Yields each recording's transcript as soon as its last window is decoded."""
@@ -157,19 +170,23 @@ class Transcriber:
 
     def _start(self, audio: AudioInput) -> _Job:
         target = self.models.target
-        mel = log_mel(audio.samples, target.config.num_mel_bins, device=target.device)
+        if isinstance(audio.samples, StreamedMel):
+            mel, frames, duration = audio.samples, audio.samples.frames, audio.samples.duration
+        else:
+            mel = log_mel(audio.samples, target.config.num_mel_bins, device=target.device)
+            frames, duration = content_frames(audio.samples), len(audio.samples) / SAMPLE_RATE
         info = TranscriptionInfo(
             language=self.options.language or ("en" if not self.vocab.multilingual else ""),
             language_probability=1.0,
-            duration=len(audio.samples) / SAMPLE_RATE,
+            duration=duration,
             speculative=self.speculative,
         )
-        return _Job(audio, mel, content_frames(audio.samples), info, language=info.language or None)
+        return _Job(audio, mel, frames, info, language=info.language or None)
 
     def _step(self, jobs: list[_Job], rules: DecodingRules) -> None:
         """Decodes the current window of every job together and advances each seek."""
         target, draft = self.models.target, self.models.draft
-        features = torch.stack([window_at(job.mel, job.seek) for job in jobs])
+        features = torch.stack([job.window().to(target.device) for job in jobs])
         started = time.perf_counter()
         encoded = target.encode(features)
         draft_encoded = draft.encode(features) if self.speculative and self.models.draft_has_own_encoder else None

