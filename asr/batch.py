@@ -35,8 +35,8 @@ from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, 
 from asr.writers import FORMATS, RENDERERS, write_atomic
 
 ERRORS_FILE = "errors.jsonl"
-# Windows of different files decoded together. 8 measured faster than one by one on CPU
-# (scripts/benchmark_folder.py); larger batches mostly add memory.
+# Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
+# cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
 
 

@@ -195,7 +195,7 @@ class SpeculativeDecoder:
             new = torch.minimum(new, limit - length)
             token_logprobs = torch.log_softmax(logits.float(), -1).gather(2, window[:, :, None])[:, :, 0]
             kept = torch.arange(k + 1, device=device) < new[:, None]
-            sum_logprob += (token_logprobs * kept).sum(1).double()
+            sum_logprob += torch.where(kept, token_logprobs, 0.0).sum(1).double()  # -inf * 0 would be NaN
             eot_kept = ends_with_eot & (is_eot & kept).any(1)
             length = length + new
             if draft is not None:
