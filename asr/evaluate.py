@@ -207,17 +207,25 @@ def _counted(module: nn.Module | None) -> Iterator[list[int]]:
             handle.remove()
 
 
+class _Assistant(WhisperForCausalLM):
+    """transformers' long-form loop hands a decoder-only assistant the target's
+    `decoder_attention_mask`, which it also copies to `attention_mask`, and then refuses the
+    unused key. At batch 1 that mask is all ones (nothing is padded), so it is dropped."""
+
+    def prepare_inputs_for_generation(self, *args, decoder_attention_mask=None, **kwargs):
+        return super().prepare_inputs_for_generation(*args, **kwargs)
+
+
 def transformers_assistant(pair: ModelPair) -> nn.Module:
-    """Our draft as transformers' `assistant_model`. A decoder-only draft already is a
-    WhisperForCausalLM, and a draft that runs its own encoder is a whole Whisper; a full
-    checkpoint whose encoder copy was freed (it shares the target's) becomes a
-    WhisperForCausalLM over its decoder and head, which transformers gives the target's
-    encoder output."""
+    """Our draft as transformers' `assistant_model`. A draft that runs its own encoder is a
+    whole Whisper; any other (a decoder-only draft, or a full checkpoint whose encoder copy
+    was freed because it shares the target's) becomes a WhisperForCausalLM view over its
+    decoder and head, which transformers gives the target's encoder output."""
     draft = pair.draft
-    if isinstance(draft.model, WhisperForCausalLM) or draft.encoder is not None:
+    if draft.encoder is not None:
         return draft.model
     with torch.device("meta"):
-        view = WhisperForCausalLM(copy.deepcopy(draft.config))  # its __init__ edits the config it is given
+        view = _Assistant(copy.deepcopy(draft.config))  # its __init__ edits the config it is given
     view.model.decoder = draft.decoder
     view.proj_out = draft.model.proj_out
     return view.eval()
