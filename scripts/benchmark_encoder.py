@@ -1,0 +1,41 @@
+"""Encoder cost per window: one batch of N windows against N windows one at a time, in
+turns in one process (why WhisperModel.encode splits a batch on CPU).
+
+    python scripts/benchmark_encoder.py [--preset embedded] [--windows 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from asr.models import DEFAULT_PRESET, PRESETS, load_model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
+    parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    model = load_model(PRESETS[args.preset][0])
+    features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions)
+    print(f"{model.name} encoder, {args.windows} windows, {torch.get_num_threads()} threads, device {model.device}")
+    with torch.inference_mode():
+        model.encoder(features[:1])  # first-call costs out of the timings
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            for window in features:
+                model.encoder(window[None])
+            single = time.perf_counter() - started
+            started = time.perf_counter()
+            model.encoder(features)
+            batched = time.perf_counter() - started
+            print(f"one at a time {single / args.windows:.3f} s/window, batched {batched / args.windows:.3f} s/window "
+                  f"(batched / one at a time: {batched / single:.2f})")
+
+
+if __name__ == "__main__":
+    main()
