@@ -2,12 +2,15 @@
 VENV    := .venv
 PYTHON  := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
+# tests/test_app.py drives Debian's Chromium through Playwright (Playwright's own browser download is not used).
+CHROMIUM := /usr/bin/chromium
+SUDO    := $(if $(filter 0,$(shell id -u)),,sudo)
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
 .PHONY: install demo test benchmark
 
-install: $(STAMP)
+install: $(STAMP) $(CHROMIUM)
 
 $(STAMP): pyproject.toml
 	test -x $(PYTHON) || python3 -m venv $(VENV)
@@ -17,10 +20,15 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m pip install --quiet -e '.[test]'
 	touch $(STAMP)
 
+# Only when missing: apt-get is slow and needs root.
+$(CHROMIUM):
+	$(SUDO) apt-get update -qq && $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium \
+	  || { echo "make: the browser tests need Chromium at $(CHROMIUM); install Debian's chromium package (apt-get install chromium)" >&2; exit 1; }
+
 demo: $(STAMP)
 	$(PYTHON) scripts/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(CHROMIUM)
 	$(PYTHON) -m pytest -q
 
 benchmark: $(STAMP)

@@ -1,11 +1,16 @@
 """`asr transcribe PATH...`: files or folders in, one transcript per file out.
-`asr evaluate MANIFEST.tsv --out DIR`: WER and speed of speculative vs target-only decoding."""
+`asr evaluate MANIFEST.tsv --out DIR`: WER and speed of speculative vs target-only decoding.
+`asr app`: the web page (upload a file, or transcribe the microphone live).
+`asr stream FILE`: a file fed to the streaming transcriber as if it were a live microphone."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import sys
+import time
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -14,7 +19,9 @@ from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, t
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import TranscribeOptions
+from asr.audio import load_audio
+from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
+from asr.transcribe import TranscribeOptions, Transcriber
 from asr.writers import FORMATS
 
 LOCAL_RAY = "local"  # --ray without an address
@@ -33,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=int, help="fixed k (default: adaptive)")
+    t.add_argument("--cuda-graphs", action="store_true",
+                   help="on CUDA, greedy decoding in fixed shapes captured as CUDA graphs (experimental: not yet measured on a GPU)")
     t.add_argument("--language", help="e.g. en, de (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=float, default=0.0, help="first temperature (default 0: greedy)")
@@ -57,6 +66,29 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--limit", type=int, help="only the first N files of the manifest")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
                    help="also run transformers' generate and its assisted generation with the same draft")
+
+    s = commands.add_parser("stream", help="feed a file to the streaming transcriber as if it were a live microphone")
+    s.add_argument("file", type=Path, metavar="FILE", help="an audio file")
+    s.add_argument("--chunk-seconds", type=float, default=0.5, help="audio per microphone chunk (default: %(default)s)")
+    s.add_argument("--json", action="store_true", help="one JSON object per update, the last one a summary")
+    s.add_argument("--realtime", action="store_true",
+                   help="wait for each chunk on the wall clock (default: an audio-time clock, chunks arriving as "
+                        "they would while each update takes its measured compute time)")
+    s.add_argument("--no-hypothesis-draft", action="store_true",
+                   help="re-decode the buffer without proposing the previous hypothesis first")
+    s.add_argument("--buffer-trim-seconds", type=float, default=15.0,
+                   help="cut the buffer at a committed segment once it is longer (default: %(default)s)")
+    s.add_argument("--full-window", action="store_true",
+                   help="encode Whisper's whole 30 s window at every update (default: the buffer plus 2 s of silence)")
+    s.add_argument("--language", help="e.g. en, de (default: detect)")
+    add_model_arguments(s)
+    s.add_argument("--no-speculation", action="store_true", help="decode with the target alone (no draft model)")
+
+    a = commands.add_parser("app", help="the web page: transcribe an uploaded file, or the microphone live")
+    a.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 opens it to the network)")
+    a.add_argument("--port", type=int, default=7860, help="(default: %(default)s)")
+    add_model_arguments(a)
     return parser
 
 
@@ -109,6 +141,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
         seed=args.seed,
+        cuda_graphs=args.cuda_graphs,
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES[args.dtype] if args.dtype else None, options, max(1, args.batch_size))
@@ -154,12 +187,78 @@ def evaluate_command(args: argparse.Namespace) -> int:
     return 1 if report["failures"] else 0
 
 
+def app_command(args: argparse.Namespace) -> int:
+    if args.draft and not args.target:
+        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
+        return 2
+    target, draft = model_sources(args)
+    device, dtype = device_and_dtype(args)
+    try:
+        pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype)
+    except (ValueError, OSError) as error:
+        print(f"asr: {error}", file=sys.stderr)
+        return 2
+    from app.engine import Engine  # gradio takes seconds to import: only this command pays
+    from app.ui import serve
+
+    try:
+        serve(Engine(pair, f"Target {target} · draft {draft or 'none'} · {device}"), args.host, args.port)
+    except OSError as error:  # the port is taken, or the address is not this machine's
+        print(f"asr: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def stream_command(args: argparse.Namespace) -> int:
+    if args.draft and not args.target:
+        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
+        return 2
+    target, draft = model_sources(args)
+    device, dtype = device_and_dtype(args)
+    try:
+        samples = load_audio(args.file)
+        pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
+                         device=device, dtype=dtype)
+        transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation))
+        stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
+                                      buffer_trim_seconds=args.buffer_trim_seconds,
+                                      encoder_padding_seconds=None if args.full_window else 2.0,
+                                      clock=(lambda: time.monotonic() - started) if args.realtime else None)
+        stream.warm_up()
+    except (ValueError, OSError) as error:
+        print(f"asr: {error}", file=sys.stderr)
+        return 2
+    started = time.monotonic()  # the stream starts once the models are warm
+    updates = []
+    for update in feed_recording(stream, samples, args.chunk_seconds, stream.clock):
+        updates.append(update)
+        print(json.dumps({"type": "update", **asdict(update)}) if args.json else describe_update(update), flush=True)
+    summary = asdict(summarize(updates))
+    if args.json:
+        print(json.dumps({"type": "summary", **summary}))
+    else:
+        print(summary.pop("committed_text"))
+        print(", ".join(f"{k}: {round(v, 3) if isinstance(v, float) else v}" for k, v in summary.items()), file=sys.stderr)
+    return 0
+
+
+def describe_update(update: StreamUpdate) -> str:
+    """[clock] the words this update committed, then the tentative rest in angle brackets."""
+    committed = "".join(w.text for w in update.committed).strip()
+    tentative = f" \u27e8{update.tentative_text}\u27e9" if update.tentative_text else ""
+    return f"[{update.now:7.2f}s]{' final' if update.final else ''} {committed}{tentative}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "transcribe":
         return transcribe_command(args)
     if args.command == "evaluate":
         return evaluate_command(args)
+    if args.command == "app":
+        return app_command(args)
+    if args.command == "stream":
+        return stream_command(args)
     return 2
 
 

@@ -84,22 +84,37 @@ class DecoderRunner:
         )
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None) -> Tensor:
+    def forward(
+        self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None, static: bool = False
+    ) -> Tensor:
         """tokens [B, q] placed at positions start[b] .. start[b]+q-1 of each row.
-        Returns logits [B, m, V] at the query indices logits_at [B, m] (all q if None)."""
+        Returns logits [B, m, V] at the query indices logits_at [B, m] (all q if None).
+
+        static: attend over the cache's whole capacity under a mask built on the device and
+        check nothing on the host, so that no value is read back and shapes depend only on
+        the arguments' shapes (what CUDA graph capture needs, asr/graphs.py). The caller
+        keeps positions within the capacity; positions past the decoder's last (which
+        asr/graphs.py never keeps) take the last position's embedding."""
         batch, q = tokens.shape
         offsets = torch.arange(q, device=tokens.device)
         positions = start[:, None] + offsets  # [B, q]
-        attended = int(start.max()) + q
-        if attended > cache.capacity or attended > self.max_positions:
-            raise ValueError(f"decoder input reaches position {attended}, past the limit")
-        # Key j is visible to the query at position p when j <= p; None lets SDPA skip masking.
-        mask = None
-        if q > 1 or bool((start != start[0]).any()):
+        embedded = positions
+        if static:
+            attended = cache.capacity
             keys = torch.arange(attended, device=tokens.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+            embedded = positions.clamp(max=self.max_positions - 1)
+        else:
+            attended = int(start.max()) + q
+            if attended > cache.capacity or attended > self.max_positions:
+                raise ValueError(f"decoder input reaches position {attended}, past the limit")
+            # Key j is visible to the query at position p when j <= p; None lets SDPA skip masking.
+            mask = None
+            if q > 1 or bool((start != start[0]).any()):
+                keys = torch.arange(attended, device=tokens.device)
+                mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
 
-        x = self.decoder.embed_tokens(tokens) * self.embed_scale + self.decoder.embed_positions.weight[positions]
+        x = self.decoder.embed_tokens(tokens) * self.embed_scale + self.decoder.embed_positions.weight[embedded]
         rows = torch.arange(batch, device=tokens.device)[:, None].expand(batch, q)
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
             h = layer.self_attn_layer_norm(x)

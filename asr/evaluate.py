@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 import time
+from collections import Counter
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -149,15 +150,21 @@ class _TokenCounter(BaseStreamer):
 
     def __init__(self) -> None:
         self.prompt_pending = True
-        self.tokens = 0
-        self.rounds = 0
+        self.per_round: list[int] = []
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.per_round)
+
+    @property
+    def rounds(self) -> int:
+        return len(self.per_round)
 
     def put(self, value: torch.Tensor) -> None:
         if self.prompt_pending:
             self.prompt_pending = False
             return
-        self.tokens += value.numel()
-        self.rounds += 1
+        self.per_round.append(value.numel())
 
     def end(self) -> None:
         self.prompt_pending = True  # long-form audio: one `generate` per window
@@ -311,6 +318,7 @@ class TransformersSystem:
             target_passes=counter.rounds,
             draft_passes=proposed,
             tokens=counter.tokens,
+            tokens_per_pass=counter.per_round,
         )
         return Run(
             text=vocab.decode(tokens).strip(),
@@ -442,6 +450,8 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         if system in SPECULATIVE_SYSTEMS:
             entry["acceptance_rate"] = stats.acceptance_rate
             entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
+            # How many draft tokens each target pass accepted: {accepted: passes}.
+            entry["accepted_per_pass_histogram"] = dict(sorted(Counter(n - 1 for n in stats.tokens_per_pass).items()))
         if system != TARGET:
             same = sum(_identical(r.runs[system], r.runs[TARGET], system == SPECULATIVE) for r, _ in done)
             entry["identical_to_target_fraction"] = _ratio(same, len(done))
@@ -581,14 +591,17 @@ def write_plots(report: dict, out: Path) -> None:
         ax.legend()
 
     ax = figures["acceptance_histogram.png"].subplots()
-    spread = [(s, [f[f"{s}_tokens_per_target_pass"] for f in files if f.get(f"{s}_tokens_per_target_pass")])
-              for s in SPECULATIVE_SYSTEMS if s in systems]
-    spread = [(s, values) for s, values in spread if values]
-    if spread:
-        ax.hist([values for _, values in spread], bins=12, label=[LABELS[s] for s, _ in spread])
+    histograms = [(s, {int(a): n for a, n in report["systems"][s]["accepted_per_pass_histogram"].items()})
+                  for s in SPECULATIVE_SYSTEMS if s in systems and report["systems"][s].get("accepted_per_pass_histogram")]
+    width = 0.8 / max(1, len(histograms))
+    for i, (s, histogram) in enumerate(histograms):
+        passes = sum(histogram.values())
+        ax.bar([a + i * width for a in histogram], [100 * n / passes for n in histogram.values()], width,
+               label=f"{LABELS[s]} ({passes} passes)")
+    if histograms:
         ax.legend()
-    ax.set(xlabel="tokens kept per target pass (accepted draft tokens + 1), per clip", ylabel="clips",
-           title="Acceptance: tokens per target pass")
+    ax.set(xlabel="draft tokens accepted by a target pass", ylabel="target passes (%)",
+           title="Acceptance: draft tokens accepted per target pass")
 
     ax = figures["wer.png"].subplots()
     wers = [100 * (report["systems"][s]["wer"] or 0.0) for s in systems]

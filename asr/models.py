@@ -93,12 +93,26 @@ class WhisperModel:
 
     @torch.inference_mode()
     def encode(self, features: Tensor) -> Tensor:
+        """features [B, mels, frames]: 30 s windows (3000 frames), or fewer frames (an even
+        number), encoded as they are, at the first frames / 2 positions (whisper.cpp's
+        audio_ctx): far cheaper for short audio, but not what Whisper was trained on."""
         features = features.to(self.device, self.dtype)
+        if features.shape[-1] < self.encoder.config.max_source_positions * 2:
+            return self._encode_prefix(features)
         if self.device.type == "cpu":
             # One window at a time: a batch's activations overflow the CPU caches, and a
             # batch of 8 windows took 1.15-1.35x longer than 8 single ones (scripts/benchmark_encoder.py).
             return torch.cat([self.encoder(window[None]).last_hidden_state for window in features])
         return self.encoder(features).last_hidden_state
+
+    def _encode_prefix(self, features: Tensor) -> Tensor:
+        """The encoder's own layers over fewer positions (its forward insists on 3000 frames)."""
+        encoder = self.encoder
+        hidden = nn.functional.gelu(encoder.conv2(nn.functional.gelu(encoder.conv1(features)))).permute(0, 2, 1)
+        hidden = hidden + encoder.embed_positions.weight[: hidden.shape[1]]
+        for layer in encoder.layers:
+            hidden = layer(hidden, None)
+        return encoder.layer_norm(hidden)
 
 
 @dataclass

@@ -25,6 +25,9 @@ class DecodeStats:
     target_passes: int = 0
     draft_passes: int = 0
     tokens: int = 0  # tokens kept (end-of-text included)
+    hint_proposed: int = 0  # tokens proposed from a hint (decode's hints), not counted as draft tokens
+    hint_accepted: int = 0
+    tokens_per_pass: list[int] = field(default_factory=list)  # kept by each target pass: accepted proposals + 1
 
     @property
     def acceptance_rate(self) -> float:
@@ -35,7 +38,7 @@ class DecodeStats:
         return self.tokens / self.target_passes if self.target_passes else 0.0
 
     def add(self, other: "DecodeStats") -> None:
-        for name in self.__dataclass_fields__:
+        for name in self.__dataclass_fields__:  # counts add up, lists join
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
@@ -113,10 +116,18 @@ class SpeculativeDecoder:
         temperature: float = 0.0,
         draft_length: DraftLength | None = None,
         generator: torch.Generator | None = None,
+        hints: list[list[int]] | None = None,
     ) -> list[Sequence]:
         """prompts[b] is row b's decoder prompt (previous text, <|startoftranscript|>, ...).
         sot_index[b] is where <|startoftranscript|> sits in it: the no-speech probability is
-        read from the target's prediction there."""
+        read from the target's prediction there.
+
+        hints[b]: tokens row b is expected to generate (e.g. the previous hypothesis of a
+        re-transcribed stream). While the row follows its hint, a round proposes all the rest
+        of it instead of running the draft; where the row departs from it, or once it is used
+        up, the draft takes over, until the hint can be followed again (_follow_hint). Like a
+        draft's, a hint's proposals are only ever kept where the target agrees, so any hint
+        keeps the output exact."""
         device = target_encoder_output.device
         batch = len(prompts)
         use_draft = self.draft is not None and (draft_length is None or draft_length.maximum > 0)
@@ -135,6 +146,9 @@ class SpeculativeDecoder:
         sample_begin = length.clone()
         limit = length + max_new_tokens
         sot = torch.tensor(sot_index if sot_index is not None else [0] * batch, device=device)
+        hint, hint_length = _pad_hints(hints or [[]] * batch, rules.eot, self.target.vocab_size, device)
+        hint_shift = torch.zeros_like(hint_length)
+        hinted = bool(hints) and any(hints)  # else no hint work at all (and no host sync for it)
 
         target = _Model(self.target, self.target.new_cache(target_encoder_output, capacity))
         no_speech = torch.full((batch,), float("nan"), device=device)
@@ -157,12 +171,27 @@ class SpeculativeDecoder:
         while rows.numel():
             live = rows.numel()
             remaining = int((limit - length).min())
-            k = min(draft_length.k, remaining - 1) if use_draft else 0
+            hint_round = False
+            if hinted:
+                hint_on, hint_shift = _follow_hint(hint, hint_length, hint_shift, tokens, length, sample_begin)
+                hint_round = bool(hint_on.any())
             draft_probs = None
             started = time.perf_counter()
-            if k > 0:
-                k, draft_probs = self._propose(draft, tokens, length, draft_cached, sample_begin, rules, k, temperature, generator)
-                draft_cached = length + k - 1
+            if hint_round:
+                offset = length - sample_begin + hint_shift  # index in the hint of the first proposal
+                k = min(int((hint_length - offset)[hint_on].max()), remaining - 1)
+                hint_proposed = torch.where(hint_on, (hint_length - offset).clamp(max=k), 0)
+                if k > 0:
+                    # Rows not hinting propose whatever lies in their padded hint: never kept unless right.
+                    proposals = hint.gather(1, (offset[:, None] + torch.arange(k, device=device)).clamp(max=hint.shape[1] - 1))
+                    tokens.scatter_(1, length[:, None] + torch.arange(k, device=device), proposals)
+                    if temperature > 0:  # a fixed proposal is a draft distribution with all its mass on it
+                        draft_probs = torch.nn.functional.one_hot(proposals, self.target.vocab_size).float()
+            else:
+                k = min(draft_length.k, remaining - 1) if use_draft else 0
+                if k > 0:
+                    k, draft_probs = self._propose(draft, tokens, length, draft_cached, sample_begin, rules, k, temperature, generator)
+                    draft_cached = length + k - 1
             drafted = time.perf_counter()
 
             positions = length[:, None] + torch.arange(k + 1, device=device)  # predicted indices
@@ -203,14 +232,21 @@ class SpeculativeDecoder:
             verified = time.perf_counter()
 
             accepted_list, new_list = accepted.tolist(), new.tolist()
+            if hint_round:
+                hinted_list = hint_proposed.tolist()
             for i, row in enumerate(rows.tolist()):
                 s = stats[row]
-                s.draft_proposed += k
-                s.draft_accepted += accepted_list[i]
+                if hint_round:
+                    s.hint_proposed += hinted_list[i]
+                    s.hint_accepted += min(accepted_list[i], hinted_list[i])
+                else:
+                    s.draft_proposed += k
+                    s.draft_accepted += accepted_list[i]
+                    s.draft_passes += k
                 s.target_passes += 1
-                s.draft_passes += k
                 s.tokens += new_list[i]
-            if k > 0:
+                s.tokens_per_pass.append(new_list[i])
+            if k > 0 and not hint_round:
                 rejected = sum(1 for a in accepted_list if a < k)
                 draft_length.update(sum(accepted_list), rejected, (drafted - started) / k, verified - drafted)
 
@@ -231,6 +267,7 @@ class SpeculativeDecoder:
                     t.index_select(0, keep) for t in (rows, tokens, length, sample_begin, limit, sot)
                 )
                 sum_logprob, no_speech, draft_cached = (t.index_select(0, keep) for t in (sum_logprob, no_speech, draft_cached))
+                hint, hint_length, hint_shift = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift))
                 target.cache.keep_rows(keep)
                 if draft is not None:
                     draft.cache.keep_rows(keep)
@@ -265,15 +302,18 @@ class SpeculativeDecoder:
         generator: torch.Generator | None,
     ) -> tuple[int, Tensor | None]:
         """Writes up to k proposals per row into tokens[length : length + k]. The draft first
-        catches up on the tokens it has not seen (one, or two after a full acceptance), and
-        stops early once every row has proposed end-of-text. Returns how many it proposed,
-        and the draft's distributions [B, k, V] when sampling."""
+        catches up on the tokens it has not seen (one, two after a full acceptance, many after
+        a hint), and stops early once every row has proposed end-of-text. Returns how many it
+        proposed, and the draft's distributions [B, k, V] when sampling."""
         live = tokens.shape[0]
         arange_rows = torch.arange(live, device=tokens.device)
-        start = draft_cached
-        unseen = length - draft_cached
-        feed = tokens.gather(1, start[:, None] + torch.arange(int(unseen.max()), device=tokens.device))
-        last = (unseen - 1)[:, None]
+        width = int((length - draft_cached).max())
+        # Every row's catch-up ends at its pending token: a row with less to catch up re-feeds
+        # cached tokens (same keys and values) rather than running past its length, which
+        # a long catch-up beside a row near its limit could take beyond the cache.
+        start = (length - width).clamp(min=0)
+        feed = tokens.gather(1, start[:, None] + torch.arange(width, device=tokens.device))
+        last = (length - 1 - start)[:, None]
         ended = torch.zeros(live, dtype=torch.bool, device=tokens.device)
         probs = []
         for i in range(k):
@@ -291,11 +331,51 @@ class SpeculativeDecoder:
             if bool(ended.all()):
                 k = i + 1
                 break
-            start = start + unseen
-            unseen = torch.ones_like(unseen)
+            start = position
             feed = proposal[:, None]
             last = torch.zeros_like(last)
         return k, torch.stack(probs, 1) if probs else None
+
+
+def _pad_hints(hints: list[list[int]], pad: int, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """Hints as one [B, H] tensor (padded with `pad`, H >= 1) and their lengths [B]."""
+    if any(not 0 <= t < vocab_size for row in hints for t in row):
+        raise ValueError(f"hint tokens must be token ids below the vocabulary's {vocab_size}")
+    width = max(1, max(map(len, hints)))
+    padded = torch.full((len(hints), width), pad, dtype=torch.long, device=device)
+    for b, row in enumerate(hints):
+        padded[b, : len(row)] = torch.tensor(row, dtype=torch.long)
+    return padded, torch.tensor([len(row) for row in hints], device=device)
+
+
+HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the hint there
+
+
+def _follow_hint(
+    hint: Tensor, hint_length: Tensor, shift: Tensor, tokens: Tensor, length: Tensor, sample_begin: Tensor
+) -> tuple[Tensor, Tensor]:
+    """Where each row stands in its hint, given shift [B] (the hint index of the row's next
+    token minus its count of generated tokens). A row follows its hint while its last kept
+    token is the hint's at that place. Where it departs (a stream's hypothesis changed a word
+    or a timestamp and then goes on as before), the hint resumes as soon as a kept token is
+    the hint's at its place again, or else where the row's last HINT_REALIGN kept tokens
+    occur in the hint (the occurrence nearest its place). Returns which rows propose from
+    their hint this round [B] and the updated shift."""
+    generated = length - sample_begin
+    at = generated + shift
+    width, rows = hint.shape[1], torch.arange(len(length), device=length.device)
+    last = tokens[rows, length - 1]
+    follows = (generated == 0) | ((at >= 1) & (hint[rows, (at - 1).clamp(0, width - 1)] == last))
+    if width >= HINT_REALIGN:
+        recent = tokens.gather(1, (length[:, None] - HINT_REALIGN + torch.arange(HINT_REALIGN, device=length.device)).clamp(min=0))
+        ends = torch.arange(HINT_REALIGN, width + 1, device=length.device)  # hint index just past each window
+        found = (hint.unfold(1, HINT_REALIGN, 1) == recent[:, None]).all(-1) & (ends <= hint_length[:, None])
+        found &= (generated >= HINT_REALIGN)[:, None]
+        nearest = torch.where(found, (ends - at[:, None]).abs(), width + 1).argmin(1)
+        realign = ~follows & found.any(1)
+        shift = torch.where(realign, ends[nearest] - generated, shift)
+        follows |= realign
+    return follows & (generated + shift < hint_length), shift
 
 
 def _rejection_sample(

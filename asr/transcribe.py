@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
-from asr.features import FRAME_SECONDS, WINDOW_FRAMES, StreamedMel, content_frames, log_mel, window_at
+from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
+from asr.graphs import StaticDecoder
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder
@@ -41,6 +42,9 @@ class TranscribeOptions:
     num_draft_tokens: int | None = None  # None: adaptive
     max_draft_tokens: int = 8
     seed: int = 0
+    # Greedy decoding in fixed shapes captured as CUDA graphs (asr/graphs.py). Off by default
+    # until it has been run and measured on a GPU (it is tested on CPU only so far).
+    cuda_graphs: bool = False
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,17 @@ class Transcript:
 
 
 @dataclass
+class WindowResult:
+    """One window decoded by Transcriber.transcribe_window."""
+
+    tokens: list[int]  # generated tokens, timestamps included, end-of-text excluded
+    language: str
+    temperature: float
+    silent: bool  # judged to hold no speech (transcribe would skip the window)
+    info: TranscriptionInfo  # this window's stats and timings
+
+
+@dataclass
 class AudioInput:
     name: str
     samples: np.ndarray | StreamedMel  # 16 kHz mono, or a long recording read block by block
@@ -97,6 +112,7 @@ class _Job:
     seek: int = 0
     segments: list[Segment] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # text tokens that condition the next window
+    hint: list[int] = field(default_factory=list)  # tokens the window is expected to give: its first draft
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
@@ -116,6 +132,11 @@ class Transcriber:
         self._target_runner = target.runner
         self._draft_runner = models.draft.runner if models.draft is not None else None
         self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
+        # On a GPU, greedy decoding without hints runs in fixed shapes, as CUDA graphs (asr/graphs.py).
+        self._static = None
+        if target.device.type == "cuda" and options.cuda_graphs:
+            self._static = StaticDecoder(self._target_runner, self._draft_runner if self.speculative else None,
+                                         max_draft_tokens=self._draft_length.maximum)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
         if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
@@ -168,6 +189,28 @@ class Transcriber:
                 active.remove(job)
                 yield Transcript(job.audio.name, job.segments, job.info)
 
+    def transcribe_window(
+        self,
+        samples: np.ndarray,
+        context: list[int],
+        language: str | None = None,
+        hint: list[int] | None = None,
+        encoder_frames: int | None = None,
+    ) -> WindowResult:
+        """Decodes at most 30 s of audio as one window, as transcribe decodes each of its
+        windows (language detection when none is given, temperature fallback), conditioned on
+        the text tokens `context` and with `hint` as the first draft (SpeculativeDecoder.decode):
+        how a stream re-transcribes its buffer. encoder_frames: encode only the window's first
+        frames (an even number; WhisperModel.encode) rather than all 3000."""
+        if len(samples) > WINDOW_SAMPLES:
+            raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
+        job = self._start(AudioInput("window", samples))
+        if language is not None:
+            job.language = job.info.language = language
+        job.context, job.hint = list(context), list(hint or [])
+        [(sequence, temperature)] = self._decode([job], self.rules(timestamps=not self.options.without_timestamps), encoder_frames)
+        return WindowResult(sequence.tokens, job.info.language, temperature, self._silent(sequence), job.info)
+
     def _start(self, audio: AudioInput) -> _Job:
         target = self.models.target
         if isinstance(audio.samples, StreamedMel):
@@ -185,8 +228,15 @@ class Transcriber:
 
     def _step(self, jobs: list[_Job], rules: DecodingRules) -> None:
         """Decodes the current window of every job together and advances each seek."""
+        for job, (sequence, temperature) in zip(jobs, self._decode(jobs, rules)):
+            self._advance(job, sequence, temperature)
+
+    def _decode(
+        self, jobs: list[_Job], rules: DecodingRules, encoder_frames: int | None = None
+    ) -> list[tuple[Sequence, float]]:
+        """Decodes the current window of every job together, adding to each job's info."""
         target, draft = self.models.target, self.models.draft
-        features = torch.stack([job.window().to(target.device) for job in jobs])
+        features = torch.stack([job.window()[:, :encoder_frames].to(target.device) for job in jobs])
         started = time.perf_counter()
         encoded = target.encode(features)
         draft_encoded = draft.encode(features) if self.speculative and self.models.draft_has_own_encoder else None
@@ -205,7 +255,7 @@ class Transcriber:
             job.info.decoder_seconds += decoder_seconds * sequence.stats.target_passes / passes
             job.info.stats.add(sequence.stats)
             job.info.windows += 1
-            self._advance(job, sequence, temperature)
+        return results
 
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> list[tuple[str, float]]:
@@ -234,7 +284,9 @@ class Transcriber:
         for attempt, temperature in enumerate(options.temperatures):
             prompts, sot_index = zip(*(self._prompt(jobs[i], temperature) for i in todo))
             max_new = min(options.max_new_tokens, self._target_runner.max_positions - 1 - max(map(len, prompts)))
-            sequences = decoder.decode(
+            hints = [jobs[i].hint for i in todo]
+            static = self._static is not None and temperature == 0 and not any(hints)
+            sequences = (self._static if static else decoder).decode(
                 encoded[todo],
                 list(prompts),
                 rules,
@@ -245,6 +297,7 @@ class Transcriber:
                 temperature=temperature,
                 draft_length=self._draft_length,
                 generator=generator,
+                hints=hints,
             )
             last = attempt == len(options.temperatures) - 1
             retry = []
@@ -280,18 +333,20 @@ class Transcriber:
             prompt.append(vocab.no_timestamps)
         return prompt, len(previous)
 
-    def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
-        """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
-        and move the seek to the end of the last complete segment."""
+    def _silent(self, sequence: Sequence) -> bool:
         options = self.options
-        segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
-        offset = job.seek * FRAME_SECONDS
-        silent = (
+        return (
             options.no_speech_threshold is not None
             and sequence.no_speech_prob > options.no_speech_threshold
             and not (options.log_prob_threshold is not None and sequence.avg_logprob > options.log_prob_threshold)
         )
-        if silent:
+
+    def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
+        """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
+        and move the seek to the end of the last complete segment."""
+        segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
+        offset = job.seek * FRAME_SECONDS
+        if self._silent(sequence):
             job.seek += segment_frames
             return
         tokens = sequence.tokens

@@ -6,8 +6,10 @@
 
 Each batch size transcribes the same folder through the folder code path (asr.batch:
 header scan, duration sort, reading, decoding, atomic writes) into a fresh output folder,
-with one model pipeline loaded once. RTFx is seconds of audio per second of wall time;
-"vs batch 1" is the ratio of RTFx; "same text" counts transcripts identical to batch 1's.
+with one model pipeline loaded once. The batch sizes take turns in mirrored order (1, 8, 8,
+1 for sizes 1,8), so that drift in a shared machine's load weighs on all of them alike; each
+row sums its two runs. RTFx is seconds of audio per second of wall time; "vs batch 1" is
+the ratio of RTFx; "same text" counts transcripts identical to batch 1's.
 
 Sets built from ../shared/eval/dev (English):
 - short: the clips as they are (1.5 to 53 s; most shorter than one 30 s window);
@@ -21,7 +23,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import numpy as np
@@ -91,19 +92,25 @@ def main() -> int:
         warm = next(p for p in sorted(sets[0][1].rglob("*")) if p.is_file())
         Transcriber(pair, options).transcribe(warm)  # first-call costs (allocation, oneDNN packing) out of the timings
 
-        print("| set | files | audio s | batch | wall s | RTFx | vs batch 1 | acceptance | same text |")
+        print("| set | files | audio s | batch | wall s (2 runs) | RTFx | vs batch 1 | acceptance | same text |")
         print("|---|---|---|---|---|---|---|---|---|")
         for name, folder in sets:
-            baseline: tuple[FolderSummary, dict[str, str]] | None = None
-            for size in sizes:
-                started = time.perf_counter()
-                summary, texts = run(folder, Transcriber(pair, options, batch_size=size), scratch / f"out-{name}-{size}")
+            totals = {size: FolderSummary() for size in sizes}
+            texts: dict[int, dict[str, str]] = {}
+            for turn, size in enumerate(sizes + sizes[::-1]):
+                summary, texts[size] = run(folder, Transcriber(pair, options, batch_size=size), scratch / f"out-{name}-{size}-{turn}")
                 assert summary.failed == 0, f"{summary.failed} file(s) failed"
-                baseline = baseline or (summary, texts)
-                same = sum(texts[k] == baseline[1].get(k) for k in texts)
-                print(f"| {name} | {summary.ok} | {summary.audio_seconds:.1f} | {size} | {time.perf_counter() - started:.1f} | "
-                      f"{summary.rtfx:.2f} | {summary.rtfx / baseline[0].rtfx:.2f}x | "
-                      f"{summary.acceptance:.0%} | {same}/{len(texts)} |", flush=True)
+                total = totals[size]
+                total.ok = summary.ok
+                for field in ("audio_seconds", "wall_seconds", "draft_proposed", "draft_accepted"):
+                    setattr(total, field, getattr(total, field) + getattr(summary, field))
+            baseline = totals[sizes[0]]
+            for size in sizes:
+                total = totals[size]
+                same = sum(text == texts[sizes[0]].get(k) for k, text in texts[size].items())
+                print(f"| {name} | {total.ok} | {total.audio_seconds / 2:.1f} | {size} | {total.wall_seconds:.1f} | "
+                      f"{total.rtfx:.2f} | {total.rtfx / baseline.rtfx:.2f}x | "
+                      f"{total.acceptance:.0%} | {same}/{len(texts[size])} |", flush=True)
     return 0
 
 

@@ -71,6 +71,15 @@ def evaluated(embedded, tmp_path_factory):
     return results, environment, build_report(results, system_names(()), environment)
 
 
+def histogram_matches_totals(system: dict) -> None:
+    """Each target pass keeps its accepted draft tokens plus one: the histogram of accepted
+    tokens per pass must add up to the pass count and the tokens-per-pass average."""
+    histogram = {int(a): n for a, n in system["accepted_per_pass_histogram"].items()}
+    passes = sum(histogram.values())
+    assert len(histogram) > 1 and min(histogram) >= 0
+    assert sum((a + 1) * n for a, n in histogram.items()) / passes == pytest.approx(system["tokens_per_target_pass"])
+
+
 def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     _, _, report = evaluated
     write_report(report, tmp_path, title="dev clips")
@@ -82,6 +91,7 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
         assert {"wer", "seconds", "rtfx"} <= system.keys() and system["seconds"] > 0
     assert {"acceptance_rate", "tokens_per_target_pass"} <= written["systems"][SPECULATIVE].keys()
     assert written["systems"][SPECULATIVE]["tokens_per_target_pass"] > 1
+    histogram_matches_totals(written["systems"][SPECULATIVE])
     decoded = [f for f in written["per_file"] if "error" not in f]
     for entry in decoded:
         assert {"file", "duration", "target_text", "speculative_text", "identical", "target_seconds",
@@ -150,6 +160,7 @@ def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     assert plain["identical_to_target_fraction"] == 1.0
     assert assisted["files"] == 1 and 0 < assisted["acceptance_rate"] <= 1 and assisted["tokens_per_target_pass"] > 1
     assert "tokens_per_target_pass" not in plain
+    histogram_matches_totals(assisted)
     assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
 
 

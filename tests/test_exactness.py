@@ -167,3 +167,62 @@ def test_decoding_after_rollback_equals_decoding_from_scratch():
         sequence = torch.cat([prefix[row], wrong[row, :kept], right[row]])[None]
         logits = run.forward(sequence, torch.tensor([0]), fresh)
         torch.testing.assert_close(after[row], logits[0, -2:], rtol=1e-9, atol=1e-9)
+
+
+def hint_kinds(expected: list[int], generator: torch.Generator) -> list[list[int]]:
+    """A row's hint of each kind: exact, its 4th token wrong, two tokens inserted after the
+    5th, two deleted after the 5th, random, too long, half of it, none."""
+    def random(n: int) -> list[int]:
+        return torch.randint(0, 51865, (n,), generator=generator).tolist()
+
+    wrong = expected[:3] + [(t + 1) % 51865 for t in expected[3:4]] + expected[4:]
+    inserted, deleted = expected[:5] + random(2) + expected[5:], expected[:5] + expected[7:]
+    return [expected, wrong, inserted, deleted, random(20), expected + [EOT] + random(60), expected[: len(expected) // 2], []]
+
+
+@pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
+@pytest.mark.parametrize("previous_text", [False, True], ids=["plain-prompt", "previous-text"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_any_hint_keeps_greedy_output_exact(seed: int, previous_text: bool, timestamps: bool):
+    """Hints of every kind, mixed in one batch, with and without a draft: the tokens of
+    target-only decoding. Rows with previous text of different lengths (up to the decoder's
+    last position) make the draft catch up on a hint beside rows near their limit."""
+    target, features = target_and_windows(seed)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    rules = rules_for(timestamps)
+    sot_prev = 50361
+    prompts = [([sot_prev] + list(range(400, 400 + 6 * row)) if previous_text else []) + prompt_for(timestamps)
+               for row in range(BATCH)]
+    max_new = min(MAX_NEW, 63 - max(map(len, prompts)))
+    sot_index = [p.index(SOT) for p in prompts]
+    expected = [s.tokens for s in SpeculativeDecoder(runner(target)).decode(
+        encoded, prompts, rules, sot_index=sot_index, max_new_tokens=max_new)]
+
+    generator = torch.Generator().manual_seed(seed)
+    kinds = [hint_kinds(tokens, generator) for tokens in expected]
+    draft = runner(decoder_only_draft(target, noise=0.1, seed=seed))
+    for decoder, draft_length in ((SpeculativeDecoder(runner(target)), None),
+                                  (SpeculativeDecoder(runner(target), draft), None),
+                                  (SpeculativeDecoder(runner(target), draft), DraftLength(fixed=3))):
+        for shift in (0, BATCH):  # each kind on some row, beside rows of other kinds
+            kind_of_row = [(row + shift) % len(kinds[row]) for row in range(BATCH)]
+            hints = [kinds[row][kind] for row, kind in enumerate(kind_of_row)]
+            result = decoder.decode(encoded, prompts, rules, sot_index=sot_index, max_new_tokens=max_new,
+                                    hints=hints, draft_length=draft_length)
+            assert [s.tokens for s in result] == expected, f"hint kinds {kind_of_row}"
+            for row, (sequence, kind) in enumerate(zip(result, kind_of_row)):
+                stats, length = sequence.stats, len(expected[row])
+                if kind == 0:  # all of it accepted in one pass (two if it reaches the limit)
+                    assert stats.hint_accepted >= length - 1 and stats.target_passes <= 2
+                if kind in (1, 2, 3) and length > 12:  # the hint resumed after the change
+                    assert stats.hint_accepted > 5
+                assert stats.hint_accepted <= stats.hint_proposed
+
+def test_hints_must_be_token_ids():
+    target, features = target_and_windows(0)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features[:1]).last_hidden_state
+    with pytest.raises(ValueError, match="hint tokens"):
+        SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
+                                                  hints=[[51865]])

@@ -1,0 +1,61 @@
+"""The models, loaded once and shared by every visitor, and the settings a visitor picks."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+from asr.audio import SAMPLE_RATE
+from asr.models import ModelPair
+from asr.transcribe import TranscribeOptions, Transcriber
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class Settings:
+    language: str = AUTO  # a code such as "en", or AUTO to detect
+    task: str = "transcribe"  # or "translate"
+    draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
+
+    def options(self) -> TranscribeOptions:
+        return TranscribeOptions(
+            language=None if self.language == AUTO else self.language,
+            task=self.task,
+            num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
+        )
+
+
+@dataclass
+class Engine:
+    models: ModelPair
+    description: str  # what the page says it runs, e.g. the target and draft names
+    # One model computation at a time: on a CPU, concurrent runs would only fight over the
+    # same cores, and taking turns keeps each visitor's latency predictable.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def transcriber(self, settings: Settings) -> Transcriber:
+        """A Transcriber per request (cheap: it holds only options and the adaptive draft
+        length's measurements) over the shared models; ValueError for settings the target refuses."""
+        return Transcriber(self.models, settings.options())
+
+    def warm_up(self) -> None:
+        """One second of silence through both models, so the first visitor does not wait for
+        the backends' one-time set-up."""
+        self.transcriber(Settings()).transcribe(np.zeros(SAMPLE_RATE, np.float32))
+
+    @property
+    def multilingual(self) -> bool:
+        return self.models.target.vocab.multilingual
+
+    def language_choices(self) -> list[tuple[str, str]]:
+        if not self.multilingual:
+            return [("English (en)", "en")]
+        codes = self.models.target.vocab.languages
+        return [("Detect automatically", AUTO)] + [(f"{LANGUAGES.get(c, c).title()} ({c})", c) for c in codes]
+
+    def language_name(self, code: str) -> str:
+        return LANGUAGES.get(code, code).title()

@@ -1,0 +1,124 @@
+"""One visitor's microphone recording: browser chunks (any rate, integer PCM, maybe stereo)
+to 16 kHz mono float32, decoded by its own StreamingTranscriber over the shared models.
+
+Gradio hands a stream handler only the newest chunk: one that arrives while the handler is
+still busy replaces the one before it. So the handler only queues audio, and a worker
+thread per recording decodes whatever has arrived since its last pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import soxr
+
+from app.engine import Engine, Settings
+from asr.audio import SAMPLE_RATE
+from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
+
+IDLE_SECONDS = 30.0  # no audio for this long: the visitor left without pressing Stop
+# Audio a decode waits for (chunks come every 0.1 s): a buffer of a fraction of a second
+# only misleads the language detection, and each decode re-reads the whole buffer.
+STEP_SECONDS = 1.0
+
+
+class LiveSession:
+    def __init__(self, engine: Engine, settings: Settings):
+        self._engine = engine
+        self._streamer = StreamingTranscriber(engine.transcriber(settings), clock=self._stream_clock)
+        self._started: float | None = None  # wall time of the stream's first sample
+        self._stopped: float | None = None  # wall time of Stop
+        self._resampler: soxr.ResampleStream | None = None
+        self._rate = 0
+        self._pending: list[np.ndarray] = []  # 16 kHz audio not yet given to the streamer
+        self._pending_samples = 0
+        self._stopping = False
+        self._wake = threading.Condition()
+        self.updates: list[StreamUpdate] = []  # appended by the worker only
+        self.shown = 0  # updates the page has displayed
+        self._worker = threading.Thread(target=self._run, name="asr-live", daemon=True)
+        self._worker.start()
+
+    @property
+    def finished(self) -> bool:
+        return not self._worker.is_alive()
+
+    def feed(self, rate: int, samples: np.ndarray) -> None:
+        """Queues a chunk and returns at once."""
+        samples = to_float_mono(samples)
+        with self._wake:
+            if self._stopping or not samples.size:
+                return
+            if self._started is None:
+                # The first chunk arrives as it ends: the speaker started its length earlier.
+                self._started = time.monotonic() - samples.size / rate
+            self._pending.append(self._resample(rate, samples))
+            self._pending_samples += self._pending[-1].size
+            if self._pending_samples >= STEP_SECONDS * SAMPLE_RATE:
+                self._wake.notify()
+
+    def finish(self) -> None:
+        """Ends the recording and waits for its final update."""
+        with self._wake:
+            self._stopping = True
+            self._stopped = time.monotonic()
+            self._wake.notify()
+        self._worker.join()
+
+    def recorded_seconds(self) -> float:
+        """Wall time since the first sample: more than the audio heard when chunks were lost
+        (Gradio keeps only the newest chunk while a server too busy to take them catches up)."""
+        if self._started is None:
+            return 0.0
+        end = self._stopped if self._stopped is not None else time.monotonic()
+        return end - self._started
+
+    @property
+    def last(self) -> StreamUpdate | None:
+        return self.updates[-1] if self.updates else None
+
+    def summary(self) -> StreamSummary:
+        """Figures over the whole recording (each update covers one decode)."""
+        return summarize(list(self.updates))
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:
+                    if not self._wake.wait(IDLE_SECONDS):
+                        self._stopping, self._stopped = True, time.monotonic() - IDLE_SECONDS
+                chunks, self._pending, self._pending_samples, stopping = self._pending, [], 0, self._stopping
+                if stopping and self._resampler is not None:
+                    chunks.append(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+            for chunk in chunks:
+                if chunk.size:
+                    self._streamer.insert_audio(chunk)
+            if stopping and self._started is None:
+                return  # nothing was heard
+            with self._engine.lock:
+                update = self._streamer.finish() if stopping else self._streamer.process()
+            self.updates.append(update)
+            if stopping:
+                return
+
+    def _stream_clock(self) -> float:
+        # Wall time, so commit latency is what the speaker waits: queueing and model work included.
+        return time.monotonic() - (self._started or 0.0)
+
+    def _resample(self, rate: int, samples: np.ndarray) -> np.ndarray:
+        if rate == SAMPLE_RATE:
+            return samples
+        if rate != self._rate:
+            # One stream per recording, so chunk edges get no filter artefacts.
+            self._resampler, self._rate = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ"), rate
+        return self._resampler.resample_chunk(samples)
+
+
+def to_float_mono(samples: np.ndarray) -> np.ndarray:
+    """Integer PCM scaled to [-1, 1); channels averaged."""
+    samples = np.asarray(samples)
+    if np.issubdtype(samples.dtype, np.integer):
+        samples = samples.astype(np.float32) / float(np.iinfo(samples.dtype).max + 1)
+    samples = samples.astype(np.float32, copy=False)
+    return samples.mean(axis=1) if samples.ndim == 2 else samples.reshape(-1)

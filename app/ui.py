@@ -1,0 +1,184 @@
+"""The Gradio page: settings on the left, an Upload tab and a Microphone tab on the right."""
+
+from __future__ import annotations
+
+import html
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import gradio as gr
+import numpy as np
+
+from app.engine import AUTO, Engine, Settings
+from app.live import LiveSession
+from app.views import PLACEHOLDER, error_html, figures_html, live_figures, live_html, transcript_html, upload_figures
+from asr.audio import AUDIO_EXTENSIONS, AudioError
+from asr.writers import FORMATS, write_transcript
+
+MAX_DRAFT_LENGTH = 8
+# Each live recording holds a queue slot for as long as it lasts, so this is how many
+# people can speak at once; model work itself still takes turns (Engine.lock).
+LIVE_SESSIONS = 8
+UPLOADS = 4  # transcriptions accepted at once; they too take turns on the models
+QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
+LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
+MAX_UPLOAD = "1gb"
+
+CSS = """
+.asr-header h1 { font-size: 1.6rem; margin: 0 0 .2rem 0; }
+.asr-header p { margin: 0; color: var(--body-text-color-subdued); }
+.asr-figures { display: grid; grid-template-columns: repeat(auto-fit, minmax(125px, 1fr)); gap: .6rem; }
+.asr-figure { border: 1px solid var(--border-color-primary); border-radius: 8px; padding: .6rem .8rem;
+  background: var(--background-fill-secondary); }
+.asr-figure-label { font-size: .78rem; text-transform: uppercase; letter-spacing: .04em;
+  color: var(--body-text-color-subdued); }
+.asr-figure-value { font-size: 1.45rem; font-weight: 600; font-variant-numeric: tabular-nums; }
+.asr-figure-note { font-size: .8rem; color: var(--body-text-color-subdued); min-height: 1em; }
+.asr-transcript { max-height: 420px; overflow-y: auto; border: 1px solid var(--border-color-primary);
+  border-radius: 8px; }
+.asr-segment { display: flex; gap: 1rem; padding: .45rem .8rem; border-bottom: 1px solid var(--border-color-primary); }
+.asr-segment:last-child { border-bottom: none; }
+.asr-time { flex: none; width: 9.5rem; font-family: var(--font-mono); font-size: .85rem;
+  color: var(--body-text-color-subdued); padding-top: .1rem; }
+.asr-live { font-size: 1.25rem; line-height: 1.6; min-height: 6rem; padding: .8rem 1rem;
+  border: 1px solid var(--border-color-primary); border-radius: 8px; }
+.asr-tentative { color: var(--body-text-color-subdued); opacity: .6; font-style: italic; }
+.asr-error { color: var(--error-text-color); background: var(--error-background-fill);
+  border: 1px solid var(--error-border-color); border-radius: 8px; padding: .8rem 1rem; }
+.asr-empty { color: var(--body-text-color-subdued); padding: 1rem; border: 1px dashed var(--border-color-primary);
+  border-radius: 8px; text-align: center; }
+"""
+
+FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Helvetica", "Arial", "sans-serif"]  # local: no font downloads
+MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
+
+
+def build(engine: Engine, downloads_dir: Path) -> gr.Blocks:
+    """The page over the shared models; transcripts to download are written under downloads_dir."""
+    with gr.Blocks(title="asr: speculative Whisper", analytics_enabled=False) as demo:
+        gr.HTML(
+            '<div class="asr-header"><h1>Speculative Whisper transcription</h1>'
+            f"<p>{html.escape(engine.description)}. The draft proposes tokens, the target verifies them in one pass: "
+            "the same text as the target alone, in fewer passes.</p></div>"
+        )
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=1, min_width=240):
+                gr.Markdown("### Settings")
+                language = gr.Dropdown(engine.language_choices(), value=engine.language_choices()[0][1], label="Language")
+                task = gr.Radio(
+                    [("Transcribe", "transcribe"), ("Translate to English", "translate")], value="transcribe",
+                    label="Task", interactive=engine.multilingual,
+                )
+                draft_length = gr.Dropdown(
+                    [("Adaptive", AUTO)] + [(str(k), str(k)) for k in range(1, MAX_DRAFT_LENGTH + 1)], value=AUTO,
+                    label="Draft length (tokens per round)",
+                    info="Adaptive tunes it to the measured acceptance and cost.",
+                )
+                gr.Markdown("Settings apply to the next file or recording.")
+            with gr.Column(scale=3):
+                with gr.Tabs():
+                    with gr.Tab("Upload", id="upload"):
+                        upload_tab(engine, downloads_dir, language, task, draft_length)
+                    with gr.Tab("Microphone", id="microphone"):
+                        microphone_tab(engine, language, task, draft_length)
+    return demo
+
+
+def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:
+    audio = gr.File(label="Audio or video file", file_types=sorted(AUDIO_EXTENSIONS), type="filepath",
+                    elem_id="upload-file")
+    run = gr.Button("Transcribe", variant="primary", elem_id="upload-run")
+    figures = gr.HTML(elem_id="upload-figures")
+    transcript = gr.HTML(PLACEHOLDER.format("Drop a file above: its timed transcript appears here."),
+                         elem_id="upload-transcript")
+    downloads = gr.File(label="Download (txt, srt, vtt, json)", file_count="multiple", interactive=False,
+                        visible=False, elem_id="upload-downloads")
+
+    def failed(message: str) -> tuple[str, str, dict]:
+        # Shown in place of the transcript, where the visitor is looking, until the next run.
+        return "", error_html(message), gr.update(value=None, visible=False)
+
+    def transcribe(path: str | None, language: str, task: str, draft_length: str) -> tuple[str, str, dict]:
+        if not path:
+            return failed("Choose an audio file first.")
+        name = Path(path).name  # the visitor's file name; the path is the server's upload cache
+        try:
+            transcriber = engine.transcriber(Settings(language, task, draft_length))
+        except ValueError as error:
+            return failed(str(error))
+        try:
+            with engine.lock:
+                started = time.perf_counter()
+                result = transcriber.transcribe(path, name=name)
+                seconds = time.perf_counter() - started
+        except AudioError as error:
+            return failed(str(error).replace(path, name))
+        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS))
+        stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
+        return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
+
+    for event in (audio.upload, run.click):
+        event(transcribe, [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS)
+
+
+def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
+    gr.Markdown("Press **Record** and speak. Black text is final; grey text is the current guess and may "
+                "still change as more speech arrives. Commit latency: from the end of a spoken word to its "
+                "final text.")
+    microphone = gr.Audio(sources=["microphone"], streaming=True, type="numpy", label="Microphone",
+                          elem_id="microphone")
+    text = gr.HTML(live_html("", "", listening=False), elem_id="live-transcript")
+    figures = gr.HTML(elem_id="live-figures")
+    session = gr.State(None)  # this visitor's LiveSession: every browser tab has its own
+
+    def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
+        update = live.last
+        if update is None:
+            return live_html("", "", listening=not live.finished), gr.skip(), live
+        if live.shown == len(live.updates):  # chunks come ten times a second; decodes less often
+            return gr.skip(), gr.skip(), live
+        live.shown = len(live.updates)
+        return (live_html(update.committed_text, update.tentative_text, listening=not update.final),
+                figures_html(live_figures(live.summary(), live.recorded_seconds(), update.final)), live)
+
+    def on_start() -> tuple[str, str, None]:
+        return live_html("", "", listening=True), "", None  # the first chunk starts a new LiveSession
+
+    def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
+                 draft_length: str) -> tuple[str | dict, str | dict, LiveSession | None]:
+        if live is None:
+            try:
+                live = LiveSession(engine, Settings(language, task, draft_length))
+            except ValueError as error:
+                return error_html(str(error)), gr.skip(), None
+        elif live.finished:  # a chunk late for a stopped recording: its final transcript stays
+            return gr.skip(), gr.skip(), live
+        if chunk is not None:
+            live.feed(*chunk)
+        return show(live)
+
+    def on_stop(live: LiveSession | None) -> tuple[str | dict, str | dict, LiveSession | None]:
+        if live is None:
+            return gr.skip(), gr.skip(), None
+        live.finish()
+        return show(live)
+
+    microphone.start_recording(on_start, None, [text, figures, session], show_progress="hidden")
+    microphone.stream(on_chunk, [microphone, session, *settings], [text, figures, session],
+                      concurrency_limit=LIVE_SESSIONS, time_limit=LIVE_TIME_LIMIT_S, show_progress="hidden")
+    microphone.stop_recording(on_stop, [session], [text, figures, session], concurrency_limit=LIVE_SESSIONS,
+                              show_progress="hidden")
+
+
+def serve(engine: Engine, host: str, port: int) -> None:
+    """Blocks until interrupted."""
+    engine.warm_up()
+    with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
+        demo = build(engine, Path(downloads))
+        demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
+        demo.launch(
+            server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],
+            theme=gr.themes.Soft(font=FONTS, font_mono=MONO_FONTS), css=CSS,
+        )

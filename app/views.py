@@ -1,0 +1,117 @@
+"""HTML for the page's results: timed transcripts, live text, and rows of figures. Plain
+functions of their data, so the page's wording is testable without a browser."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+
+from asr.streaming import StreamSummary
+from asr.transcribe import Transcript
+
+PLACEHOLDER = '<div class="asr-empty">{}</div>'
+
+
+@dataclass(frozen=True)
+class Figure:
+    label: str
+    value: str
+    note: str = ""
+
+
+def clock(seconds: float) -> str:
+    """m:ss.s, or h:mm:ss.s past an hour."""
+    minutes, secs = divmod(max(seconds, 0.0), 60)
+    hours, minutes = divmod(int(minutes), 60)
+    return f"{hours}:{minutes:02d}:{secs:04.1f}" if hours else f"{minutes}:{secs:04.1f}"
+
+
+def speed(rtf: float) -> str:
+    """Real-time factor (compute seconds per audio second) in words."""
+    if not rtf:
+        return ""
+    return f"{1 / rtf:.1f}× faster than real time" if rtf <= 1 else f"{rtf:.1f}× slower than real time"
+
+
+def figures_html(figures: list[Figure]) -> str:
+    cards = "".join(
+        f'<div class="asr-figure"><div class="asr-figure-label">{html.escape(f.label)}</div>'
+        f'<div class="asr-figure-value">{html.escape(f.value)}</div>'
+        f'<div class="asr-figure-note">{html.escape(f.note)}</div></div>'
+        for f in figures
+    )
+    return f'<div class="asr-figures">{cards}</div>'
+
+
+def error_html(message: str) -> str:
+    return f'<div class="asr-error" role="alert"><strong>Cannot transcribe.</strong> {html.escape(message)}</div>'
+
+
+def transcript_html(transcript: Transcript) -> str:
+    if not transcript.segments:
+        return PLACEHOLDER.format("No speech found in this recording.")
+    rows = "".join(
+        f'<div class="asr-segment"><span class="asr-time">{clock(s.start)} – {clock(s.end)}</span>'
+        f'<span class="asr-text">{html.escape(s.text.strip())}</span></div>'
+        for s in transcript.segments
+    )
+    return f'<div class="asr-transcript">{rows}</div>'
+
+
+def upload_figures(transcript: Transcript, seconds: float, language_name: str, language_detected: bool) -> list[Figure]:
+    info, stats = transcript.info, transcript.info.stats
+    rtf = seconds / info.duration if info.duration else 0.0
+    figures = [
+        Figure("Audio", f"{info.duration:.1f} s", clock(info.duration)),
+        Figure("Processing", f"{seconds:.2f} s", f"encoder {info.encoder_seconds:.2f} s · decoder {info.decoder_seconds:.2f} s"),
+        Figure("Real-time factor", f"{rtf:.2f}", speed(rtf)),
+    ]
+    if info.speculative:
+        # A target-only decoder runs one target pass per token; each accepted draft token saves one.
+        saved = stats.tokens - stats.target_passes
+        figures += [
+            Figure("Draft tokens accepted", f"{stats.draft_accepted} / {stats.draft_proposed}",
+                   f"{stats.acceptance_rate:.0%} of proposals"),
+            Figure("Target passes saved", f"{saved}",
+                   f"{stats.target_passes} passes for {stats.tokens} tokens"
+                   + (f" ({saved / stats.tokens:.0%} fewer)" if stats.tokens else "")),
+        ]
+    else:
+        figures.append(Figure("Target passes", f"{stats.target_passes}", "no draft model: one pass per token"))
+    note = f"detected ({info.language_probability:.0%})" if language_detected else "as chosen"
+    figures.append(Figure("Language", language_name, note))
+    return figures
+
+
+def live_html(committed: str, tentative: str, listening: bool) -> str:
+    """Committed text never changes again; the tentative tail may still be revised, so it is
+    shown apart (grey) until the transcriber commits it."""
+    if not committed.strip() and not tentative.strip():
+        return PLACEHOLDER.format("Listening…" if listening else "Press Record and speak: the transcript appears here.")
+    return (
+        '<div class="asr-live">'
+        f'<span class="asr-committed">{html.escape(committed.strip())}</span> '
+        f'<span class="asr-tentative">{html.escape(tentative.strip())}</span></div>'
+    )
+
+
+def live_figures(summary: StreamSummary, recorded_seconds: float, final: bool) -> list[Figure]:
+    if summary.median_commit_latency is None:
+        latency = Figure("Commit latency", "–", "nothing committed yet")
+    else:
+        latency = Figure("Commit latency", f"{summary.median_commit_latency:.1f} s",
+                         f"median · p90 {summary.p90_commit_latency:.1f} s · max {summary.max_commit_latency:.1f} s "
+                         f"over {summary.words} words")
+    rtf = summary.compute_seconds / summary.audio_seconds if summary.audio_seconds else 0.0
+    passes = summary.target_passes
+    return [
+        Figure("Audio heard", f"{summary.audio_seconds:.1f} s",
+               f"of {max(recorded_seconds, summary.audio_seconds):.1f} s recorded · {'finished' if final else 'recording'}"),
+        latency,
+        Figure("Compute", f"{summary.compute_seconds:.1f} s", f"real-time factor {rtf:.2f} · {summary.updates} decodes"),
+        Figure("Target passes", f"{passes}",
+               f"{summary.decoded_tokens} tokens, {summary.decoded_tokens / passes:.1f} per pass" if passes else ""),
+        # Each re-decode proposes the previous hypothesis first; what the target keeps costs no new pass.
+        Figure("Reused hypothesis", f"{summary.hypothesis_tokens_accepted} / {summary.hypothesis_tokens_proposed}",
+               f"tokens kept · {summary.draft_tokens_accepted} more from the draft"),
+    ]

@@ -1,0 +1,435 @@
+"""Live transcription of a growing audio stream, with speculative re-decoding.
+
+Policy (LocalAgreement-2 of whisper_streaming, Macháček et al. 2023): each process() call
+re-transcribes the buffer (the stream's audio since its last trim, at most 30 s) as one
+window, conditioned on the committed text before the buffer (<|startofprev|>), and commits
+the longest common word prefix of this hypothesis and the previous one. Committed words
+never change again. Once the buffer is longer than buffer_trim_seconds, it is cut at the
+end of the last segment whose words are all committed.
+
+Re-transcribing the buffer mostly repeats the previous hypothesis. So that repeat costs
+almost nothing, the previous hypothesis's tokens (timestamps shifted where the buffer was
+cut) are the first draft (SpeculativeDecoder.decode's hints): the target verifies them in
+one pass and keeps the agreeing prefix, the draft model takes over past it, and where the
+new hypothesis meets the old one again (a word or a timestamp changed, the rest did not),
+the rest of the old one is proposed again. Greedy output stays exactly the target's.
+
+The encoder reads the buffer plus 2 s of silence rather than a whole 30 s window (see
+encoder_padding_seconds), which makes an update several times cheaper.
+
+Each buffer is decoded greedily (no temperature fallback: sampled hypotheses would rarely
+agree). The loops Whisper falls into on silence and at the end of the audio are cut from
+every hypothesis, and so are copies of the prompt, lest two hypotheses agree on them.
+
+Word times are approximate: Whisper gives segment timestamps, and a segment's duration is
+shared among its words in proportion to their characters.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator
+
+import numpy as np
+
+from asr.audio import SAMPLE_RATE
+from asr.features import FRAME_SECONDS, WINDOW_SECONDS
+from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult
+
+SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
+FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
+CONTEXT_CHARACTERS = 200  # the prompt: the end of the committed text before the buffer (as whisper_streaming)
+LOOP_WORDS = 5  # a run of this many words twice in a row (or a shorter one four times) is a loop
+PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
+WORD = re.compile(r"\s*\S+")
+NOT_WORD = re.compile(r"[^\w']+")
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str  # as Whisper emits it, leading space included
+    start: float  # seconds from the start of the stream
+    end: float
+
+
+@dataclass(frozen=True)
+class StreamUpdate:
+    committed: list[Word]  # words committed by this call (they never change again)
+    tentative: list[Word]  # the current hypothesis past the committed words (may still change)
+    committed_text: str  # all committed text so far
+    tentative_text: str
+    audio_seconds: float  # stream audio received so far
+    buffer_seconds: float  # audio the call re-transcribed
+    commit_latencies: list[float]  # per newly committed word: commit time minus the end of its audio (s)
+    target_passes: int  # target forward passes in this call
+    decoded_tokens: int  # tokens the call decoded (the whole buffer's hypothesis, end-of-text included)
+    hypothesis_tokens_proposed: int  # previous-hypothesis tokens proposed as the first draft
+    hypothesis_tokens_accepted: int  # of which the target kept (each saves a pass or a draft step)
+    draft_tokens_accepted: int  # tokens the draft model proposed and the target kept
+    compute_seconds: float
+    now: float  # the clock when the call ended
+    final: bool
+
+
+@dataclass(frozen=True)
+class _Segment:
+    words: list[Word]
+    end_token: int  # the window's tokens up to here make this segment and those before it
+    end_timestamp: int | None  # its closing timestamp (relative to the buffer, in 20 ms steps); None if open
+
+
+class StreamingTranscriber:
+    """Feed audio with insert_audio(), call process() whenever it suits (each call decodes
+    once), and finish() at the end of the stream.
+
+    encoder_padding_seconds: the encoder reads the buffer plus this much silence (in whole
+    seconds), not Whisper's 30 s window (None), which makes an update several times cheaper
+    while the buffer is short. Whisper was trained on 30 s windows: with no silence after
+    the audio it repeats itself, with 2 s the dev clips' WER went from 0.5 % to 1.1 %.
+
+    clock: seconds since the stream's first sample, read when a call ends, to measure commit
+    latency. The default is an audio-time clock for a stream fed from a file: a call starts
+    when the previous one ended or when the audio it is given arrived (it arrives in real
+    time), whichever is later, and lasts its measured compute time.
+
+    timer: what measures a call's compute time: the wall clock, or on a machine shared with
+    other work, time.thread_time with torch on one thread (this thread's CPU time only, which
+    others' load does not inflate; two threads on a machine of its own would be faster)."""
+
+    def __init__(
+        self,
+        transcriber: Transcriber,
+        *,
+        hypothesis_draft: bool = True,
+        buffer_trim_seconds: float = 15.0,
+        encoder_padding_seconds: float | None = None,
+        clock: Callable[[], float] | None = None,
+        timer: Callable[[], float] = time.perf_counter,
+    ):
+        if buffer_trim_seconds >= WINDOW_SECONDS:
+            raise ValueError(f"buffer_trim_seconds must be below the {WINDOW_SECONDS} s window")
+        self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)))
+        self.hypothesis_draft = hypothesis_draft
+        self.buffer_trim_seconds = buffer_trim_seconds
+        self.encoder_padding_seconds = encoder_padding_seconds
+        self.clock = clock
+        self.timer = timer
+        self._vocab = transcriber.vocab
+        self._language = transcriber.options.language
+        self._buffer = np.zeros(0, dtype=np.float32)
+        self._buffer_start = 0  # stream sample index of the buffer's first sample
+        self._received = 0
+        self._decoded_until = -1  # samples received when the buffer was last decoded
+        self._committed: list[Word] = []
+        self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
+        self._tentative: list[Word] = []
+        self._context_text = ""  # the end of the committed text before the buffer
+        self._context: list[int] = []  # its tokens: the prompt
+        self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
+        self._last_end = 0.0  # the audio-time clock when the last call ended
+
+    @property
+    def audio_seconds(self) -> float:
+        return self._received / SAMPLE_RATE
+
+    @property
+    def committed_text(self) -> str:
+        return "".join(w.text for w in self._committed).strip()
+
+    def warm_up(self) -> None:
+        """Decodes a second of noise, so that the stream's first update does not pay the
+        one-time costs of the first decode (kernel selection, allocations)."""
+        noise = np.random.default_rng(0).normal(0, 0.01, SAMPLE_RATE).astype(np.float32)
+        self.transcriber.transcribe_window(noise, [], self._language, None, self._encoder_frames(len(noise)))
+
+    def insert_audio(self, samples: np.ndarray) -> None:
+        """samples: float32 mono at 16 kHz."""
+        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        self._buffer = np.concatenate([self._buffer, samples])
+        self._received += len(samples)
+
+    def process(self) -> StreamUpdate:
+        return self._update(final=False)
+
+    def finish(self) -> StreamUpdate:
+        """Decodes what is left and commits the whole hypothesis (final=True)."""
+        return self._update(final=True)
+
+    def _update(self, final: bool) -> StreamUpdate:
+        started = self.timer()
+        start_clock = max(self._last_end, self.audio_seconds)
+        window = None
+        committed: list[Word] = []
+        if self._received != self._decoded_until and len(self._buffer):  # new audio: a new hypothesis
+            self._make_room()
+            window = self.transcriber.transcribe_window(
+                self._buffer, self._context, self._language, self._hint if self.hypothesis_draft else None,
+                self._encoder_frames(len(self._buffer)),
+            )
+            self._decoded_until = self._received
+            committed = self._agree(window)
+        if final:
+            committed += self._commit(self._tentative)
+            self._tentative = []
+        compute = self.timer() - started
+        now = self.clock() if self.clock is not None else start_clock + compute
+        self._last_end = now
+        stats = window.info.stats if window is not None else None
+        return StreamUpdate(
+            committed=committed,
+            tentative=list(self._tentative),
+            committed_text=self.committed_text,
+            tentative_text="".join(w.text for w in self._tentative).strip(),
+            audio_seconds=self.audio_seconds,
+            buffer_seconds=len(self._buffer) / SAMPLE_RATE if window is not None else 0.0,
+            commit_latencies=[now - w.end for w in committed],
+            target_passes=stats.target_passes if stats else 0,
+            decoded_tokens=stats.tokens if stats else 0,
+            hypothesis_tokens_proposed=stats.hint_proposed if stats else 0,
+            hypothesis_tokens_accepted=stats.hint_accepted if stats else 0,
+            draft_tokens_accepted=stats.draft_accepted if stats else 0,
+            compute_seconds=compute,
+            now=now,
+            final=final,
+        )
+
+    def _encoder_frames(self, samples: int) -> int | None:
+        if self.encoder_padding_seconds is None:
+            return None
+        seconds = math.ceil(samples / SAMPLE_RATE + self.encoder_padding_seconds)
+        return min(seconds, WINDOW_SECONDS) * FRAMES_PER_SECOND
+
+    def _agree(self, window: WindowResult) -> list[Word]:
+        """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
+        then trims the buffer if it is long. Returns the words committed."""
+        segments = [] if window.silent else self._segments(window.tokens)
+        words = [w for s in segments for w in s.words]
+        done = self._already_committed(words)
+        before = _keys(self._context_text) + [_key(w) for w in words[:done]]
+        fresh = words[done : done + _before_repeats([_key(w) for w in words[done:]], before)]
+        agreed = 0
+        while agreed < min(len(fresh), len(self._tentative)) and _key(fresh[agreed]) == _key(self._tentative[agreed]):
+            agreed += 1
+        committed = self._commit(fresh[:agreed])
+        if committed and self._language is None:
+            self._language = window.language  # the committed text is in it: keep it from now on
+        self._in_buffer = words[: done + agreed]
+        self._tentative = fresh[agreed:]
+        self._hint = window.tokens
+        if len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
+            self._trim_at_segment(segments)
+        return committed
+
+    def _commit(self, words: list[Word]) -> list[Word]:
+        """Appends words to the committed text, their times moved where needed so that they
+        follow the committed ones (each hypothesis times its words anew)."""
+        end = self._committed[-1].end if self._committed else 0.0
+        for word in words:
+            start = max(word.start, end)
+            end = max(word.end, start)
+            self._committed.append(Word(word.text, start, end))
+        return self._committed[len(self._committed) - len(words) :]
+
+    def _segments(self, tokens: list[int]) -> list[_Segment]:
+        """Cuts a hypothesis at its timestamps into segments of timed words; text after the
+        last timestamp runs to the end of the buffer."""
+        ts_begin, offset = self._vocab.timestamp_begin, self._buffer_start / SAMPLE_RATE
+        duration = len(self._buffer) / SAMPLE_RATE
+        segments, text, start = [], [], 0.0
+        for i, token in enumerate(tokens + [None]):  # None: the end of the hypothesis
+            if token is not None and token < ts_begin:
+                text.append(token)
+                continue
+            closing = None if token is None else token - ts_begin
+            end = duration if closing is None else min(closing * TIMESTAMP_SECONDS, duration)
+            if text:
+                words = _timed_words(self._vocab.decode(text), offset + start, offset + max(end, start))
+                segments.append(_Segment(words, i + (token is not None), closing))
+            text, start = [], end
+        return [s for s in segments if s.words]
+
+    def _already_committed(self, words: list[Word]) -> int:
+        """How many leading words of a hypothesis of the buffer were committed before: the
+        committed words in the buffer when it starts with them (as it nearly always does);
+        else, where the model changed its mind about committed audio, as many as align with
+        them (after the last run of words the two have in common, one for one), or none if
+        they have no word in common (the model no longer hears them, at the buffer's start)."""
+        known = [_key(w) for w in self._in_buffer]
+        keys = [_key(w) for w in words]
+        if keys[: len(known)] == known:
+            return len(known)
+        blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks() if b.size]
+        if not blocks:
+            return 0
+        last = blocks[-1]
+        return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
+
+    def _trim_at_segment(self, segments: list[_Segment]) -> None:
+        """Cuts the buffer at the end of the last closed segment whose words are all
+        committed: its text joins the prompt, and the hint keeps the tokens after it."""
+        counted, cut = 0, None
+        for segment in segments:
+            counted += len(segment.words)
+            if counted > len(self._in_buffer):
+                break
+            if segment.end_timestamp is not None and segment.end_timestamp * SAMPLES_PER_TIMESTAMP <= len(self._buffer):
+                cut = segment, counted
+        if cut is None:
+            return
+        segment, words = cut
+        hint = []
+        for token in self._hint[segment.end_token :]:
+            if token >= self._vocab.timestamp_begin:
+                token -= segment.end_timestamp
+                if token < self._vocab.timestamp_begin:
+                    break  # a time before the cut: the rest no longer fits the new buffer
+            hint.append(token)
+        self._cut(segment.end_timestamp * SAMPLES_PER_TIMESTAMP, words)
+        self._hint = hint
+
+    def _make_room(self) -> None:
+        """A buffer grown past one window (its words never agreed, or no segment closed)
+        is cut at the end of its last committed word, or else loses its oldest audio."""
+        excess = len(self._buffer) - WINDOW_SECONDS * SAMPLE_RATE
+        if excess <= 0:
+            return
+        if self._in_buffer:
+            at = round(self._in_buffer[-1].end * SAMPLE_RATE) - self._buffer_start
+            self._cut(max(at, excess), len(self._in_buffer))
+        else:
+            self._cut(excess, 0)
+        self._hint = []
+
+    def _cut(self, samples: int, words: int) -> None:
+        """Drops the buffer's first samples and its first committed words (into the prompt)."""
+        text = self._context_text + "".join(w.text for w in self._in_buffer[:words])
+        if len(text) > CONTEXT_CHARACTERS:  # whole words only
+            text = text[-CONTEXT_CHARACTERS:]
+            text = text[text.find(" "):] if " " in text else text
+        self._context_text, self._context = text, self._vocab.encode(text)
+        self._in_buffer = self._in_buffer[words:]
+        self._buffer = self._buffer[samples:]
+        self._buffer_start += samples
+
+
+def _before_repeats(keys: list[str], before: list[str]) -> int:
+    """How many of a hypothesis's new words (keys) come before it loops (a run of LOOP_WORDS
+    words or more twice in a row, or a shorter one four times) or copies PROMPT_COPY_WORDS
+    words in a row of the text before them (`before`)."""
+    copies = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
+    for i in range(len(keys)):
+        if tuple(keys[i : i + PROMPT_COPY_WORDS]) in copies:
+            return i
+        for n in range(1, (len(keys) - i) // 2 + 1):
+            run = keys[i : i + n]
+            if run == keys[i + n : i + 2 * n] and (n >= LOOP_WORDS or run * 2 == keys[i + 2 * n : i + 4 * n]):
+                return i + n
+    return len(keys)
+
+
+def _keys(text: str) -> list[str]:
+    return [_key(Word(piece, 0.0, 0.0)) for piece in WORD.findall(text)]
+
+
+def _key(word: Word) -> str:
+    """What two hypotheses must agree on: the word, not its case or punctuation (which
+    Whisper revises as the sentence goes on)."""
+    return NOT_WORD.sub("", word.text.lower()) or word.text.strip()
+
+
+def _timed_words(text: str, start: float, end: float) -> list[Word]:
+    """Words with leading spaces, sharing [start, end] by their characters."""
+    pieces = WORD.findall(text)
+    sizes = [len(p.strip()) for p in pieces]
+    total = sum(sizes) or 1
+    words, before = [], 0
+    for piece, size in zip(pieces, sizes):
+        words.append(Word(piece, start + (end - start) * before / total, start + (end - start) * (before + size) / total))
+        before += size
+    return words
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    committed_text: str
+    audio_seconds: float
+    updates: int  # process() calls that decoded
+    compute_seconds: float
+    target_passes: int
+    decoded_tokens: int
+    hypothesis_tokens_proposed: int
+    hypothesis_tokens_accepted: int
+    draft_tokens_accepted: int
+    words: int
+    median_commit_latency: float | None
+    p90_commit_latency: float | None
+    max_commit_latency: float | None
+
+
+def summarize(updates: list[StreamUpdate]) -> StreamSummary:
+    latencies = [x for u in updates for x in u.commit_latencies]
+
+    def quantile(q: float) -> float | None:
+        return float(np.quantile(latencies, q)) if latencies else None
+
+    return StreamSummary(
+        committed_text=updates[-1].committed_text if updates else "",
+        audio_seconds=updates[-1].audio_seconds if updates else 0.0,
+        updates=sum(1 for u in updates if u.buffer_seconds > 0),
+        compute_seconds=sum(u.compute_seconds for u in updates),
+        target_passes=sum(u.target_passes for u in updates),
+        decoded_tokens=sum(u.decoded_tokens for u in updates),
+        hypothesis_tokens_proposed=sum(u.hypothesis_tokens_proposed for u in updates),
+        hypothesis_tokens_accepted=sum(u.hypothesis_tokens_accepted for u in updates),
+        draft_tokens_accepted=sum(u.draft_tokens_accepted for u in updates),
+        words=len(latencies),
+        median_commit_latency=quantile(0.5),
+        p90_commit_latency=quantile(0.9),
+        max_commit_latency=max(latencies, default=None),
+    )
+
+
+def feed_recording(
+    stream: StreamingTranscriber, samples: np.ndarray, chunk_seconds: float, clock: Callable[[], float] | None = None
+) -> Iterator[StreamUpdate]:
+    """Feeds a recording to a stream as a live microphone would, and yields its updates
+    (the last from finish()). Chunk i arrives at (i + 1) * chunk_seconds; each process()
+    call takes every chunk that has arrived when it starts, at least one: a call that would
+    start ahead of the audio waits for the next chunk. clock: the stream's clock, to run in
+    real time (sleeping until chunks arrive); None: the stream's audio-time clock, where a
+    call starts when the previous one ended, which gives the same arrivals without waiting."""
+    step = max(1, round(chunk_seconds * SAMPLE_RATE))
+    ends = list(range(step, len(samples), step)) + [len(samples)]
+    fed, last_end = 0, 0.0
+    while fed < len(ends):
+        now = clock() if clock is not None else last_end
+        arrival = ends[fed] / SAMPLE_RATE
+        if now < arrival:
+            if clock is not None:
+                time.sleep(arrival - now)
+            now = arrival
+        arrived = max(fed + 1, sum(1 for end in ends if end / SAMPLE_RATE <= now))
+        stream.insert_audio(samples[ends[fed - 1] if fed else 0 : ends[arrived - 1]])
+        fed = arrived
+        update = stream.process()
+        last_end = update.now
+        yield update
+    yield stream.finish()
+
+
+def replay(stream: StreamingTranscriber, samples: np.ndarray, updates: list[StreamUpdate]) -> list[StreamUpdate]:
+    """The calls of a recorded stream again on another stream, each process() given the
+    audio it had: how to compare two configurations on the very same updates (with greedy
+    decoding, with and without the hypothesis draft give the same hypotheses)."""
+    replayed, fed = [], 0
+    for update in updates[:-1]:  # the last one came from finish()
+        received = round(update.audio_seconds * SAMPLE_RATE)
+        stream.insert_audio(samples[fed:received])
+        fed = received
+        replayed.append(stream.process())
+    stream.insert_audio(samples[fed:])
+    return replayed + [stream.finish()]

@@ -1,0 +1,483 @@
+"""GPU speed of our decoders at whisper-large-v3 geometry, and of the real packaged pair on
+the dev clips, each next to its physical floor.
+
+    python scripts/benchmark_gpu.py                                   # CUDA, float16, large-v3 geometry
+    python scripts/benchmark_gpu.py --measure-bandwidth --batch-sizes 1,4,16 --out out/gpu
+    python scripts/benchmark_gpu.py --device cpu --geometry tiny --batch-sizes 1,2   # seconds, on CPU
+
+Section 1, large-v3 geometry (openai/whisper-large-v3's config: d_model 1280, 32 encoder and
+32 decoder layers, 20 heads, ffn 5120, 128 mel bins, 51,866 tokens, 448 target and 1,500
+source positions) and a 2-layer draft of the same width reading the target's encoder (as
+distil-large-v3 does), both with RANDOM weights (nothing is downloaded). Random models say
+end-of-text at once or never, so end-of-text is suppressed and every row decodes exactly
+--max-new-tokens tokens: per-token figures then mean something, transcripts do not. Methods:
+transformers' `generate` (target only), ours target-only (the loop of asr/speculative.py, and
+the fixed-shape path of asr/graphs.py: CUDA graphs on a GPU), and ours speculative with an
+ORACLE draft at each --acceptance: its proposals are the target's own greedy tokens with
+errors injected at rate 1 - acceptance per token (asr/oracle.py), while the draft model still
+runs all its forward passes, so a round costs what it would with a real draft of that size.
+
+Section 2, the real packaged pair (--real-target, --real-draft: the embedded preset) on the
+short dev clips (one 30 s window each, greedy with timestamps, natural end-of-text), with
+the draft's real acceptance.
+
+The floor of each row is the time to read, at --bandwidth-gbs (default: H100 SXM's 3,350
+GB/s; --measure-bandwidth times a large device copy instead), the bytes its decoder steps
+must read: every weight a step uses, and the cached keys and values it attends to (the
+self-attention ones over the mean context, the cross-attention ones over every frame). For
+speculative rows: k draft steps and one target pass per round, over the tokens a round keeps.
+Writes DIR/benchmark_gpu.md (the table), DIR/benchmark_gpu.png and DIR/benchmark_gpu.json."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig, WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    SuppressTokensAtBeginLogitsProcessor,
+    SuppressTokensLogitsProcessor,
+    WhisperTimeStampLogitsProcessor,
+)
+from transformers.generation.utils import GenerationMixin
+from transformers.modeling_outputs import BaseModelOutput
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
+
+from asr.decoder import DecoderRunner  # noqa: E402
+from asr.graphs import StaticDecoder  # noqa: E402
+from asr.oracle import acceptance_from_tokens_per_pass, oracle_proposals  # noqa: E402
+from asr.rules import DecodingRules  # noqa: E402
+from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder  # noqa: E402
+
+DEV = REPO.parent / "shared" / "eval" / "dev"
+H100_SXM_GBS = 3350.0
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+# Special tokens of the 51,866-token vocabulary of large-v3.
+EOT, SOT, EN, TRANSCRIBE, NO_TIMESTAMPS = 50257, 50258, 50259, 50360, 50364
+
+
+@dataclass(frozen=True)
+class Geometry:
+    name: str
+    d_model: int
+    encoder_layers: int
+    decoder_layers: int
+    draft_layers: int
+    heads: int
+    ffn: int
+    mel_bins: int
+    vocab: int
+    target_positions: int
+    source_positions: int
+
+
+GEOMETRIES = {
+    "large-v3": Geometry("large-v3", 1280, 32, 32, 2, 20, 5120, 128, 51866, 448, 1500),
+    # The same vocabulary and positions in a model small enough for a CPU test.
+    "tiny": Geometry("tiny", 64, 2, 4, 2, 4, 128, 128, 51866, 448, 50),
+}
+
+
+@dataclass
+class Row:
+    """One method at one batch size."""
+
+    section: str
+    batch: int
+    method: str
+    seconds: float  # decoding the batch, median of the repeats
+    steps: int  # tokens of the batch's longest row (what a caller waits for, token by token)
+    tokens: int  # tokens kept by all rows (end-of-text included)
+    floor_seconds: float
+    identical: bool  # tokens equal ours target-only's (the loop of asr/speculative.py)
+    acceptance: float | None = None  # accepted / proposed
+    alpha: float | None = None  # per-token acceptance, from tokens per target pass
+    tokens_per_pass: float | None = None
+    oracle_alpha: float | None = None
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.seconds / self.steps
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def floor_ms_per_token(self) -> float:
+        return 1000 * self.floor_seconds / self.steps
+
+
+@dataclass(frozen=True)
+class Decoded:
+    tokens: list[list[int]]
+    stats: DecodeStats | None  # None for transformers
+
+
+# A row of the table to be: its name, a run decoding the batch, and an oracle's acceptance.
+Method = tuple[str, Callable[[], Decoded], float | None]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: float16 on GPU, float32 on CPU")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), default="large-v3")
+    parser.add_argument("--batch-sizes", default="1,4,16")
+    parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every row decodes (section 1)")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, help="k, fixed, for every speculative row")
+    parser.add_argument("--acceptance", default="0.6,0.8,0.95", help="the oracle draft's per-token acceptance rates")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, after one untimed (median)")
+    parser.add_argument("--bandwidth-gbs", type=float, default=H100_SXM_GBS)
+    parser.add_argument("--measure-bandwidth", action="store_true", help="time a large device copy instead")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="run asr/graphs.py's steps eagerly")
+    parser.add_argument("--real-target", default="packaged:whisper-base")
+    parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
+    parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
+    parser.add_argument("--real-clips", type=int, help="use only the first N short clips")
+    parser.add_argument("--real-max-new-tokens", type=int, default=224, help="a window's token limit (section 2)")
+    parser.add_argument("--no-real", action="store_true", help="skip section 2")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmark_gpu")
+    args = parser.parse_args()
+
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    graphs = device.type == "cuda" and not args.no_cuda_graphs
+    bandwidth = measure_bandwidth(device) if args.measure_bandwidth else args.bandwidth_gbs * 1e9
+    static_name = "ours target-only, fixed shapes" + (" + CUDA graphs" if graphs else "")
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    header = [
+        f"{name}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
+        f"bandwidth {bandwidth / 1e9:.0f} GB/s ({'measured' if args.measure_bandwidth else 'given'}), "
+        f"CUDA graphs {'on' if graphs else 'off'}, k = {args.num_draft_tokens}.",
+        f"Section 1: {args.geometry} geometry with RANDOM weights; end-of-text suppressed, so every row decodes "
+        f"exactly {args.max_new_tokens} tokens. 'oracle' rows: the draft model runs all its passes, but its "
+        "proposals are replaced by the target's own greedy tokens with errors injected at rate 1 - alpha per token.",
+    ]
+    print("\n".join(header), flush=True)
+    torch.manual_seed(args.seed)
+    rows = random_section(args, device, dtype, batch_sizes, graphs, bandwidth, static_name)
+    if not args.no_real:
+        if (args.dev / "manifest.tsv").is_file():
+            header.append(f"Section 2: {args.real_target} + {args.real_draft} on the short clips of {args.dev} "
+                          "(greedy, timestamps, natural end-of-text).")
+            print(header[-1], flush=True)
+            rows += real_section(args, device, dtype, batch_sizes, graphs, bandwidth, static_name)
+        else:
+            print(f"Section 2 skipped: no {args.dev / 'manifest.tsv'}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = markdown(rows)
+    (args.out / "benchmark_gpu.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
+    (args.out / "benchmark_gpu.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    plot(rows, args.out / "benchmark_gpu.png")
+    print("\n" + table)
+    print(f"\nwrote {args.out}/benchmark_gpu.md, .json, .png")
+
+
+def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
+                   graphs: bool, bandwidth: float, static_name: str) -> list[Row]:
+    geometry = GEOMETRIES[args.geometry]
+    target, draft = random_pair(geometry, device, dtype)
+    target_runner = DecoderRunner(target.model.decoder, target.proj_out.weight)
+    draft_runner = DecoderRunner(draft.model.decoder, draft.proj_out.weight)
+    suppress = [EOT] + list(range(SOT, NO_TIMESTAMPS))  # end-of-text too: fixed-length decoding
+    rules = DecodingRules(vocab_size=geometry.vocab, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=suppress,
+                          begin_suppress=[220], timestamps=False, device=device)
+    prompt = [SOT, EN, TRANSCRIBE, NO_TIMESTAMPS]
+    max_new = args.max_new_tokens
+    k = args.num_draft_tokens
+    static_target = StaticDecoder(target_runner, cuda_graphs=graphs)
+    static_pair = StaticDecoder(target_runner, draft_runner, max_draft_tokens=k, cuda_graphs=graphs)
+    element = torch.finfo(dtype).bits // 8
+    context = len(prompt) + max_new / 2
+    rows: list[Row] = []
+    for batch in batch_sizes:
+        features = torch.randn(batch, geometry.mel_bins, 2 * geometry.source_positions, device=device, dtype=dtype)
+        with torch.inference_mode():
+            encoded = target.model.encoder(features).last_hidden_state
+        frames = encoded.shape[1]
+        target_bytes = step_bytes(target_runner, batch, context, frames, element)
+        draft_bytes = step_bytes(draft_runner, batch, context, frames, element)
+
+        def ours(decoder, **options) -> Callable[[], Decoded]:
+            def run() -> Decoded:
+                sequences = decoder.decode(encoded, [prompt] * batch, rules, max_new_tokens=max_new, **options)
+                return decoded(sequences)
+            return run
+
+        methods: list[Method] = [
+            ("transformers generate", lambda: Decoded(transformers_generate(
+                target, encoded, prompt, suppress, [220], None, max_new), None), None),
+            ("ours target-only", ours(SpeculativeDecoder(target_runner)), None),
+            (static_name, ours(static_target), None),
+        ]
+        reference = ours(static_target)().tokens  # the oracle's right answers (the path it runs on)
+        for alpha in [float(a) for a in args.acceptance.split(",")]:
+            proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
+            method = f"ours speculative, oracle alpha={alpha:g}" + (" + CUDA graphs" if graphs else ", fixed shapes")
+            methods.append((method, ours(static_pair, draft_length=DraftLength(fixed=k), oracle=proposals), alpha))
+        rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args.repeats, device,
+                        target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False)
+    return rows
+
+
+def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
+                 graphs: bool, bandwidth: float, static_name: str) -> list[Row]:
+    from asr.audio import load_audio
+    from asr.features import WINDOW_FRAMES, log_mel
+    from asr.models import load_pair
+    from asr.transcribe import TranscribeOptions, Transcriber
+
+    pair = load_pair(args.real_target, args.real_draft, device=device, dtype=dtype)
+    target, draft = pair.target, pair.draft
+    rules = Transcriber(pair, TranscribeOptions(language="en")).rules(timestamps=True)
+    prompt = target.vocab.sot_sequence("en", "transcribe")
+    max_new = min(args.real_max_new_tokens, target.runner.max_positions - 1 - len(prompt))
+    clips = short_clips(args.dev / "manifest.tsv")[: args.real_clips]
+    windows = [log_mel(load_audio(path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for path in clips]
+    k = args.num_draft_tokens
+    static_target = StaticDecoder(target.runner, cuda_graphs=graphs)
+    static_pair = StaticDecoder(target.runner, draft.runner, max_draft_tokens=k, cuda_graphs=graphs)
+    element = torch.finfo(dtype).bits // 8
+    section = f"{args.real_target} + {args.real_draft}, {len(clips)} dev clips"
+    rows: list[Row] = []
+    for batch in batch_sizes:
+        chunks = [torch.stack(windows[i : i + batch]).to(device) for i in range(0, len(windows), batch)]
+        with torch.inference_mode():
+            encoded = [target.encode(chunk) for chunk in chunks]
+
+        def ours(decoder, **options) -> Callable[[], Decoded]:
+            def run() -> Decoded:
+                results = []
+                for e in encoded:
+                    results += decoder.decode(e, [prompt] * len(e), rules, max_new_tokens=max_new,
+                                              no_speech_token=target.vocab.no_speech, **options)
+                return decoded(results)
+            return run
+
+        def generate() -> Decoded:
+            tokens = []
+            for e in encoded:
+                tokens += transformers_generate(target.model, e, prompt, rules.suppress.tolist(), target.begin_suppress,
+                                                target.vocab.no_timestamps, max_new)
+            return Decoded(tokens, None)
+
+        fixed = DraftLength(fixed=k)
+        methods: list[Method] = [
+            ("transformers generate", generate, None),
+            ("ours target-only", ours(SpeculativeDecoder(target.runner)), None),
+            ("ours speculative", ours(SpeculativeDecoder(target.runner, draft.runner), draft_length=fixed), None),
+            (static_name, ours(static_target), None),
+            ("ours speculative, fixed shapes" + (" + CUDA graphs" if graphs else ""), ours(static_pair, draft_length=fixed), None),
+        ]
+        lengths = [len(t) for t in ours(SpeculativeDecoder(target.runner))().tokens]
+        frames = encoded[0].shape[1]
+        context = len(prompt) + statistics.mean(lengths) / 2
+        # Floors per batch of `batch` rows; every chunk but the last is full.
+        target_bytes = step_bytes(target.runner, batch, context, frames, element)
+        draft_bytes = step_bytes(draft.runner, batch, context, frames, element)
+        rows += measure(section, batch, methods, args.repeats, device, target_bytes, draft_bytes, k, bandwidth,
+                        ends_with_eot=True, chunks=[len(e) for e in encoded])
+    return rows
+
+
+def measure(section: str, batch: int, methods: list[Method], repeats: int, device: torch.device, target_bytes: int,
+            draft_bytes: int, k: int, bandwidth: float, ends_with_eot: bool, chunks: list[int] | None = None) -> list[Row]:
+    """Times every method (one untimed run first: warm-up, graph capture), taking turns so
+    that the machine's drift is shared, and returns their rows. ends_with_eot: every row
+    kept an end-of-text (not in its tokens) besides its tokens; chunks: rows per decode call."""
+    runs: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+    results: dict[str, Decoded] = {}
+    for repeat in range(repeats + 1):
+        for name, run, _ in methods:
+            synchronize(device)
+            began = time.perf_counter()
+            results[name] = run()
+            synchronize(device)
+            if repeat:
+                runs[name].append(time.perf_counter() - began)
+    chunks = chunks or [batch]
+    # A caller waits, per chunk, for its longest row; a step reads the weights once per chunk.
+    starts = [sum(chunks[:i]) for i in range(len(chunks))]
+    eot = int(ends_with_eot)
+    reference = results["ours target-only"].tokens
+    rows = []
+    for name, _, oracle_alpha in methods:
+        out = results[name]
+        steps = sum(max(len(t) + eot for t in out.tokens[s : s + n]) for s, n in zip(starts, chunks))
+        tokens = sum(len(t) + eot for t in out.tokens)
+        stats = out.stats
+        if stats is not None and stats.draft_proposed:
+            per_pass = stats.tokens_per_target_pass
+            rounds = steps / per_pass
+            floor = rounds * (k * draft_bytes + target_bytes) / bandwidth
+            extra = dict(acceptance=stats.acceptance_rate, alpha=acceptance_from_tokens_per_pass(per_pass, k),
+                         tokens_per_pass=per_pass, oracle_alpha=oracle_alpha)
+        else:
+            floor, extra = steps * target_bytes / bandwidth, {}
+        rows.append(Row(section, batch, name, statistics.median(runs[name]), steps, tokens, floor,
+                        out.tokens == reference, **extra))
+        print(f"  {section} | batch {batch} | {name}: {rows[-1].ms_per_token:.2f} ms/token "
+              f"(floor {rows[-1].floor_ms_per_token:.3f})", flush=True)
+    return rows
+
+
+def random_pair(geometry: Geometry, device: torch.device, dtype: torch.dtype) -> tuple[WhisperForConditionalGeneration, WhisperForCausalLM]:
+    """A target of the geometry and a draft of draft_layers decoder layers (its own
+    embeddings and head, as distil-large-v3 has), built on the device. The output heads
+    get unit-variance weights so logits are well apart: fewer near-ties between our
+    methods and transformers' (they differ in float rounding)."""
+    g = geometry
+    config = WhisperConfig(
+        vocab_size=g.vocab, num_mel_bins=g.mel_bins, d_model=g.d_model, encoder_layers=g.encoder_layers,
+        decoder_layers=g.decoder_layers, encoder_attention_heads=g.heads, decoder_attention_heads=g.heads,
+        encoder_ffn_dim=g.ffn, decoder_ffn_dim=g.ffn, max_source_positions=g.source_positions,
+        max_target_positions=g.target_positions, tie_word_embeddings=False,
+        decoder_start_token_id=SOT, eos_token_id=EOT, pad_token_id=EOT, bos_token_id=EOT,
+    )
+    draft_config = WhisperConfig.from_dict({**config.to_dict(), "decoder_layers": g.draft_layers})
+    with torch.device(device):
+        target = WhisperForConditionalGeneration(config)
+        draft = WhisperForCausalLM(draft_config)
+    with torch.no_grad():
+        for model in (target, draft):
+            model.proj_out.weight.normal_(0, 1)
+    return target.to(dtype).eval(), draft.to(dtype).eval()
+
+
+def transformers_generate(model, encoded: torch.Tensor, prompt: list[int], suppress: list[int], begin_suppress: list[int],
+                          no_timestamps: int | None, max_new: int) -> list[list[int]]:
+    """transformers' greedy `generate` on our encoder output, with the same rules as ours
+    (timestamps when no_timestamps is given), cut at end-of-text (EOT and SOT: the same ids
+    in every multilingual Whisper vocabulary)."""
+    device = encoded.device
+    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=EOT, pad_token_id=EOT,
+                              bos_token_id=EOT, decoder_start_token_id=SOT, no_timestamps_token_id=no_timestamps,
+                              max_initial_timestamp_index=50)
+    processors = [SuppressTokensAtBeginLogitsProcessor(begin_suppress, begin_index=len(prompt), device=device),
+                  SuppressTokensLogitsProcessor(suppress, device=device)]
+    if no_timestamps is not None:
+        processors.append(WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt)))
+    with torch.inference_mode():
+        out = GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=encoded),
+                                       decoder_input_ids=torch.tensor([prompt] * len(encoded), device=device),
+                                       logits_processor=LogitsProcessorList(processors), generation_config=config)
+    rows = [row[len(prompt):].tolist() for row in out]
+    return [row[: row.index(EOT)] if EOT in row else row for row in rows]
+
+
+def decoded(sequences: list[Sequence]) -> Decoded:
+    stats = DecodeStats()
+    for s in sequences:
+        stats.add(s.stats)
+    return Decoded([s.tokens for s in sequences], stats)
+
+
+def step_bytes(runner: DecoderRunner, batch: int, context: float, frames: int, element: int) -> int:
+    """Bytes one decoder step must read: the weights it uses (not the cross-attention key
+    and value maps, applied once per window; of the embedding only a few rows) and, per row,
+    the self-attention keys and values over `context` positions and the cross-attention
+    ones over every frame."""
+    weights = 0
+    for layer in runner.layers:
+        once_per_window = {id(p) for m in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj) for p in m.parameters()}
+        weights += sum(p.numel() for p in layer.parameters() if id(p) not in once_per_window)
+    weights += sum(p.numel() for p in runner.decoder.layer_norm.parameters())
+    head_rows = runner.vocab_size if runner.head_token_ids is None else runner.head_token_ids.numel()
+    weights += head_rows * runner.decoder.embed_tokens.embedding_dim
+    width = runner.num_heads * runner.head_dim
+    cache = batch * len(runner.layers) * 2 * width * (context + frames)
+    return int((weights + cache) * element)
+
+
+def measure_bandwidth(device: torch.device) -> float:
+    """Bytes per second of a large device copy, counting bytes read and written."""
+    size = (1 << 30) if device.type == "cuda" else (64 << 20)
+    source = torch.empty(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    target.copy_(source)
+    synchronize(device)
+    began = time.perf_counter()
+    repeats = 10
+    for _ in range(repeats):
+        target.copy_(source)
+    synchronize(device)
+    return 2 * size * repeats / (time.perf_counter() - began)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def short_clips(manifest: Path) -> list[Path]:
+    """The clips of at most 30 s (one window each), as scripts/benchmark.py takes them."""
+    with open(manifest, newline="", encoding="utf-8") as handle:
+        rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
+    return [manifest.parent / r["file"] for r in rows if float(r.get("duration_seconds") or 0) <= 30]
+
+
+def markdown(rows: list[Row]) -> str:
+    lines = ["| section | batch | method | ms / token | tokens / s | floor ms / token | floor / measured "
+             "| vs transformers | vs ours target-only | accepted / proposed | alpha | tokens / target pass "
+             "| same tokens as ours target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+
+    def fmt(value: float | None, pattern: str) -> str:
+        return "-" if value is None else format(value, pattern)
+
+    for row in rows:
+        group = [r for r in rows if r.section == row.section and r.batch == row.batch]
+        generate = next(r for r in group if r.method == "transformers generate")
+        ours = next(r for r in group if r.method == "ours target-only")
+        alpha = fmt(row.alpha, ".2f") + (f" (oracle {row.oracle_alpha:g})" if row.oracle_alpha is not None else "")
+        lines.append(
+            f"| {row.section} | {row.batch} | {row.method} | {row.ms_per_token:.2f} | {row.tokens_per_second:.0f} "
+            f"| {row.floor_ms_per_token:.3f} | {row.floor_seconds / row.seconds:.0%} | {generate.seconds / row.seconds:.2f}x "
+            f"| {ours.seconds / row.seconds:.2f}x | {fmt(row.acceptance, '.0%')} | {alpha} | {fmt(row.tokens_per_pass, '.2f')} "
+            f"| {'yes' if row.identical else 'NO'} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[Row], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sections = list(dict.fromkeys(r.section for r in rows))
+    figure, axes = plt.subplots(1, len(sections), figsize=(7 * len(sections), 5), squeeze=False)
+    for axis, section in zip(axes[0], sections):
+        group = [r for r in rows if r.section == section]
+        for method in dict.fromkeys(r.method for r in group):
+            points = [r for r in group if r.method == method]
+            line, = axis.plot([r.batch for r in points], [r.ms_per_token for r in points], marker="o", label=method)
+            axis.plot([r.batch for r in points], [r.floor_ms_per_token for r in points], linestyle=":",
+                      color=line.get_color())
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("batch size")
+        axis.set_ylabel("ms per token of a row (dotted: bandwidth floor)")
+        axis.set_title(section, fontsize=9)
+        axis.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()

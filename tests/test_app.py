@@ -1,0 +1,172 @@
+"""The web page in a real browser: `python -m app` serves the embedded models on a free
+localhost port, and Debian's Chromium (driven by Playwright) uploads a sample and speaks it
+into the microphone through Chromium's fake capture device. `make install` provides
+/usr/bin/chromium; without it these tests fail rather than skip, so CI cannot pass untested."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import pytest
+import soundfile
+from playwright.sync_api import Browser, Page, expect, sync_playwright
+
+from app.live import to_float_mono
+from app.views import live_html
+from asr.audio import SAMPLE_RATE, load_audio
+from conftest import REPO, SAMPLES
+
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--use-fake-ui-for-media-stream",
+         "--use-fake-device-for-media-stream"]
+CLIP = SAMPLES / "jfk.flac"  # 11 s
+EXPECTED = "ask not what your country can do for you"
+# Live, a hypothesis of part of the clip may differ in a word ("ask not that your country"),
+# and committed words stay as they were: the live check allows any one word there.
+EXPECTED_LIVE = re.compile(r"fellow\s+americans\W+ask\s+not\s+\w+\s+your\s+country", re.I)
+STARTUP_S = 300  # loading the models on a busy 2-core machine
+TRANSCRIBE_MS = 180_000
+
+
+def words(text: str) -> str:
+    return " ".join(re.sub(r"[^a-z' ]+", " ", text.lower()).split())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    port, scratch = free_port(), tmp_path_factory.mktemp("app")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(scratch)}
+    log = (scratch / "server.log").open("w")
+    process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=REPO, env=env,
+                               stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if process.poll() is not None:
+                pytest.fail(f"the app exited with {process.returncode}:\n{(scratch / 'server.log').read_text()}")
+            try:
+                urllib.request.urlopen(url, timeout=5)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"the app did not answer in {STARTUP_S} s:\n{(scratch / 'server.log').read_text()}")
+                time.sleep(1)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Browser]:
+    assert Path(CHROMIUM).is_file(), f"no Chromium at {CHROMIUM}: run `make install` (it installs Debian's chromium)"
+    # The fake microphone loops the clip (16-bit PCM WAV, as Chromium requires) from the
+    # browser's start, not the recording's, with pauses between the repeats as in speech.
+    pause = np.zeros(3 * SAMPLE_RATE, np.float32)
+    microphone = tmp_path_factory.mktemp("microphone") / "speech.wav"
+    soundfile.write(microphone, np.concatenate([pause, load_audio(CLIP), pause]), SAMPLE_RATE, subtype="PCM_16")
+    with sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(
+            executable_path=CHROMIUM, args=FLAGS + [f"--use-file-for-fake-audio-capture={microphone}"]
+        )
+        yield chromium
+        chromium.close()
+
+
+@pytest.fixture
+def page(server: str, browser: Browser) -> Iterator[Page]:
+    context = browser.new_context(viewport={"width": 1280, "height": 900})
+    page = context.new_page()
+    page.goto(server)
+    yield page
+    context.close()
+
+
+def test_microphone_chunks_become_scaled_mono_float32() -> None:
+    stereo = np.array([[32767, -32768], [16384, 16384], [0, 0]], dtype=np.int16)
+    mono = to_float_mono(stereo)
+    assert mono.dtype == np.float32 and mono.shape == (3,)
+    np.testing.assert_allclose(mono, [-0.5 / 32768, 0.5, 0.0], atol=1e-6)
+    assert to_float_mono(np.ones(4, np.float32)).tolist() == [1.0] * 4
+
+
+def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
+    page = live_html("ask not <b>", "what your", listening=True)
+    assert '<span class="asr-committed">ask not &lt;b&gt;</span>' in page
+    assert '<span class="asr-tentative">what your</span>' in page
+    assert "Listening" in live_html("", "", listening=True)
+
+
+def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> None:
+    page.locator("#upload-file input[type=file]").set_input_files(CLIP)
+    segments = page.locator("#upload-transcript .asr-segment")
+    expect(segments.first).to_be_visible(timeout=TRANSCRIBE_MS)
+    assert EXPECTED in words(page.locator("#upload-transcript").inner_text())
+    assert re.search(r"0:00\.\d – 0:1\d\.\d", segments.first.inner_text())
+    figures = page.locator("#upload-figures").inner_text().lower()
+    for label in ("audio", "real-time factor", "draft tokens accepted", "target passes saved"):
+        assert label in figures
+    assert "11.0 s" in figures
+    links = page.locator("#upload-downloads a").evaluate_all("links => links.map(a => a.href)")
+    by_name = {Path(link.split("?")[0]).name: link for link in links}
+    assert {"jfk.txt", "jfk.srt", "jfk.vtt", "jfk.json"} <= set(by_name), links
+    assert EXPECTED in words(page.request.get(by_name["jfk.txt"]).text())
+    assert "00:00:00,000 -->" in page.request.get(by_name["jfk.srt"]).text()
+
+
+def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:
+    broken = tmp_path / "broken.wav"
+    broken.write_bytes(b"RIFF\x24\x00\x00\x00WAVEfmt " + bytes(range(256)) * 8)
+    page.locator("#upload-file input[type=file]").set_input_files(broken)
+    error = page.locator("#upload-transcript .asr-error")
+    expect(error).to_be_visible(timeout=60_000)
+    assert "broken.wav" in error.inner_text()
+
+
+def test_microphone_commits_live_while_another_visitor_uploads(server: str, browser: Browser) -> None:
+    speaker, other = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
+    for page in (speaker, other):
+        page.goto(server)
+    # Chosen rather than detected: detection on the first second of a stream can pick a
+    # wrong language, which Whisper then hallucinates in at length (slow on a busy machine).
+    speaker.get_by_role("combobox", name="Language").fill("English")
+    speaker.get_by_role("option", name="English (en)").click()
+    speaker.get_by_role("tab", name="Microphone").click()
+    speaker.locator("#microphone").get_by_role("button", name="Record").click()
+    committed = speaker.locator("#live-transcript .asr-committed")
+    # Committed while the recording is still running: the live path, not the final flush.
+    expect(committed).to_contain_text(EXPECTED_LIVE, timeout=TRANSCRIBE_MS)
+    latency = speaker.locator("#live-figures .asr-figure").filter(has_text="Commit latency")
+    assert re.search(r"\d+\.\d s", latency.inner_text())
+    # A recording holds its queue slot until Stop: someone else's upload must not wait for it.
+    other.locator("#upload-file input[type=file]").set_input_files(CLIP)
+    expect(other.locator("#upload-transcript .asr-segment").first).to_be_visible(timeout=TRANSCRIBE_MS)
+    other.get_by_role("tab", name="Microphone").click()  # each visitor has their own stream
+    expect(other.locator("#live-transcript")).to_contain_text("Press Record")
+    assert speaker.locator("#microphone").get_by_role("button", name="Stop").is_visible()  # still recording
+    speaker.locator("#microphone").get_by_role("button", name="Stop").click()
+    expect(speaker.locator("#live-figures")).to_contain_text("finished", timeout=60_000)
+    assert EXPECTED_LIVE.search(committed.inner_text())
+    for page in (speaker, other):
+        page.context.close()

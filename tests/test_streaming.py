@@ -1,0 +1,108 @@
+"""The streaming transcriber (asr.streaming) and `asr stream` on dev recordings, with the
+embedded models: fed in 0.5 s chunks on the audio-time clock, as a live microphone."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from asr.audio import load_audio
+from asr.cli import main
+from asr.metrics import normalize, normalized_wer, read_manifest
+from asr.models import load_pair
+from asr.streaming import StreamingTranscriber, feed_recording, replay, summarize
+from asr.transcribe import TranscribeOptions, Transcriber
+from conftest import DEV
+
+JFK = DEV / "en_short" / "jfk.flac"
+
+
+@pytest.fixture(scope="module")
+def transcriber() -> Transcriber:
+    return Transcriber(load_pair("packaged:whisper-base", "bundled:whisper-base-2l"), TranscribeOptions(language="en"))
+
+
+@pytest.fixture(scope="module")
+def jfk_stream(transcriber):
+    """JFK (11 s) streamed live."""
+    samples = load_audio(JFK)
+    stream = StreamingTranscriber(transcriber)
+    stream.warm_up()
+    return samples, list(feed_recording(stream, samples, 0.5))
+
+
+def assert_append_only(updates) -> None:
+    committed = ""
+    for update in updates:
+        assert update.committed_text.startswith(committed.strip())
+        committed += "".join(w.text for w in update.committed)
+        assert committed.strip() == update.committed_text
+        assert update.tentative_text == "".join(w.text for w in update.tentative).strip()
+        assert len(update.commit_latencies) == len(update.committed)
+    assert updates[-1].final and updates[-1].tentative == [] and updates[-1].committed_text
+    words = [w for u in updates for w in u.committed]
+    assert all(a.start <= a.end <= b.start for a, b in zip(words, words[1:]))
+
+
+def test_committed_text_only_grows(jfk_stream):
+    _, updates = jfk_stream
+    assert len(updates) >= 3 and not any(u.final for u in updates[:-1])
+    assert_append_only(updates)
+
+
+def test_final_transcript_is_as_good_as_offline(transcriber, jfk_stream):
+    samples, updates = jfk_stream
+    reference = next(c.reference for c in read_manifest(DEV / "manifest.tsv") if c.path.name == JFK.name)
+    offline = transcriber.transcribe(samples).text
+    stream_wer = normalized_wer([normalize(reference)], [normalize(updates[-1].committed_text)])
+    offline_wer = normalized_wer([normalize(reference)], [normalize(offline)])
+    assert stream_wer <= offline_wer + 0.02, (updates[-1].committed_text, offline)
+
+
+def test_latency_and_hypothesis_draft_saving(transcriber, jfk_stream):
+    samples, updates = jfk_stream
+    summary = summarize(updates)
+    assert isinstance(summary.median_commit_latency, float) and summary.median_commit_latency > 0
+    assert summary.words == len(summary.committed_text.split())
+    assert summary.hypothesis_tokens_accepted > 0
+    # The same updates re-decoded without the hypothesis draft: the same text (greedy
+    # decoding is exact), and more target passes.
+    plain = summarize(replay(StreamingTranscriber(transcriber, hypothesis_draft=False), samples, updates))
+    assert plain.committed_text == summary.committed_text
+    assert plain.hypothesis_tokens_proposed == 0
+    assert summary.target_passes < plain.target_passes
+
+
+def test_trimmed_buffer_gives_the_same_text_with_and_without_the_hypothesis_draft(transcriber, jfk_stream):
+    """Trimming past 5 s, two seconds at a time: the buffer is cut at committed segments
+    (the hypothesis shifted with it), committed text still only grows, and the hypothesis
+    draft changes only the number of target passes."""
+    samples, _ = jfk_stream
+    runs = []
+    for hypothesis_draft in (True, False):
+        stream = StreamingTranscriber(transcriber, hypothesis_draft=hypothesis_draft, buffer_trim_seconds=5.0,
+                                      encoder_padding_seconds=2.0)
+        updates = []
+        for start in range(0, len(samples), 32000):
+            stream.insert_audio(samples[start : start + 32000])
+            updates.append(stream.process())
+        runs.append(updates + [stream.finish()])
+    hinted, plain = runs
+    assert_append_only(hinted)
+    assert any(u.buffer_seconds < before.buffer_seconds for before, u in zip(hinted, hinted[1:]) if u.buffer_seconds)
+    assert [u.committed_text for u in hinted] == [u.committed_text for u in plain]
+    assert sum(u.target_passes for u in hinted) < sum(u.target_passes for u in plain)
+
+
+def test_cli_json_lines(capsys):
+    clip = DEV / "en_short" / "7902-96591-0000.wav"  # 2 s
+    assert main(["stream", str(clip), "--chunk-seconds", "0.5", "--json", "--language", "en"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    updates, summary = lines[:-1], lines[-1]
+    assert summary["type"] == "summary" and all(u["type"] == "update" for u in updates)
+    assert {"committed_text", "median_commit_latency", "target_passes", "updates", "audio_seconds",
+            "compute_seconds", "hypothesis_tokens_accepted"} <= summary.keys()
+    assert summary["committed_text"] == updates[-1]["committed_text"] and "cutter" in summary["committed_text"].lower()
+    assert summary["target_passes"] == sum(u["target_passes"] for u in updates)
+    assert updates[-1]["final"] and abs(summary["audio_seconds"] - 2.1) < 0.1
