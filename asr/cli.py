@@ -78,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="re-decode the buffer without proposing the previous hypothesis first")
     s.add_argument("--buffer-trim-seconds", type=float, default=15.0,
                    help="cut the buffer at a committed segment once it is longer (default: %(default)s)")
-    s.add_argument("--full-window", action="store_true",
-                   help="encode Whisper's whole 30 s window at every update (default: the buffer plus 2 s of silence)")
+    s.add_argument("--encoder-padding-seconds", type=float, metavar="S",
+                   help="encode only the buffer plus S seconds of silence: cheaper updates, less accurate "
+                        "(default: Whisper's whole 30 s window)")
     s.add_argument("--language", help="e.g. en, de (default: detect)")
+    s.add_argument("--prompt", default="", help="text said before the stream (names and spellings to expect)")
     add_model_arguments(s)
     s.add_argument("--no-speculation", action="store_true", help="decode with the target alone (no draft model)")
 
@@ -222,7 +224,7 @@ def stream_command(args: argparse.Namespace) -> int:
         transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds,
-                                      encoder_padding_seconds=None if args.full_window else 2.0,
+                                      encoder_padding_seconds=args.encoder_padding_seconds, prompt=args.prompt,
                                       clock=(lambda: time.monotonic() - started) if args.realtime else None)
         stream.warm_up()
     except (ValueError, OSError) as error:

@@ -147,7 +147,7 @@ class SpeculativeDecoder:
         limit = length + max_new_tokens
         sot = torch.tensor(sot_index if sot_index is not None else [0] * batch, device=device)
         hint, hint_length = _pad_hints(hints or [[]] * batch, rules.eot, self.target.vocab_size, device)
-        hint_shift = torch.zeros_like(hint_length)
+        hint_shift, hint_on = torch.zeros_like(hint_length), hint_length > 0
         hinted = bool(hints) and any(hints)  # else no hint work at all (and no host sync for it)
 
         target = _Model(self.target, self.target.new_cache(target_encoder_output, capacity))
@@ -173,7 +173,7 @@ class SpeculativeDecoder:
             remaining = int((limit - length).min())
             hint_round = False
             if hinted:
-                hint_on, hint_shift = _follow_hint(hint, hint_length, hint_shift, tokens, length, sample_begin)
+                hint_on, hint_shift = _follow_hint(hint, hint_length, hint_shift, hint_on, tokens, length, sample_begin)
                 hint_round = bool(hint_on.any())
             draft_probs = None
             started = time.perf_counter()
@@ -267,7 +267,7 @@ class SpeculativeDecoder:
                     t.index_select(0, keep) for t in (rows, tokens, length, sample_begin, limit, sot)
                 )
                 sum_logprob, no_speech, draft_cached = (t.index_select(0, keep) for t in (sum_logprob, no_speech, draft_cached))
-                hint, hint_length, hint_shift = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift))
+                hint, hint_length, hint_shift, hint_on = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift, hint_on))
                 target.cache.keep_rows(keep)
                 if draft is not None:
                     draft.cache.keep_rows(keep)
@@ -352,20 +352,20 @@ HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the
 
 
 def _follow_hint(
-    hint: Tensor, hint_length: Tensor, shift: Tensor, tokens: Tensor, length: Tensor, sample_begin: Tensor
+    hint: Tensor, hint_length: Tensor, shift: Tensor, on: Tensor, tokens: Tensor, length: Tensor, sample_begin: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Where each row stands in its hint, given shift [B] (the hint index of the row's next
-    token minus its count of generated tokens). A row follows its hint while its last kept
-    token is the hint's at that place. Where it departs (a stream's hypothesis changed a word
-    or a timestamp and then goes on as before), the hint resumes as soon as a kept token is
-    the hint's at its place again, or else where the row's last HINT_REALIGN kept tokens
-    occur in the hint (the occurrence nearest its place). Returns which rows propose from
-    their hint this round [B] and the updated shift."""
+    """Which rows propose from their hint this round [B], given which did last round (on
+    [B]) and shift [B] (the hint index of a row's next token minus its count of generated
+    tokens); returns them with the updated shift. A row follows its hint while everything it
+    kept is the hint's: its last kept token is the hint's at that place. Where it departs (a
+    stream's hypothesis changed a word or a timestamp, and goes on as before), the hint
+    resumes where the row's last HINT_REALIGN kept tokens occur in it (the occurrence
+    nearest its place)."""
     generated = length - sample_begin
     at = generated + shift
     width, rows = hint.shape[1], torch.arange(len(length), device=length.device)
     last = tokens[rows, length - 1]
-    follows = (generated == 0) | ((at >= 1) & (hint[rows, (at - 1).clamp(0, width - 1)] == last))
+    follows = on & ((generated == 0) | ((at >= 1) & (hint[rows, (at - 1).clamp(0, width - 1)] == last)))
     if width >= HINT_REALIGN:
         recent = tokens.gather(1, (length[:, None] - HINT_REALIGN + torch.arange(HINT_REALIGN, device=length.device)).clamp(min=0))
         ends = torch.arange(HINT_REALIGN, width + 1, device=length.device)  # hint index just past each window

@@ -14,12 +14,14 @@ one pass and keeps the agreeing prefix, the draft model takes over past it, and 
 new hypothesis meets the old one again (a word or a timestamp changed, the rest did not),
 the rest of the old one is proposed again. Greedy output stays exactly the target's.
 
-The encoder reads the buffer plus 2 s of silence rather than a whole 30 s window (see
-encoder_padding_seconds), which makes an update several times cheaper.
+The encoder reads Whisper's whole 30 s window by default. It can read only the buffer plus
+a little silence (encoder_padding_seconds), which makes early updates several times cheaper
+but less accurate.
 
 Each buffer is decoded greedily (no temperature fallback: sampled hypotheses would rarely
-agree). The loops Whisper falls into on silence and at the end of the audio are cut from
-every hypothesis, and so are copies of the prompt, lest two hypotheses agree on them.
+agree). A hypothesis that loops or echoes the prompt is decoded again without the prompt;
+the loops Whisper falls into on silence and at the end of the audio are cut from every
+hypothesis, and so are copies of the prompt, lest two hypotheses agree on them.
 
 Word times are approximate: Whisper gives segment timestamps, and a segment's duration is
 shared among its words in proportion to their characters.
@@ -38,13 +40,17 @@ import numpy as np
 
 from asr.audio import SAMPLE_RATE
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
-from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult
+from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
 FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
 CONTEXT_CHARACTERS = 200  # the prompt: the end of the committed text before the buffer (as whisper_streaming)
 LOOP_WORDS = 5  # a run of this many words twice in a row (or a shorter one four times) is a loop
+TOKENS_PER_SECOND = 15  # a buffer's hypothesis stops at 20 tokens + this many per second (more is a loop, not speech)
 PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
+PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
+TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
+# end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
 NOT_WORD = re.compile(r"[^\w']+")
 
@@ -84,7 +90,11 @@ class _Segment:
 
 class StreamingTranscriber:
     """Feed audio with insert_audio(), call process() whenever it suits (each call decodes
-    once), and finish() at the end of the stream.
+    the buffer once, or twice when the first hypothesis is a hallucination), and finish() at
+    the end of the stream.
+
+    prompt: text before the stream (what was said before, names and spelling to expect),
+    the first prompt (whisper_streaming's init_prompt); later the committed text follows it.
 
     encoder_padding_seconds: the encoder reads the buffer plus this much silence (in whole
     seconds), not Whisper's 30 s window (None), which makes an update several times cheaper
@@ -107,6 +117,7 @@ class StreamingTranscriber:
         hypothesis_draft: bool = True,
         buffer_trim_seconds: float = 15.0,
         encoder_padding_seconds: float | None = None,
+        prompt: str = "",
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ):
@@ -127,10 +138,11 @@ class StreamingTranscriber:
         self._committed: list[Word] = []
         self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
         self._tentative: list[Word] = []
-        self._context_text = ""  # the end of the committed text before the buffer
+        self._context_text = ""  # the end of the committed text before the buffer (or the prompt)
         self._context: list[int] = []  # its tokens: the prompt
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._last_end = 0.0  # the audio-time clock when the last call ended
+        self._cut(0, 0, " " + prompt.strip() if prompt.strip() else "")
 
     @property
     def audio_seconds(self) -> float:
@@ -166,10 +178,9 @@ class StreamingTranscriber:
         committed: list[Word] = []
         if self._received != self._decoded_until and len(self._buffer):  # new audio: a new hypothesis
             self._make_room()
-            window = self.transcriber.transcribe_window(
-                self._buffer, self._context, self._language, self._hint if self.hypothesis_draft else None,
-                self._encoder_frames(len(self._buffer)),
-            )
+            window = self._transcribe(self._context)
+            if self._context and self._hallucinated(window):
+                window = self._transcribe([])
             self._decoded_until = self._received
             committed = self._agree(window)
         if final:
@@ -197,6 +208,26 @@ class StreamingTranscriber:
             final=final,
         )
 
+    def _transcribe(self, context: list[int]) -> WindowResult:
+        seconds = len(self._buffer) / SAMPLE_RATE
+        return self.transcriber.transcribe_window(
+            self._buffer, context, self._language, self._hint if self.hypothesis_draft else None,
+            self._encoder_frames(len(self._buffer)), 20 + math.ceil(TOKENS_PER_SECOND * seconds),
+        )
+
+    def _hallucinated(self, window: WindowResult) -> bool:
+        """Whether a hypothesis decoded with the prompt loops (Whisper's compression-ratio
+        test) or its new words repeat PROMPT_ECHO_WORDS words of the prompt: Whisper's
+        failures when the buffer starts or ends on a clipped word. Such a buffer is decoded again without the prompt
+        (as Whisper drops it when it falls back to sampling)."""
+        text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
+        threshold = self.transcriber.options.compression_ratio_threshold
+        if threshold is not None and compression_ratio(text) > threshold:
+            return True
+        prompt, keys = _keys(self._context_text), _keys(text)[len(self._in_buffer) :]  # past the committed words
+        echoes = {tuple(prompt[i : i + PROMPT_ECHO_WORDS]) for i in range(len(prompt) - PROMPT_ECHO_WORDS + 1)}
+        return any(tuple(keys[i : i + PROMPT_ECHO_WORDS]) in echoes for i in range(len(keys) - PROMPT_ECHO_WORDS + 1))
+
     def _encoder_frames(self, samples: int) -> int | None:
         if self.encoder_padding_seconds is None:
             return None
@@ -217,7 +248,10 @@ class StreamingTranscriber:
         committed = self._commit(fresh[:agreed])
         if committed and self._language is None:
             self._language = window.language  # the committed text is in it: keep it from now on
-        self._in_buffer = words[: done + agreed]
+        if words[done:] or len(words) >= len(self._in_buffer):
+            self._in_buffer = words[: done + agreed]
+        # else the hypothesis stops short of the committed words (it missed the end of the
+        # buffer): they stay as they were, or the next hypothesis would commit them again
         self._tentative = fresh[agreed:]
         self._hint = window.tokens
         if len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
@@ -270,9 +304,11 @@ class StreamingTranscriber:
 
     def _trim_at_segment(self, segments: list[_Segment]) -> None:
         """Cuts the buffer at the end of the last closed segment whose words are all
-        committed: its text joins the prompt, and the hint keeps the tokens after it."""
+        committed, never the hypothesis's last (as whisper_streaming: Whisper given a second
+        or two of audio, and that mid-sentence, is unreliable): its text joins the prompt, and
+        the hint keeps the tokens after it."""
         counted, cut = 0, None
-        for segment in segments:
+        for segment in segments[:-1]:
             counted += len(segment.words)
             if counted > len(self._in_buffer):
                 break
@@ -281,14 +317,15 @@ class StreamingTranscriber:
         if cut is None:
             return
         segment, words = cut
+        at = max(segment.end_timestamp - TRIM_MARGIN_STEPS, 0)
         hint = []
         for token in self._hint[segment.end_token :]:
             if token >= self._vocab.timestamp_begin:
-                token -= segment.end_timestamp
+                token -= at
                 if token < self._vocab.timestamp_begin:
                     break  # a time before the cut: the rest no longer fits the new buffer
             hint.append(token)
-        self._cut(segment.end_timestamp * SAMPLES_PER_TIMESTAMP, words)
+        self._cut(at * SAMPLES_PER_TIMESTAMP, words)
         self._hint = hint
 
     def _make_room(self) -> None:
@@ -304,9 +341,10 @@ class StreamingTranscriber:
             self._cut(excess, 0)
         self._hint = []
 
-    def _cut(self, samples: int, words: int) -> None:
-        """Drops the buffer's first samples and its first committed words (into the prompt)."""
-        text = self._context_text + "".join(w.text for w in self._in_buffer[:words])
+    def _cut(self, samples: int, words: int, text: str = "") -> None:
+        """Drops the buffer's first samples and its first committed words (into the prompt,
+        after `text`)."""
+        text = self._context_text + text + "".join(w.text for w in self._in_buffer[:words])
         if len(text) > CONTEXT_CHARACTERS:  # whole words only
             text = text[-CONTEXT_CHARACTERS:]
             text = text[text.find(" "):] if " " in text else text

@@ -196,19 +196,22 @@ class Transcriber:
         language: str | None = None,
         hint: list[int] | None = None,
         encoder_frames: int | None = None,
+        max_new_tokens: int | None = None,
     ) -> WindowResult:
         """Decodes at most 30 s of audio as one window, as transcribe decodes each of its
         windows (language detection when none is given, temperature fallback), conditioned on
         the text tokens `context` and with `hint` as the first draft (SpeculativeDecoder.decode):
         how a stream re-transcribes its buffer. encoder_frames: encode only the window's first
-        frames (an even number; WhisperModel.encode) rather than all 3000."""
+        frames (an even number; WhisperModel.encode) rather than all 3000. max_new_tokens: a
+        lower limit than the options'."""
         if len(samples) > WINDOW_SAMPLES:
             raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
         job = self._start(AudioInput("window", samples))
         if language is not None:
             job.language = job.info.language = language
         job.context, job.hint = list(context), list(hint or [])
-        [(sequence, temperature)] = self._decode([job], self.rules(timestamps=not self.options.without_timestamps), encoder_frames)
+        rules = self.rules(timestamps=not self.options.without_timestamps)
+        [(sequence, temperature)] = self._decode([job], rules, encoder_frames, max_new_tokens)
         return WindowResult(sequence.tokens, job.info.language, temperature, self._silent(sequence), job.info)
 
     def _start(self, audio: AudioInput) -> _Job:
@@ -232,7 +235,7 @@ class Transcriber:
             self._advance(job, sequence, temperature)
 
     def _decode(
-        self, jobs: list[_Job], rules: DecodingRules, encoder_frames: int | None = None
+        self, jobs: list[_Job], rules: DecodingRules, encoder_frames: int | None = None, max_new_tokens: int | None = None
     ) -> list[tuple[Sequence, float]]:
         """Decodes the current window of every job together, adding to each job's info."""
         target, draft = self.models.target, self.models.draft
@@ -247,7 +250,7 @@ class Transcriber:
             for i, (language, probability) in zip(undetected, self.detect_language(encoded[undetected])):
                 jobs[i].language = jobs[i].info.language = language
                 jobs[i].info.language_probability = probability
-        results = self._decode_with_fallback(jobs, encoded, draft_encoded, rules)
+        results = self._decode_with_fallback(jobs, encoded, draft_encoded, rules, max_new_tokens)
         decoder_seconds = time.perf_counter() - started
         passes = sum(seq.stats.target_passes for seq, _ in results) or 1
         for job, (sequence, temperature) in zip(jobs, results):
@@ -271,7 +274,8 @@ class Transcriber:
         return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)]
 
     def _decode_with_fallback(
-        self, jobs: list[_Job], encoded: Tensor, draft_encoded: Tensor | None, rules: DecodingRules
+        self, jobs: list[_Job], encoded: Tensor, draft_encoded: Tensor | None, rules: DecodingRules,
+        max_new_tokens: int | None = None,
     ) -> list[tuple[Sequence, float]]:
         """Whisper's temperature fallback: rows whose output looks like a loop (high
         compression ratio) or is unlikely (low average log-probability) are decoded again,
@@ -283,7 +287,8 @@ class Transcriber:
         todo = list(range(len(jobs)))
         for attempt, temperature in enumerate(options.temperatures):
             prompts, sot_index = zip(*(self._prompt(jobs[i], temperature) for i in todo))
-            max_new = min(options.max_new_tokens, self._target_runner.max_positions - 1 - max(map(len, prompts)))
+            max_new = min(max_new_tokens or options.max_new_tokens, options.max_new_tokens,
+                          self._target_runner.max_positions - 1 - max(map(len, prompts)))
             hints = [jobs[i].hint for i in todo]
             static = self._static is not None and temperature == 0 and not any(hints)
             sequences = (self._static if static else decoder).decode(

@@ -2,6 +2,7 @@
 first draft, beside offline transcription of the same file.
 
     python scripts/benchmark_stream.py [AUDIO] [--chunk-seconds 0.5] [--preset embedded] [--cpu-time]
+                                       [--encoder-padding-seconds S]
 
 The file is fed as a live microphone would (asr.streaming.feed_recording, audio-time
 clock: chunks arrive in real time, each update takes its measured compute time, so the
@@ -50,7 +51,8 @@ def main() -> int:
     parser.add_argument("--chunk-seconds", type=float, default=0.5)
     parser.add_argument("--buffer-trim-seconds", type=float, default=15.0)
     parser.add_argument("--language", default="en")
-    parser.add_argument("--full-window", action="store_true", help="encode the whole 30 s window at every update")
+    parser.add_argument("--encoder-padding-seconds", type=float, metavar="S",
+                        help="encode only the buffer plus S seconds of silence (default: the whole 30 s window)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="on a machine shared with other work: torch on one thread, and an update's compute time "
                              "is this thread's CPU time, which others' load does not inflate")
@@ -70,7 +72,7 @@ def main() -> int:
 
     def stream(hypothesis_draft: bool) -> StreamingTranscriber:
         made = StreamingTranscriber(transcriber, hypothesis_draft=hypothesis_draft, buffer_trim_seconds=args.buffer_trim_seconds,
-                                    encoder_padding_seconds=None if args.full_window else 2.0, timer=timer)
+                                    encoder_padding_seconds=args.encoder_padding_seconds, timer=timer)
         made.warm_up()
         return made
 
@@ -94,7 +96,7 @@ def main() -> int:
 
     with_hint, same = runs[WITH_HINT], runs[SAME_UPDATES]
     print(f"{args.audio.name}: {len(samples) / SAMPLE_RATE:.1f} s, {args.chunk_seconds} s chunks, target {target}, "
-          f"draft {draft}, {device}, encoder over {'the 30 s window' if args.full_window else 'the buffer + 2 s'}, "
+          f"draft {draft}, {device}, encoder over {'the 30 s window' if args.encoder_padding_seconds is None else f'the buffer + {args.encoder_padding_seconds:g} s'}, "
           f"{torch.get_num_threads()} threads, compute time = {'CPU time of the thread' if args.cpu_time else 'wall clock'}, "
           f"load average up to {load:.1f}")
     print()

