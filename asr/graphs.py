@@ -147,7 +147,7 @@ class StaticDecoder:
             going, accepted, rejected = b.summary.tolist()  # the round's one read on the host
             if k > 0 and not captured:  # a capture's time says nothing of a round's
                 drafting, verifying = clock.seconds()
-                draft_length.update(accepted, rejected, drafting / k, verifying)
+                draft_length.update(k, accepted, rejected, drafting / k, verifying)
             if going == 0:
                 break
         return self._results(b, batch, no_speech)

@@ -4,6 +4,8 @@ and without timestamps (tiny random models in float64, logits well separated).""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -130,6 +132,47 @@ def test_adaptive_k_is_exact_too():
     decoder = SpeculativeDecoder(runner(target), runner(draft))
     result = decoder.decode(encoded, [prompt_for(True)] * BATCH, rules_for(True), max_new_tokens=MAX_NEW)
     assert [s.tokens for s in result] == expected
+
+
+class _Alternating(DraftLength):
+    """Drafts every other round: the draft catches up on the tokens of the plain rounds."""
+
+    def next_round(self) -> int:
+        self.rounds = getattr(self, "rounds", 0) + 1
+        return 3 * (self.rounds % 2)
+
+
+def test_rounds_without_drafting_keep_output_exact():
+    target, features = target_and_windows(4)
+    expected = transformers_greedy(target, features, True)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    decoder = SpeculativeDecoder(runner(target), runner(decoder_only_draft(target, noise=0.2, seed=4)))
+    result = decoder.decode(encoded, [prompt_for(True)] * BATCH, rules_for(True), max_new_tokens=MAX_NEW,
+                            draft_length=_Alternating())
+    assert [s.tokens for s in result] == expected
+    assert 0 < sum(s.stats.draft_proposed for s in result) < sum(s.stats.target_passes for s in result) * 3
+
+
+def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, plain: float, per_proposal: float) -> list[int]:
+    """64 rounds of a simulated decoder with these costs (seconds), each proposal kept with
+    probability `acceptance` while the ones before it were."""
+    chosen, rng = [], random.Random(0)
+    for _ in range(64):
+        k = draft_length.next_round()
+        accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
+        draft_length.update(k, accepted, int(accepted < k), draft_step, plain + k * per_proposal)
+        chosen.append(k)
+    return chosen
+
+
+def test_draft_length_stops_drafting_where_it_does_not_pay():
+    # A large CPU batch: each proposal costs the target pass nearly a plain pass, and few are kept.
+    chosen = rounds_of(DraftLength(), acceptance=0.5, draft_step=0.004, plain=0.020, per_proposal=0.015)
+    assert chosen[-32:].count(0) >= 28 and any(chosen[-32:])  # still tried now and then
+    # Batch 1: proposals are nearly free to verify and mostly right.
+    chosen = rounds_of(DraftLength(), acceptance=0.9, draft_step=0.003, plain=0.020, per_proposal=0.001)
+    assert chosen[-32:].count(0) <= 4 and max(chosen[-32:]) >= 4
 
 
 def test_identical_draft_accepts_every_proposal():
