@@ -4,8 +4,9 @@ Policy (LocalAgreement-2 of whisper_streaming, Macháček et al. 2023): each pro
 re-transcribes the buffer (the stream's audio since its last trim, at most 30 s) as one
 window, conditioned on the committed text before the buffer (<|startofprev|>), and commits
 the longest common word prefix of this hypothesis and the previous one. Committed words
-never change again. Once the buffer is longer than buffer_trim_seconds, it is cut at the
-end of the last segment whose words are all committed.
+never change again. Once the buffer is longer than buffer_trim_seconds, it is cut shortly
+before the end of the last segment whose words are all committed (never the hypothesis's
+last segment).
 
 Re-transcribing the buffer mostly repeats the previous hypothesis. So that repeat costs
 almost nothing, the previous hypothesis's tokens (timestamps shifted where the buffer was
