@@ -128,9 +128,6 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if unknown or not formats:
         print(f"asr: unknown format(s) {unknown or args.formats!r}; choose from {', '.join(FORMATS)}", file=sys.stderr)
         return 2
-    if args.draft and not args.target:
-        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
-        return 2
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)
         return 2
@@ -164,9 +161,6 @@ def transcribe_command(args: argparse.Namespace) -> int:
 
 
 def evaluate_command(args: argparse.Namespace) -> int:
-    if args.draft and not args.target:
-        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
-        return 2
     target, draft = model_sources(args)
     if draft is None:
         print("asr: evaluation compares speculative with target-only decoding: give --draft with --target", file=sys.stderr)
@@ -190,9 +184,6 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 
 def app_command(args: argparse.Namespace) -> int:
-    if args.draft and not args.target:
-        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
-        return 2
     target, draft = model_sources(args)
     device, dtype = device_and_dtype(args)
     try:
@@ -212,9 +203,6 @@ def app_command(args: argparse.Namespace) -> int:
 
 
 def stream_command(args: argparse.Namespace) -> int:
-    if args.draft and not args.target:
-        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
-        return 2
     target, draft = model_sources(args)
     device, dtype = device_and_dtype(args)
     try:
@@ -253,6 +241,9 @@ def describe_update(update: StreamUpdate) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
+        print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
+        return 2
     if args.command == "transcribe":
         return transcribe_command(args)
     if args.command == "evaluate":
