@@ -8,6 +8,7 @@ rejected draft tokens are rolled back, by moving a position rather than copying.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -30,24 +31,35 @@ class KVCache:
     def capacity(self) -> int:
         return self.self_k[0].shape[2]
 
-    def keep_rows(self, rows: Tensor) -> None:
-        """Drops finished rows so they stop costing work (a copy, once per finished row)."""
-        for tensors in (self.self_k, self.self_v, self.cross_k, self.cross_v):
+    def keep_rows(self, rows: Tensor, cross_from: "KVCache | None" = None, cross_layers: list[int] | None = None) -> None:
+        """Drops finished rows so they stop costing work (a copy, once per finished row).
+        cross_from: the cache this one shares cross-attention K/V with (already cut), as in
+        DecoderRunner.new_cache."""
+        for tensors in (self.self_k, self.self_v) if cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v):
             tensors[:] = [t.index_select(0, rows) for t in tensors]
+        if cross_from is not None:
+            self.cross_k[:] = [cross_from.cross_k[i] for i in cross_layers]
+            self.cross_v[:] = [cross_from.cross_v[i] for i in cross_layers]
 
 
 class DecoderRunner:
     """Runs a transformers `WhisperDecoder`'s weights over our own static cache."""
 
-    def __init__(self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None):
+    def __init__(
+        self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None, int8: bool = False
+    ):
         """head_token_ids: for a draft whose output head covers only some tokens, the token
-        id of each head row; logits of the other tokens come back as -inf."""
+        id of each head row; logits of the other tokens come back as -inf.
+
+        int8: run the linear maps with int8 weights (dynamic quantisation, CPU only): a
+        draft's step is bound by reading its weights, and its proposals need not be exact."""
         self.decoder = decoder
         self.layers = list(decoder.layers)
         self.head_token_ids = head_token_ids
         self.vocab_size = decoder.embed_tokens.num_embeddings
-        self._head = fast_linear(output_projection, None)
-        self._projections = [_Projections.of(layer) for layer in self.layers]
+        linear = int8_linear if int8 else fast_linear
+        self._head = linear(output_projection, None)
+        self._projections = [_Projections.of(layer, linear) for layer in self.layers]
         first = self.layers[0].self_attn
         self.num_heads = first.num_heads
         self.head_dim = first.head_dim
@@ -62,15 +74,36 @@ class DecoderRunner:
         batch, length, _ = x.shape
         return x.view(batch, length, self.num_heads, self.head_dim).transpose(1, 2)
 
+    def cross_layers_shared_with(self, other: "DecoderRunner") -> list[int] | None:
+        """For each of this decoder's layers, the layer of `other` whose cross-attention key
+        and value projections are the very same tensors (an early exit of `other`, or a
+        draft distilled with them frozen), so that other's cross K/V can serve it too;
+        None unless every layer has one."""
+        def projections(layer: nn.Module) -> tuple:
+            attention = layer.encoder_attn
+            biases = (attention.k_proj.bias, attention.v_proj.bias)
+            return (attention.k_proj.weight.data_ptr(), attention.v_proj.weight.data_ptr(),
+                    *(None if b is None else b.data_ptr() for b in biases))
+
+        index = {projections(layer): i for i, layer in enumerate(other.layers)}
+        found = [index.get(projections(layer)) for layer in self.layers]
+        return None if None in found else found
+
     @torch.inference_mode()
-    def new_cache(self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None) -> KVCache:
-        """cross_from: a cache of a runner with these very weights over the same encoder
-        output, whose cross-attention K/V are reused rather than computed again."""
+    def new_cache(
+        self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None, cross_layers: list[int] | None = None
+    ) -> KVCache:
+        """cross_from: the cache of a runner sharing cross-attention K/V projections with
+        this one (cross_layers: the layer of it each of ours shares, cross_layers_shared_with)
+        over the same encoder output, whose cross-attention K/V are reused rather than
+        computed again."""
         batch = encoder_output.shape[0]
         dtype, device = encoder_output.dtype, encoder_output.device
         shape = (batch, self.num_heads, capacity, self.head_dim)
         if cross_from is not None:
-            cross_k, cross_v = list(cross_from.cross_k), list(cross_from.cross_v)
+            if cross_layers is None:
+                raise ValueError("sharing another cache's cross-attention K/V needs the layers it comes from")
+            cross_k, cross_v = [cross_from.cross_k[i] for i in cross_layers], [cross_from.cross_v[i] for i in cross_layers]
         else:
             cross_k, cross_v = [], []
             for layer in self.layers:
@@ -173,6 +206,33 @@ def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
     return lambda x: F.linear(x, weight, bias)
 
 
+def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
+    """x @ weight.T + bias with the weight quantised to int8 per output row and the input
+    quantised on the fly (fbgemm's dynamic linear): a quarter of the float32 weight's
+    memory traffic. Falls back to fast_linear off the CPU, in other dtypes, or where this
+    build has no quantised engine."""
+    if weight.device.type == "cpu" and weight.dtype == torch.float32:
+        try:
+            w = weight.detach()
+            scales = (w.abs().amax(1).clamp(min=1e-8) / 127).double()
+            with warnings.catch_warnings():
+                # Quantised tensors are deprecated, with no CPU replacement as fast on AVX2 yet
+                # (aten's weight-only int8 matmul was 4-10x slower than float32 here).
+                warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
+                quantised = torch.quantize_per_channel(w, scales, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
+            packed = torch.ops.quantized.linear_prepack(quantised, None if bias is None else bias.detach())
+
+            def run(x: Tensor) -> Tensor:
+                flat = x.reshape(-1, x.shape[-1])
+                return torch.ops.quantized.linear_dynamic(flat, packed, True).view(*x.shape[:-1], -1)
+
+            run(weight.new_zeros(2, weight.shape[1]))  # an unsupported build fails here, not mid-decode
+            return run
+        except (RuntimeError, AttributeError):
+            pass
+    return fast_linear(weight, bias)
+
+
 @dataclass
 class _Projections:
     """One decoder layer's linear maps (cross-attention K/V are computed once per window
@@ -188,9 +248,9 @@ class _Projections:
     fc2: Linear
 
     @classmethod
-    def of(cls, layer: nn.Module) -> "_Projections":
+    def of(cls, layer: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear] = fast_linear) -> "_Projections":
         def wrap(module: nn.Linear) -> Linear:
-            return fast_linear(module.weight, module.bias)
+            return linear(module.weight, module.bias)
 
         attn, cross = layer.self_attn, layer.encoder_attn
         return cls(wrap(attn.q_proj), wrap(attn.k_proj), wrap(attn.v_proj), wrap(attn.out_proj),

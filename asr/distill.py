@@ -154,9 +154,14 @@ def teacher_forced_logits(runner: DecoderRunner, encoded: Tensor, rows: list[lis
 class DraftDecoder(nn.Module):
     """The student: a few of the target's decoder layers, its token and position
     embeddings shared and frozen, and an output head over `head_token_ids` only (rows of
-    the shared embedding, as Whisper ties its head to it)."""
+    the shared embedding, as Whisper ties its head to it).
 
-    def __init__(self, target: WhisperModel, layers: list[int], head_token_ids: Tensor, dropout: float = 0.0):
+    share_cross_kv: keep each layer's cross-attention key/value projections frozen at the
+    target layer it starts from, so that decoding reuses the target's cross-attention K/V
+    (computing them over 1,500 encoder frames per window is a draft's biggest fixed cost)."""
+
+    def __init__(self, target: WhisperModel, layers: list[int], head_token_ids: Tensor, dropout: float = 0.0,
+                 share_cross_kv: bool = True):
         super().__init__()
         config = copy.deepcopy(target.config)
         config.decoder_layers = len(layers)
@@ -171,6 +176,11 @@ class DraftDecoder(nn.Module):
         self.decoder.embed_positions.weight = nn.Parameter(source.embed_positions.weight.detach(), requires_grad=False)
         self.register_buffer("head_token_ids", head_token_ids.long())
         self.layers_from = layers
+        self.share_cross_kv = share_cross_kv
+        if share_cross_kv:
+            for layer in self.decoder.layers:
+                for parameter in (*layer.encoder_attn.k_proj.parameters(), *layer.encoder_attn.v_proj.parameters()):
+                    parameter.requires_grad_(False)
 
     def forward(self, input_ids: Tensor, encoder_output: Tensor) -> Tensor:
         """Teacher-forced logits over the head's tokens [B, T, len(head_token_ids)]."""
@@ -178,7 +188,11 @@ class DraftDecoder(nn.Module):
         return hidden @ self.decoder.embed_tokens.weight[self.head_token_ids].t()
 
     def trainable_state(self) -> dict[str, Tensor]:
-        return {f"model.decoder.{k}": v for k, v in self.decoder.state_dict().items() if not k.startswith("embed_")}
+        """What the draft stores: not the shared embeddings, nor shared cross-attention K/V projections."""
+        def shared(name: str) -> bool:
+            return name.startswith("embed_") or (self.share_cross_kv and (".encoder_attn.k_proj." in name or ".encoder_attn.v_proj." in name))
+
+        return {f"model.decoder.{k}": v for k, v in self.decoder.state_dict().items() if not shared(k)}
 
     def save(self, out: Path, target: WhisperModel) -> None:
         """transformers' layout (config.json + safetensors, WhisperForCausalLM names) minus
@@ -196,6 +210,7 @@ class DraftDecoder(nn.Module):
             "layers_from_target": self.layers_from,
             "head_size": int(self.head_token_ids.numel()),
             "shares_target_embedding": True,
+            "cross_kv_from_target": self.layers_from if self.share_cross_kv else None,
         }
         _atomic(out / DRAFT_WEIGHTS, lambda p: save_file(tensors, str(p)))
         _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
@@ -224,8 +239,12 @@ class Batch:
     teacher_logprobs: Tensor  # [B, T, K]
 
 
-def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, head_index: Tensor, eot: int) -> Batch:
-    width = max(len(labels[i].tokens) for i in indices) - 1
+def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, head_index: Tensor, eot: int,
+               previous: list[list[int]] | None = None) -> Batch:
+    """previous[row]: a previous-text prompt (<|startofprev|> text) to put before that
+    row's label, as long-form transcription conditions each window on the last one's text."""
+    previous = previous or [[] for _ in indices]
+    width = max(len(p) + len(labels[i].tokens) for p, i in zip(previous, indices)) - 1
     count = len(indices)
     input_ids = torch.full((count, width), eot, dtype=torch.long)
     targets = torch.full((count, width), -100, dtype=torch.long)
@@ -233,15 +252,38 @@ def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, hea
     teacher_logprobs = torch.zeros(count, width, TOP_K)
     for row, i in enumerate(indices):
         label = labels[i]
-        tokens = torch.tensor(label.tokens)
+        tokens = torch.tensor(previous[row] + label.tokens)
         input_ids[row, : len(tokens) - 1] = tokens[:-1]
-        scored = slice(label.prompt_length - 1, len(tokens) - 1)
-        targets[row, scored] = head_index[tokens[label.prompt_length :]]
+        scored = slice(len(previous[row]) + label.prompt_length - 1, len(tokens) - 1)
+        targets[row, scored] = head_index[tokens[len(previous[row]) + label.prompt_length :]]
         teacher_ids[row, scored] = head_index[label.top_ids.long()]
         teacher_logprobs[row, scored] = label.top_logprobs.float()
     encoded = torch.from_numpy(np.asarray(store.encoded[sorted(indices)], dtype=np.float32))
     order = [sorted(indices).index(i) for i in indices]
     return Batch(encoded[order], input_ids, targets, teacher_ids, teacher_logprobs)
+
+
+def previous_text_prompts(labels: list[Label], rows: list[int], pool: list[int], fraction: float, rng: random.Random,
+                          sot_prev: int, eot: int, max_positions: int) -> list[list[int]]:
+    """For about `fraction` of the rows, a previous-text prompt made of other clips'
+    transcripts (text tokens only, up to the 223 Whisper keeps): the draft learns to read
+    past a prompt, at the later positions prompted windows use. The target's labels were
+    made without one, so the text the draft learns to predict is approximately, not
+    exactly, what the target says after that prompt."""
+    prompts = []
+    for i in rows:
+        room = min(max_positions // 2 - 1, max_positions - len(labels[i].tokens) - 1)
+        if rng.random() >= fraction or room < 1:
+            prompts.append([])
+            continue
+        length, text = rng.randint(1, room), []
+        for _ in range(50):  # transcripts of other clips, as many as the length takes
+            if len(text) >= length:
+                break
+            other = labels[rng.choice(pool)]
+            text = [t for t in other.tokens[other.prompt_length :] if t < eot] + text
+        prompts.append([sot_prev] + text[-length:] if text else [])
+    return prompts
 
 
 def distillation_loss(logits: Tensor, batch: Batch) -> Tensor:

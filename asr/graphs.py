@@ -195,9 +195,9 @@ class StaticDecoder:
         target = self.target.new_cache(encoded, self.capacity)
         draft = None
         if self.draft is not None:
-            shared = draft_encoded is None and self.draft.decoder is self.target.decoder
+            shared = self.draft.cross_layers_shared_with(self.target) if draft_encoded is None else None
             draft = self.draft.new_cache(draft_encoded if draft_encoded is not None else encoded, self.capacity,
-                                         cross_from=target if shared else None)
+                                         cross_from=target if shared else None, cross_layers=shared)
         return _Buffers(
             tokens=zeros(rows, self.capacity), length=zeros(rows), sample_begin=zeros(rows), limit=zeros(rows),
             done=zeros(rows, dtype=torch.bool), eot=zeros(rows, dtype=torch.bool),

@@ -88,8 +88,10 @@ class WhisperModel:
         re-laid-out copy of the output head, made once."""
         if self.head_token_ids is None:
             return DecoderRunner(self.decoder, self.model.proj_out.weight)
+        # A distilled draft (the only kind with a reduced head) runs int8 weights on a CPU:
+        # its proposals need not be exact, only cheap.
         head = self.model.proj_out.weight[self.head_token_ids]
-        return DecoderRunner(self.decoder, head, self.head_token_ids)
+        return DecoderRunner(self.decoder, head, self.head_token_ids, int8=True)
 
     @torch.inference_mode()
     def encode(self, features: Tensor) -> Tensor:
@@ -215,7 +217,9 @@ def _load_distilled_draft(
     directory: Path, config: dict, target: WhisperModel | None, dtype: torch.dtype
 ) -> tuple[WhisperForCausalLM, Tensor]:
     """A draft saved by scripts/distill_draft.py: its decoder layers and head token ids are
-    stored; the token and position embeddings are the target's, shared, not stored."""
+    stored; the token and position embeddings are the target's, shared, not stored, and so
+    are its cross-attention key/value projections where it was distilled with the target's
+    frozen (then decoding reuses the target's cross-attention K/V)."""
     meta = config["asr_draft"]
     if target is None:
         raise IncompatibleModels(
@@ -236,6 +240,9 @@ def _load_distilled_draft(
     tensors["model.decoder.embed_tokens.weight"] = shared.embed_tokens.weight
     tensors["model.decoder.embed_positions.weight"] = shared.embed_positions.weight
     tensors["proj_out.weight"] = target.model.proj_out.weight
+    for own, source in enumerate(meta.get("cross_kv_from_target") or []):
+        for name in ("k_proj.weight", "v_proj.weight", "v_proj.bias"):
+            tensors[f"model.decoder.layers.{own}.encoder_attn.{name}"] = shared.layers[source].encoder_attn.get_parameter(name)
     with torch.device("meta"):
         model = WhisperForCausalLM(whisper_config)
     model.load_state_dict(tensors, strict=True, assign=True)

@@ -139,6 +139,8 @@ class SpeculativeDecoder:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target = target
         self.draft = draft
+        # Layers whose cross-attention K/V the draft can take from the target's cache.
+        self._shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
 
     @torch.inference_mode()
     def decode(
@@ -191,12 +193,12 @@ class SpeculativeDecoder:
         target = _Model(self.target, self.target.new_cache(target_encoder_output, capacity))
         no_speech = torch.full((batch,), float("nan"), device=device)
         self._prefill(target, tokens, length, sot, no_speech, no_speech_token)
-        draft = None
+        draft, shared = None, None
         draft_cached = length - 1
         if use_draft:
             encoder_output = draft_encoder_output if draft_encoder_output is not None else target_encoder_output
-            same_cross = draft_encoder_output is None and self.draft.decoder is self.target.decoder
-            cache = self.draft.new_cache(encoder_output, capacity, cross_from=target.cache if same_cross else None)
+            shared = self._shared_cross if draft_encoder_output is None else None
+            cache = self.draft.new_cache(encoder_output, capacity, cross_from=target.cache if shared else None, cross_layers=shared)
             draft = _Model(self.draft, cache)
             self._prefill(draft, tokens, length, sot, None, None)
 
@@ -308,7 +310,7 @@ class SpeculativeDecoder:
                 hint, hint_length, hint_shift, hint_on = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift, hint_on))
                 target.cache.keep_rows(keep)
                 if draft is not None:
-                    draft.cache.keep_rows(keep)
+                    draft.cache.keep_rows(keep, cross_from=target.cache if shared else None, cross_layers=shared)
         return results  # type: ignore[return-value]
 
     def _runners(self, use_draft: bool) -> list[DecoderRunner]:

@@ -31,6 +31,7 @@ from asr.distill import (
     length_batches,
     list_audio,
     make_batch,
+    previous_text_prompts,
     pseudo_label,
     split_holdout,
     spread_layers,
@@ -49,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--label-batch-size", type=int, default=8)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--train-cross-kv", action="store_true",
+                        help="train the cross-attention key/value projections too (by default they stay the target's, "
+                             "so decoding reuses the target's cross-attention K/V)")
+    parser.add_argument("--previous-text", type=float, default=0.5,
+                        help="fraction of training rows given another clip's transcript as a previous-text prompt")
     parser.add_argument("--holdout", type=float, default=0.05, help="fraction of clips held back to measure agreement")
     parser.add_argument("--language", default="en")
     parser.add_argument("--seed", type=int, default=0)
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     head_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)
     head_index[head] = torch.arange(len(head))
     layers = spread_layers(target.config.decoder_layers, args.layers)
-    draft = DraftDecoder(target, layers, head, args.dropout)
+    draft = DraftDecoder(target, layers, head, args.dropout, share_cross_kv=not args.train_cross_kv)
     print(f"draft: target layers {layers}, head of {len(head)} tokens; {len(train)} clips to train on, {len(held)} held back")
 
     parameters = [p for p in draft.parameters() if p.requires_grad]
@@ -109,8 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         draft.train()
         started = time.perf_counter()
         progress = tqdm(batches, desc=f"epoch {epoch + 1}/{args.epochs}", unit="step")
+        rng = random.Random(args.seed * 1000 + epoch)
         for rows in progress:
-            batch = make_batch(labels, [train[r] for r in rows], store, head_index, eot)
+            indices = [train[r] for r in rows]
+            previous = previous_text_prompts(labels, indices, train, args.previous_text, rng, target.vocab.sot_prev, eot,
+                                             target.runner.max_positions)
+            batch = make_batch(labels, indices, store, head_index, eot, previous)
             loss = distillation_loss(draft(batch.input_ids, batch.encoder_output), batch)
             optimizer.zero_grad()
             loss.backward()

@@ -1,9 +1,11 @@
 """Builds a synthetic English speech corpus for distilling a draft, where no speech corpus
 can be reached: passages of public-domain and freely licensed English text spoken by
-espeak-ng with varied voices, rates and pitches, then speed-perturbed and mixed with noise.
+espeak-ng (formant synthesis) or flite (CMU's statistical and diphone voices, closer to
+a human voice) with varied voices, rates and pitches, then speed-perturbed, sometimes
+reverberated, and mixed with noise.
 
-    apt-get install espeak-ng fortunes bible-kjv dict-devil
-    python scripts/make_synthetic_corpus.py --out corpus/ --clips 3000
+    apt-get install espeak-ng flite fortunes bible-kjv dict-devil
+    python scripts/make_synthetic_corpus.py --out corpus/ --clips 3000 [--engines flite]
 
 Text: sentences from Debian's `fortunes`, the King James Bible (`bible-kjv`, public
 domain) and Ambrose Bierce's Devil's Dictionary (`dict-devil`, public domain); sources
@@ -21,19 +23,23 @@ import argparse
 import gzip
 import random
 import re
+import shutil
 import subprocess
 import tempfile
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import scipy.signal
 import soundfile
 import soxr
 
 FORTUNES = Path("/usr/share/games/fortunes")
 DEVIL = Path("/usr/share/dictd/devil.dict.dz")
-VOICES = ["en-us", "en-gb", "en-gb-scotland", "en-gb-x-gbclan", "en-gb-x-rp", "en-gb-x-gbcwmd", "en-029", "en-us-nyc"]
-VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5", "+klatt", "+klatt2", "+klatt4"]
+ESPEAK_VOICES = ["en-us", "en-gb", "en-gb-scotland", "en-gb-x-gbclan", "en-gb-x-rp", "en-gb-x-gbcwmd", "en-029", "en-us-nyc"]
+ESPEAK_VARIANTS = ["", "+m1", "+m2", "+m3", "+m4", "+m5", "+m6", "+m7", "+f1", "+f2", "+f3", "+f4", "+f5", "+klatt", "+klatt2", "+klatt4"]
+FLITE_VOICES = ["awb", "rms", "slt", "kal16", "kal"]  # kal is 8 kHz: telephone-band speech
+ENGINES = ["espeak-ng", "flite"]
 SAMPLE_RATE = 16_000
 PLAIN = re.compile(r"[A-Za-z0-9 ,.;:!?'\"()-]+")
 
@@ -78,11 +84,19 @@ def devils_dictionary() -> list[str]:
 SOURCES = {"fortunes": fortunes, "kjv": king_james_bible, "devil": devils_dictionary}
 
 
-def speak(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int] | None:
-    with tempfile.NamedTemporaryFile(suffix=".wav") as raw:
-        # Text on stdin: a sentence starting with "-" must not read as an option.
-        done = subprocess.run(["espeak-ng", "-v", voice, "-s", str(rate), "-p", str(pitch), "-w", raw.name, "--stdin"],
-                              input=text.encode(), capture_output=True)
+def speak(engine: str, text: str, voice: str, rate: float, pitch: float) -> tuple[np.ndarray, int] | None:
+    """`rate` and `pitch` are relative, 0 to 1 (slow to fast, low to high)."""
+    with tempfile.NamedTemporaryFile(suffix=".wav") as raw, tempfile.NamedTemporaryFile("w", suffix=".txt") as words:
+        # Text from a file: a sentence starting with "-" must not read as an option.
+        words.write(text)
+        words.flush()
+        if engine == "espeak-ng":
+            command = ["espeak-ng", "-v", voice, "-s", str(round(120 + 90 * rate)), "-p", str(round(20 + 60 * pitch)),
+                       "-w", raw.name, "-f", words.name]
+        else:
+            command = ["flite", "-voice", voice, "--setf", f"duration_stretch={1.25 - 0.45 * rate:.2f}",
+                       "--setf", f"int_f0_target_mean={round(85 + 110 * pitch)}", "-f", words.name, "-o", raw.name]
+        done = subprocess.run(command, capture_output=True)
         try:
             audio, rate_in = soundfile.read(raw.name, dtype="float32")
         except soundfile.LibsndfileError:
@@ -90,15 +104,26 @@ def speak(text: str, voice: str, rate: int, pitch: int) -> tuple[np.ndarray, int
     return (audio, rate_in) if done.returncode == 0 and len(audio) else None
 
 
+def reverberate(audio: np.ndarray, rng: random.Random, seed: int) -> np.ndarray:
+    """A room: the direct sound plus exponentially decaying noise (RT60 0.15-0.7 s)."""
+    rt60 = rng.uniform(0.15, 0.7)
+    length = int(SAMPLE_RATE * rt60)
+    decay = np.exp(-6.9 * np.arange(length) / length)  # -60 dB at rt60
+    response = np.random.default_rng(seed + 1).normal(size=length) * decay * rng.uniform(0.05, 0.3)
+    response[0] = 1.0
+    return scipy.signal.fftconvolve(audio, response)[: len(audio)].astype(np.float32)
+
+
 def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float, str, str] | None:
-    index, passage, seconds, seed, out_dir = job
+    index, passage, seconds, seed, engines, out_dir = job
     rng = random.Random(seed)
-    voice = rng.choice(VOICES) + rng.choice(VARIANTS)
-    rate, pitch = rng.randint(120, 210), rng.randint(20, 80)
+    engine = rng.choice(engines)
+    voice = rng.choice(ESPEAK_VOICES) + rng.choice(ESPEAK_VARIANTS) if engine == "espeak-ng" else rng.choice(FLITE_VOICES)
+    rate, pitch = rng.random(), rng.random()
     speed = rng.uniform(0.9, 1.1)  # resampling as if played faster or slower: tempo and pitch move together
     pieces, spoken, length = [], [], rng.uniform(0.05, 0.8)
     for sentence in passage:
-        said = speak(sentence, voice, rate, pitch)
+        said = speak(engine, sentence, voice, rate, pitch)
         if said is None:
             break
         audio = soxr.resample(said[0], said[1] * speed, SAMPLE_RATE)
@@ -111,6 +136,9 @@ def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float
     if not spoken or length > 29.5:
         return None
     audio = np.concatenate([np.zeros(int(SAMPLE_RATE * rng.uniform(0.05, 0.8)), dtype=np.float32)] + pieces)
+    room = rng.random() < 0.3
+    if room:
+        audio = reverberate(audio, rng, seed)
     audio = audio / (np.abs(audio).max() + 1e-9) * rng.uniform(0.2, 0.9)
     noise_kind = rng.choice(["none", "white", "pink", "brown"])
     snr = rng.uniform(5, 35)
@@ -126,7 +154,7 @@ def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float
     audio = np.clip(audio, -1, 1).astype(np.float32)
     name = f"{index:05d}.flac"
     soundfile.write(out_dir / name, audio, SAMPLE_RATE)
-    notes = f"voice={voice} rate={rate} pitch={pitch} speed={speed:.2f} noise={noise_kind}" + (
+    notes = f"{engine} voice={voice} rate={rate:.2f} pitch={pitch:.2f} speed={speed:.2f} room={room} noise={noise_kind}" + (
         f"@{snr:.0f}dB" if noise_kind != "none" else "")
     return name, len(audio) / SAMPLE_RATE, " ".join(spoken), notes
 
@@ -139,7 +167,13 @@ def main() -> None:
     parser.add_argument("--max-seconds", type=float, default=28.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     args = parser.parse_args()
+    engines = [e for e in args.engines.split(",") if e]
+    if unknown := set(engines) - set(ENGINES):
+        parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
+    if missing := [e for e in engines if shutil.which(e) is None]:
+        raise SystemExit(f"not installed: {', '.join(missing)} (apt-get install {' '.join(missing)})")
     texts = {name: load() for name, load in SOURCES.items()}
     texts = {name: sentences for name, sentences in texts.items() if sentences}
     if not texts:
@@ -151,7 +185,7 @@ def main() -> None:
         sentences = texts[rng.choice(sorted(texts))]  # each source equally often, whatever its size
         start = rng.randrange(len(sentences))
         jobs.append((i, sentences[start : start + 12], rng.uniform(args.min_seconds, args.max_seconds),
-                     args.seed * 1_000_003 + i, args.out))
+                     args.seed * 1_000_003 + i, engines, args.out))
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with ProcessPoolExecutor(args.workers) as workers:

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 
 import numpy as np
+import safetensors.torch
 import soundfile
 import torch
 
@@ -62,12 +63,24 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert pair.draft.encoder is None and not pair.draft_has_own_encoder
     assert pair.draft.head_token_ids is not None and len(pair.draft.head_token_ids) < pair.target.config.vocab_size
     assert pair.draft.decoder.embed_tokens.weight is pair.target.decoder.embed_tokens.weight  # shared, not copied
+    # Cross-attention K/V projections stayed the target's: not stored, and decoding reuses the target's K/V.
+    stored = safetensors.torch.load_file(str(out / "model.safetensors"))
+    assert not [name for name in stored if ".encoder_attn.k_proj." in name or ".encoder_attn.v_proj." in name]
+    assert pair.draft.runner.cross_layers_shared_with(pair.target.runner) == [0]
+    encoded = pair.target.encode(torch.zeros(1, pair.target.config.num_mel_bins, 3000))
+    target_cache = pair.target.runner.new_cache(encoded, capacity=4)
+    draft_cache = pair.draft.runner.new_cache(encoded, capacity=4, cross_from=target_cache, cross_layers=[0])
+    assert draft_cache.cross_k[0] is target_cache.cross_k[0]
+    assert torch.allclose(pair.draft.runner.new_cache(encoded, capacity=4).cross_v[0], target_cache.cross_v[0])
     options = dict(language="en", temperatures=(0.0,), max_new_tokens=40)
     clip = audio_dir / "clip2.wav"
     plain = Transcriber(pair, TranscribeOptions(speculative=False, **options)).transcribe(clip)
+    own_cross_kv = []
+    pair.draft.decoder.layers[0].encoder_attn.k_proj.register_forward_hook(lambda *_: own_cross_kv.append(1))
     fast = Transcriber(pair, TranscribeOptions(speculative=True, **options)).transcribe(clip)
     assert [s.tokens for s in fast.segments] == [s.tokens for s in plain.segments]
     assert fast.info.stats.draft_proposed > 0
+    assert not own_cross_kv  # the draft read the target's cross-attention K/V
 
 
 def test_length_batches_cover_every_index_once_in_batches_of_similar_length():

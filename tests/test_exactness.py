@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerationMixin
 
-from asr.decoder import DecoderRunner
+from asr.decoder import DecoderRunner, int8_linear
 from asr.rules import DecodingRules
 from asr.speculative import DraftLength, SpeculativeDecoder
 from conftest import (
@@ -86,8 +86,8 @@ def runner(model) -> DecoderRunner:
 
 
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
-@pytest.mark.parametrize("kind", ["shared-encoder", "own-encoder"])
-@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("seed, kind", [(seed, kind) for seed in (0, 1, 2) for kind in ("shared-encoder", "own-encoder")]
+                         + [(0, "shared-cross-kv")])
 def test_speculative_equals_target_only_equals_transformers(seed: int, kind: str, timestamps: bool):
     target, features = target_and_windows(seed)
     expected = transformers_greedy(target, features, timestamps)
@@ -97,6 +97,13 @@ def test_speculative_equals_target_only_equals_transformers(seed: int, kind: str
         encoded = target.model.encoder(features).last_hidden_state
         if kind == "shared-encoder":
             draft, draft_encoded = decoder_only_draft(target, noise=0.1, seed=seed), None
+        elif kind == "shared-cross-kv":  # as distilled: cross-attention K/V projections are the target's
+            draft, draft_encoded = decoder_only_draft(target, noise=0.1, seed=seed), None
+            shared = list(range(len(target.model.decoder.layers)))
+            for own, source in zip(draft.model.decoder.layers, shared):
+                own.encoder_attn.k_proj = target.model.decoder.layers[source].encoder_attn.k_proj
+                own.encoder_attn.v_proj = target.model.decoder.layers[source].encoder_attn.v_proj
+            assert runner(draft).cross_layers_shared_with(runner(target)) == shared
         else:
             draft = perturbed(target, noise=0.1, seed=seed)
             draft_encoded = draft.model.encoder(features).last_hidden_state
@@ -269,3 +276,13 @@ def test_hints_must_be_token_ids():
     with pytest.raises(ValueError, match="hint tokens"):
         SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
                                                   hints=[[51865]])
+
+
+def test_int8_linear_is_close_and_used_only_for_cpu_float32():
+    generator = torch.Generator().manual_seed(0)
+    weight, bias, x = (torch.randn(*shape, generator=generator) for shape in ((96, 64), (96,), (5, 64)))
+    exact = torch.nn.functional.linear(x, weight, bias)
+    assert (int8_linear(weight, bias)(x) - exact).abs().max() < 0.02 * exact.abs().max()
+    assert (int8_linear(weight, bias)(x[:1]) - exact[:1]).abs().max() < 0.02 * exact.abs().max()
+    as_double = int8_linear(weight.double(), bias.double())(x.double())  # not quantised: float64 stays exact
+    assert torch.allclose(as_double, exact.double(), atol=1e-5)

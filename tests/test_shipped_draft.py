@@ -30,6 +30,8 @@ def test_shipped_draft_shares_the_targets_encoder_and_embedding(embedded):
     assert embedded.draft.decoder.embed_tokens.weight is embedded.target.decoder.embed_tokens.weight
     assert embedded.draft.config.decoder_layers < embedded.target.config.decoder_layers
     assert len(embedded.draft.head_token_ids) < embedded.target.config.vocab_size
+    # Its cross-attention K/V projections are the target's: decoding reuses the target's K/V.
+    assert embedded.draft.runner.cross_layers_shared_with(embedded.target.runner) == [0, 5]
 
 
 def test_shipped_draft_keeps_transcripts_identical(embedded):
