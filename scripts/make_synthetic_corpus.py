@@ -30,7 +30,6 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import numpy as np
-import scipy.signal
 import soundfile
 import soxr
 
@@ -111,7 +110,9 @@ def reverberate(audio: np.ndarray, rng: random.Random, seed: int) -> np.ndarray:
     decay = np.exp(-6.9 * np.arange(length) / length)  # -60 dB at rt60
     response = np.random.default_rng(seed + 1).normal(size=length) * decay * rng.uniform(0.05, 0.3)
     response[0] = 1.0
-    return scipy.signal.fftconvolve(audio, response)[: len(audio)].astype(np.float32)
+    size = len(audio) + length - 1
+    wet = np.fft.irfft(np.fft.rfft(audio, size) * np.fft.rfft(response, size), size)
+    return wet[: len(audio)].astype(np.float32)
 
 
 def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float, str, str] | None:
