@@ -35,7 +35,8 @@ class KVCache:
         """Drops finished rows so they stop costing work (a copy, once per finished row).
         cross_from: the cache this one shares cross-attention K/V with (already cut), as in
         DecoderRunner.new_cache."""
-        for tensors in (self.self_k, self.self_v) if cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v):
+        owned = (self.self_k, self.self_v) if cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v)
+        for tensors in owned:
             tensors[:] = [t.index_select(0, rows) for t in tensors]
         if cross_from is not None:
             self.cross_k[:] = [cross_from.cross_k[i] for i in cross_layers]

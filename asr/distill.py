@@ -188,11 +188,9 @@ class DraftDecoder(nn.Module):
         return hidden @ self.decoder.embed_tokens.weight[self.head_token_ids].t()
 
     def trainable_state(self) -> dict[str, Tensor]:
-        """What the draft stores: not the shared embeddings, nor shared cross-attention K/V projections."""
-        def shared(name: str) -> bool:
-            return name.startswith("embed_") or (self.share_cross_kv and (".encoder_attn.k_proj." in name or ".encoder_attn.v_proj." in name))
-
-        return {f"model.decoder.{k}": v for k, v in self.decoder.state_dict().items() if not shared(k)}
+        """What the draft stores: everything but the frozen, shared weights (embeddings, and
+        cross-attention K/V projections when shared)."""
+        return {f"model.decoder.{k}": v for k, v in self.decoder.named_parameters() if v.requires_grad}
 
     def save(self, out: Path, target: WhisperModel) -> None:
         """transformers' layout (config.json + safetensors, WhisperForCausalLM names) minus
@@ -253,9 +251,10 @@ def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, hea
     for row, i in enumerate(indices):
         label = labels[i]
         tokens = torch.tensor(previous[row] + label.tokens)
+        first_output = len(previous[row]) + label.prompt_length
         input_ids[row, : len(tokens) - 1] = tokens[:-1]
-        scored = slice(len(previous[row]) + label.prompt_length - 1, len(tokens) - 1)
-        targets[row, scored] = head_index[tokens[len(previous[row]) + label.prompt_length :]]
+        scored = slice(first_output - 1, len(tokens) - 1)
+        targets[row, scored] = head_index[tokens[first_output:]]
         teacher_ids[row, scored] = head_index[label.top_ids.long()]
         teacher_logprobs[row, scored] = label.top_logprobs.float()
     encoded = torch.from_numpy(np.asarray(store.encoded[sorted(indices)], dtype=np.float32))
