@@ -218,7 +218,7 @@ def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
             scales = (w.abs().amax(1).clamp(min=1e-8) / 127).double()
             with warnings.catch_warnings():
                 # Quantised tensors are deprecated, with no CPU replacement as fast on AVX2 yet
-                # (aten's weight-only int8 matmul was 4-10x slower than float32 here).
+                # (aten's weight-only int8 matmul was slower than float32 on an AVX2 CPU).
                 warnings.filterwarnings("ignore", message=".*quantized tensor creation.*")
                 quantised = torch.quantize_per_channel(w, scales, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
             packed = torch.ops.quantized.linear_prepack(quantised, None if bias is None else bias.detach())
