@@ -38,10 +38,13 @@ def test_shipped_draft_keeps_transcripts_identical(embedded):
     clips = read_manifest(DEV / "manifest.tsv")
     audio = [AudioInput(str(c.path), load_audio(c.path)) for c in clips if c.duration <= 30]
     plain = {t.source: t for t in Transcriber(embedded, TranscribeOptions(speculative=False)).transcribe_many(audio)}
-    fast = {t.source: t for t in Transcriber(embedded, TranscribeOptions(speculative=True), batch_size=2).transcribe_many(audio)}
+    # One proposal a round: the acceptance is the share of the draft's next-token guesses the
+    # target keeps, which the adaptive length (chosen from measured timings) would blur.
+    options = TranscribeOptions(speculative=True, num_draft_tokens=1)
+    fast = {t.source: t for t in Transcriber(embedded, options, batch_size=2).transcribe_many(audio)}
     proposed = accepted = 0
     for name, transcript in plain.items():
         assert [s.tokens for s in fast[name].segments] == [s.tokens for s in transcript.segments], name
         proposed += fast[name].info.stats.draft_proposed
         accepted += fast[name].info.stats.draft_accepted
-    assert accepted / proposed > 0.5  # a real draft, on real speech it never trained on
+    assert accepted / proposed > 0.7  # a real draft, on real speech it never trained on (0.84 here)
