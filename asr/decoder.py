@@ -26,21 +26,26 @@ class KVCache:
     self_v: list[Tensor]
     cross_k: list[Tensor]
     cross_v: list[Tensor]
+    # Where cross_k/cross_v are another cache's (DecoderRunner.new_cache's cross_from):
+    # that cache, and the layer of it each of ours is.
+    cross_from: "KVCache | None" = None
+    cross_layers: list[int] | None = None
 
     @property
     def capacity(self) -> int:
         return self.self_k[0].shape[2]
 
-    def keep_rows(self, rows: Tensor, cross_from: "KVCache | None" = None, cross_layers: list[int] | None = None) -> None:
-        """Drops finished rows so they stop costing work (a copy, once per finished row).
-        cross_from: the cache this one shares cross-attention K/V with (already cut), as in
-        DecoderRunner.new_cache."""
-        owned = (self.self_k, self.self_v) if cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v)
+    def keep_rows(self, rows: Tensor) -> None:
+        """Drops finished rows so they stop costing work (a copy, once per finished row). A
+        cache sharing another's cross-attention K/V takes them again from it, so that one
+        must be cut first."""
+        shared = self.cross_from is not None
+        owned = (self.self_k, self.self_v) if shared else (self.self_k, self.self_v, self.cross_k, self.cross_v)
         for tensors in owned:
             tensors[:] = [t.index_select(0, rows) for t in tensors]
-        if cross_from is not None:
-            self.cross_k[:] = [cross_from.cross_k[i] for i in cross_layers]
-            self.cross_v[:] = [cross_from.cross_v[i] for i in cross_layers]
+        if shared:
+            self.cross_k[:] = [self.cross_from.cross_k[i] for i in self.cross_layers]
+            self.cross_v[:] = [self.cross_from.cross_v[i] for i in self.cross_layers]
 
 
 class DecoderRunner:
@@ -115,6 +120,8 @@ class DecoderRunner:
             self_v=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             cross_k=cross_k,
             cross_v=cross_v,
+            cross_from=cross_from,
+            cross_layers=cross_layers if cross_from is not None else None,
         )
 
     @torch.inference_mode()

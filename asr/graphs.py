@@ -77,6 +77,8 @@ class StaticDecoder:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target = target
         self.draft = draft
+        # Layers whose cross-attention K/V the draft can take from the target's cache.
+        self._shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
         self.max_draft_tokens = max_draft_tokens
         self.cuda_graphs = cuda_graphs
         self.max_positions = min(r.max_positions for r in (target, draft) if r is not None)
@@ -195,7 +197,7 @@ class StaticDecoder:
         target = self.target.new_cache(encoded, self.capacity)
         draft = None
         if self.draft is not None:
-            shared = self.draft.cross_layers_shared_with(self.target) if draft_encoded is None else None
+            shared = self._shared_cross if draft_encoded is None else None
             draft = self.draft.new_cache(draft_encoded if draft_encoded is not None else encoded, self.capacity,
                                          cross_from=target if shared else None, cross_layers=shared)
         return _Buffers(

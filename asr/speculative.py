@@ -193,7 +193,7 @@ class SpeculativeDecoder:
         target = _Model(self.target, self.target.new_cache(target_encoder_output, capacity))
         no_speech = torch.full((batch,), float("nan"), device=device)
         self._prefill(target, tokens, length, sot, no_speech, no_speech_token)
-        draft, shared = None, None
+        draft = None
         draft_cached = length - 1
         if use_draft:
             encoder_output = draft_encoder_output if draft_encoder_output is not None else target_encoder_output
@@ -310,7 +310,7 @@ class SpeculativeDecoder:
                 hint, hint_length, hint_shift, hint_on = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift, hint_on))
                 target.cache.keep_rows(keep)
                 if draft is not None:
-                    draft.cache.keep_rows(keep, cross_from=target.cache if shared else None, cross_layers=shared)
+                    draft.cache.keep_rows(keep)
         return results  # type: ignore[return-value]
 
     def _runners(self, use_draft: bool) -> list[DecoderRunner]:

@@ -115,7 +115,7 @@ def reverberate(audio: np.ndarray, rng: random.Random, seed: int) -> np.ndarray:
     return wet[: len(audio)].astype(np.float32)
 
 
-def synthesize(job: tuple[int, list[str], float, int, Path]) -> tuple[str, float, str, str] | None:
+def synthesize(job: tuple[int, list[str], float, int, list[str], Path]) -> tuple[str, float, str, str] | None:
     index, passage, seconds, seed, engines, out_dir = job
     rng = random.Random(seed)
     engine = rng.choice(engines)
