@@ -21,11 +21,12 @@ class Settings:
     task: str = "transcribe"  # or "translate"
     draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
 
-    def options(self) -> TranscribeOptions:
+    def options(self, cuda_graphs: bool = True) -> TranscribeOptions:
         return TranscribeOptions(
             language=None if self.language == AUTO else self.language,
             task=self.task,
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
+            cuda_graphs=cuda_graphs,
         )
 
 
@@ -33,14 +34,16 @@ class Settings:
 class Engine:
     models: ModelPair
     description: str  # what the page says it runs, e.g. the target and draft names
+    cuda_graphs: bool = True  # on a GPU, the decoder's steps run as CUDA graphs
     # One model computation at a time: on a CPU, concurrent runs would only fight over the
     # same cores, and taking turns keeps each visitor's latency predictable.
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transcriber(self, settings: Settings) -> Transcriber:
         """A Transcriber per request (cheap: it holds only options and the adaptive draft
-        length's measurements) over the shared models; ValueError for settings the target refuses."""
-        return Transcriber(self.models, settings.options())
+        length's measurements) over the shared models and their engines; ValueError for
+        settings the target refuses."""
+        return Transcriber(self.models, settings.options(self.cuda_graphs))
 
     def warm_up(self) -> None:
         """One second of silence through both models, so the first visitor does not wait for

@@ -40,8 +40,6 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=int, help="fixed k (default: adaptive)")
-    t.add_argument("--cuda-graphs", action="store_true",
-                   help="on CUDA, greedy decoding in fixed shapes captured as CUDA graphs (experimental: not yet measured on a GPU)")
     t.add_argument("--language", help="e.g. en, de (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=float, default=0.0, help="first temperature (default 0: greedy)")
@@ -103,6 +101,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="shared: the draft reads the target's encoder output; own: a full Whisper draft runs its encoder")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when present)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: float16 on GPU, float32 on CPU")
+    parser.add_argument("--no-cuda-graphs", action="store_true",
+                        help="on a GPU, run the decoder's steps eagerly rather than as CUDA graphs (slower; for debugging)")
 
 
 def device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
@@ -140,7 +140,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
         seed=args.seed,
-        cuda_graphs=args.cuda_graphs,
+        cuda_graphs=not args.no_cuda_graphs,
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES[args.dtype] if args.dtype else None, options, max(1, args.batch_size))
@@ -174,7 +174,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 2
     preset = None if args.target else args.preset or DEFAULT_PRESET
     options = EvaluateOptions(batch_size=max(1, args.batch_size), peers=tuple(dict.fromkeys(args.peers)), preset=preset,
-                              progress=sys.stderr.isatty())
+                              transcribe=TranscribeOptions(cuda_graphs=not args.no_cuda_graphs), progress=sys.stderr.isatty())
     report = evaluate(clips, pair, options)
     write_report(report, args.out, title=str(args.manifest))
     print((args.out / "report.md").read_text())
@@ -195,7 +195,8 @@ def app_command(args: argparse.Namespace) -> int:
     from app.ui import serve
 
     try:
-        serve(Engine(pair, f"Target {target} · draft {draft or 'none'} · {device}"), args.host, args.port)
+        serve(Engine(pair, f"Target {target} · draft {draft or 'none'} · {device}", cuda_graphs=not args.no_cuda_graphs),
+              args.host, args.port)
     except OSError as error:  # the port is taken, or the address is not this machine's
         print(f"asr: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
@@ -209,7 +210,8 @@ def stream_command(args: argparse.Namespace) -> int:
         samples = load_audio(args.file)
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
                          device=device, dtype=dtype)
-        transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation))
+        transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
+                                                          cuda_graphs=not args.no_cuda_graphs))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds,
                                       encoder_padding_seconds=args.encoder_padding_seconds, prompt=args.prompt,

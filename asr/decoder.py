@@ -26,8 +26,8 @@ class KVCache:
     self_v: list[Tensor]
     cross_k: list[Tensor]
     cross_v: list[Tensor]
-    # Where cross_k/cross_v are another cache's (DecoderRunner.new_cache's cross_from):
-    # that cache, and the layer of it each of ours is.
+    # Where cross_k/cross_v are another cache's (DecoderRunner.new_cache's cross_from): that
+    # cache, and the layer of it each of ours is. Filling that cache's rows fills ours.
     cross_from: "KVCache | None" = None
     cross_layers: list[int] | None = None
 
@@ -35,17 +35,18 @@ class KVCache:
     def capacity(self) -> int:
         return self.self_k[0].shape[2]
 
-    def keep_rows(self, rows: Tensor) -> None:
-        """Drops finished rows so they stop costing work (a copy, once per finished row). A
-        cache sharing another's cross-attention K/V takes them again from it, so that one
-        must be cut first."""
-        shared = self.cross_from is not None
-        owned = (self.self_k, self.self_v) if shared else (self.self_k, self.self_v, self.cross_k, self.cross_v)
-        for tensors in owned:
-            tensors[:] = [t.index_select(0, rows) for t in tensors]
-        if shared:
-            self.cross_k[:] = [self.cross_from.cross_k[i] for i in self.cross_layers]
-            self.cross_v[:] = [self.cross_from.cross_v[i] for i in self.cross_layers]
+    @property
+    def rows(self) -> int:
+        return self.self_k[0].shape[0]
+
+    def copy_rows(self, source: "KVCache", rows: Tensor, count: int) -> None:
+        """Copies source's rows (indices [count]) into this cache's first `count` rows; a
+        cache sharing another's cross-attention K/V gets them when that one is copied."""
+        owned = (self.self_k, self.self_v) if self.cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v)
+        theirs = (source.self_k, source.self_v, source.cross_k, source.cross_v)
+        for mine, other in zip(owned, theirs):
+            for a, b in zip(mine, other):
+                a[:count].copy_(b.index_select(0, rows))
 
 
 class DecoderRunner:
@@ -95,26 +96,24 @@ class DecoderRunner:
         found = [index.get(projections(layer)) for layer in self.layers]
         return None if None in found else found
 
-    @torch.inference_mode()
-    def new_cache(
-        self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None, cross_layers: list[int] | None = None
+    def empty_cache(
+        self, rows: int, frames: int, capacity: int, dtype: torch.dtype, device: torch.device,
+        cross_from: KVCache | None = None, cross_layers: list[int] | None = None,
     ) -> KVCache:
-        """cross_from: the cache of a runner sharing cross-attention K/V projections with
-        this one (cross_layers: the layer of it each of ours shares, cross_layers_shared_with)
-        over the same encoder output, whose cross-attention K/V are reused rather than
-        computed again."""
-        batch = encoder_output.shape[0]
-        dtype, device = encoder_output.dtype, encoder_output.device
-        shape = (batch, self.num_heads, capacity, self.head_dim)
+        """An unfilled cache: stale self-attention entries are never read (each is written
+        before anything attends to it), and cross-attention rows are filled per window
+        (fill_cross). cross_from: the cache of a runner sharing cross-attention K/V
+        projections with this one (cross_layers: the layer of it each of ours shares,
+        cross_layers_shared_with), whose cross-attention K/V serve this one too."""
+        shape = (rows, self.num_heads, capacity, self.head_dim)
         if cross_from is not None:
             if cross_layers is None:
                 raise ValueError("sharing another cache's cross-attention K/V needs the layers it comes from")
             cross_k, cross_v = [cross_from.cross_k[i] for i in cross_layers], [cross_from.cross_v[i] for i in cross_layers]
         else:
-            cross_k, cross_v = [], []
-            for layer in self.layers:
-                cross_k.append(self._heads(layer.encoder_attn.k_proj(encoder_output)).contiguous())
-                cross_v.append(self._heads(layer.encoder_attn.v_proj(encoder_output)).contiguous())
+            cross_shape = (rows, self.num_heads, frames, self.head_dim)
+            cross_k = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
+            cross_v = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
         return KVCache(
             self_k=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             self_v=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
@@ -125,52 +124,69 @@ class DecoderRunner:
         )
 
     @torch.inference_mode()
-    def forward(
-        self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None, static: bool = False
-    ) -> Tensor:
-        """tokens [B, q] placed at positions start[b] .. start[b]+q-1 of each row.
-        Returns logits [B, m, V] at the query indices logits_at [B, m] (all q if None).
+    def fill_cross(self, cache: KVCache, rows: Tensor, encoder_output: Tensor) -> None:
+        """Computes the cross-attention K/V of encoder_output [n, frames, width] into the
+        cache's rows [n] (once per window)."""
+        for layer, k, v in zip(self.layers, cache.cross_k, cache.cross_v):
+            k.index_copy_(0, rows, self._heads(layer.encoder_attn.k_proj(encoder_output)))
+            v.index_copy_(0, rows, self._heads(layer.encoder_attn.v_proj(encoder_output)))
 
-        static: attend over the cache's whole capacity under a mask built on the device and
-        check nothing on the host, so that no value is read back and shapes depend only on
-        the arguments' shapes (what CUDA graph capture needs, asr/graphs.py). The caller
-        keeps positions within the capacity; positions past the decoder's last (which
-        asr/graphs.py never keeps) take the last position's embedding."""
+    def new_cache(
+        self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None, cross_layers: list[int] | None = None
+    ) -> KVCache:
+        """A cache for these rows of encoder output (see empty_cache)."""
+        rows, frames = encoder_output.shape[:2]
+        cache = self.empty_cache(rows, frames, capacity, encoder_output.dtype, encoder_output.device, cross_from, cross_layers)
+        if cross_from is None:
+            self.fill_cross(cache, torch.arange(rows, device=encoder_output.device), encoder_output)
+        return cache
+
+    @torch.inference_mode()
+    def forward(
+        self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
+        window: int | None = None, rows: Tensor | None = None,
+    ) -> Tensor:
+        """tokens [n, q] placed at positions start[b] .. start[b]+q-1 of each row.
+        Returns logits [n, m, V] at the query indices logits_at [n, m] (all q if None).
+
+        rows [n]: the cache rows the tokens belong to (default: all, n = cache.rows).
+        window: attend over the cache's first `window` positions (every row's last position
+        must lie below it), a shape fitted to the data that the caller knows; None: over its
+        whole capacity. A mask hides each row's positions past its own; with one row and one
+        token, the window is exactly what it attends to and no mask is needed. Nothing here
+        reads a value back to the host or shapes a tensor by one, so the pass can be
+        captured as a CUDA graph. Positions past the decoder's last (proposals never kept)
+        take the last position's embedding."""
         batch, q = tokens.shape
-        offsets = torch.arange(q, device=tokens.device)
-        positions = start[:, None] + offsets  # [B, q]
-        embedded = positions
-        if static:
-            attended = cache.capacity
+        positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
+        attended = cache.capacity if window is None else window
+        mask = None
+        if window is None or batch > 1 or q > 1:
             keys = torch.arange(attended, device=tokens.device)
             mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
-            embedded = positions.clamp(max=self.max_positions - 1)
-        else:
-            attended = int(start.max()) + q
-            if attended > cache.capacity or attended > self.max_positions:
-                raise ValueError(f"decoder input reaches position {attended}, past the limit")
-            # Key j is visible to the query at position p when j <= p; None lets SDPA skip masking.
-            mask = None
-            if q > 1 or bool((start != start[0]).any()):
-                keys = torch.arange(attended, device=tokens.device)
-                mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+        where = torch.arange(batch, device=tokens.device) if rows is None else rows
+        where = where[:, None].expand(batch, q)
 
-        x = self.decoder.embed_tokens(tokens) * self.embed_scale + self.decoder.embed_positions.weight[embedded]
-        rows = torch.arange(batch, device=tokens.device)[:, None].expand(batch, q)
+        def rows_of(tensor: Tensor) -> Tensor:
+            return tensor if rows is None else tensor.index_select(0, rows)
+
+        embedded = F.embedding(positions.clamp(max=self.max_positions - 1), self.decoder.embed_positions.weight)
+        x = self.decoder.embed_tokens(tokens) * self.embed_scale + embedded
+        width = self.num_heads * self.head_dim
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
             h = layer.self_attn_layer_norm(x)
-            query = self._heads(project.q(h))
-            k_new = project.k(h).view(batch, q, self.num_heads, self.head_dim)
-            v_new = project.v(h).view(batch, q, self.num_heads, self.head_dim)
-            cache.self_k[i][rows, :, positions] = k_new
-            cache.self_v[i][rows, :, positions] = v_new
-            keys = cache.self_k[i][:, :, :attended]
-            values = cache.self_v[i][:, :, :attended]
-            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask)
+            query, k_new, v_new = project.qkv(h).split(width, dim=-1)
+            # [n, q, H, Dh] written at (row, position) of the cache seen as [B, capacity, H, Dh]
+            cache.self_k[i].transpose(1, 2).index_put_((where, positions), k_new.view(batch, q, self.num_heads, self.head_dim))
+            cache.self_v[i].transpose(1, 2).index_put_((where, positions), v_new.view(batch, q, self.num_heads, self.head_dim))
+            keys = rows_of(cache.self_k[i][:, :, :attended])
+            values = rows_of(cache.self_v[i][:, :, :attended])
+            out = F.scaled_dot_product_attention(self._heads(query), keys, values, attn_mask=mask)
             x = x + project.out(out.transpose(1, 2).reshape(batch, q, -1))
 
             h = layer.encoder_attn_layer_norm(x)
-            out = F.scaled_dot_product_attention(self._heads(project.cross_q(h)), cache.cross_k[i], cache.cross_v[i])
+            out = F.scaled_dot_product_attention(self._heads(project.cross_q(h)), rows_of(cache.cross_k[i]),
+                                                 rows_of(cache.cross_v[i]))
             x = x + project.cross_out(out.transpose(1, 2).reshape(batch, q, -1))
 
             h = layer.final_layer_norm(x)
@@ -185,8 +201,7 @@ class DecoderRunner:
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
-        full[..., self.head_token_ids] = logits
-        return full
+        return full.index_copy_(-1, self.head_token_ids, logits)
 
 
 Linear = Callable[[Tensor], Tensor]
@@ -243,12 +258,11 @@ def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
 
 @dataclass
 class _Projections:
-    """One decoder layer's linear maps (cross-attention K/V are computed once per window
-    by the layer's own modules, over 1,500 rows, where the default path is faster)."""
+    """One decoder layer's linear maps, self-attention's query, key and value fused into one
+    (cross-attention K/V are computed once per window by the layer's own modules, over
+    1,500 rows, where the default path is faster)."""
 
-    q: Linear
-    k: Linear
-    v: Linear
+    qkv: Linear
     out: Linear
     cross_q: Linear
     cross_out: Linear
@@ -261,5 +275,17 @@ class _Projections:
             return linear(module.weight, module.bias)
 
         attn, cross = layer.self_attn, layer.encoder_attn
-        return cls(wrap(attn.q_proj), wrap(attn.k_proj), wrap(attn.v_proj), wrap(attn.out_proj),
-                   wrap(cross.q_proj), wrap(cross.out_proj), wrap(layer.fc1), wrap(layer.fc2))
+        return cls(_fused_qkv(attn, linear), wrap(attn.out_proj), wrap(cross.q_proj), wrap(cross.out_proj),
+                   wrap(layer.fc1), wrap(layer.fc2))
+
+
+@torch.no_grad()
+def _fused_qkv(attention: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear]) -> Linear:
+    """One matrix product for query, key and value. The module's three weights become views
+    of the fused one, so the weights are not held twice (and stay the module's own)."""
+    projections = (attention.q_proj, attention.k_proj, attention.v_proj)
+    weight = torch.cat([p.weight for p in projections])
+    biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in projections]
+    for p, part in zip(projections, weight.split([p.out_features for p in projections])):
+        p.weight.data = part
+    return linear(weight, torch.cat(biases))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -17,6 +17,7 @@ from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditiona
 
 from asr.ct2 import load_ct2_directory
 from asr.decoder import DecoderRunner
+from asr.speculative import SpeculativeDecoder
 from asr.vocab import Vocabulary
 
 # Drafting with the target's own decoder proves the mechanics (every proposal accepted)
@@ -101,11 +102,11 @@ class WhisperModel:
         features = features.to(self.device, self.dtype)
         if features.shape[-1] < self.encoder.config.max_source_positions * 2:
             return self._encode_prefix(features)
-        if self.device.type == "cpu":
-            # One window at a time: a batch's activations overflow the CPU caches, and a
-            # batch of 8 windows took 1.15-1.35x longer than 8 single ones (scripts/benchmark_encoder.py).
-            return torch.cat([self.encoder(window[None]).last_hidden_state for window in features])
-        return self.encoder(features).last_hidden_state
+        # One window at a time. On a CPU a batch's activations overflow the caches (a batch of
+        # 8 windows took 1.15-1.35x longer than 8 single ones, scripts/benchmark_encoder.py); on
+        # a GPU a window's 1,500 frames already fill the matrix units, and a window's encoding
+        # then never depends on the windows beside it.
+        return torch.cat([self.encoder(window[None]).last_hidden_state for window in features])
 
     def _encode_prefix(self, features: Tensor) -> Tensor:
         """The encoder's own layers over fewer positions (its forward insists on 3000 frames)."""
@@ -122,10 +123,21 @@ class ModelPair:
     target: WhisperModel
     draft: WhisperModel | None
     draft_has_own_encoder: bool = False
+    _engines: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def draft_is_target(self) -> bool:
         return self.draft is not None and self.draft.model is self.target.model
+
+    def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True) -> SpeculativeDecoder:
+        """The decoding engine over these models (target-only unless speculative), one per
+        configuration: it keeps its batch states and CUDA graphs for every Transcriber."""
+        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs)
+        if key not in self._engines:
+            draft = self.draft.runner if key[0] else None
+            self._engines[key] = SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
+                                                    cuda_graphs=cuda_graphs)
+        return self._engines[key]
 
 
 def packaged_directory(name: str) -> tuple[Path, list[Path]]:

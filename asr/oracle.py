@@ -4,7 +4,7 @@ A random-weight draft agrees with a random-weight target almost never, so speed 
 realistic acceptance cannot be measured with one. The oracle's proposals are the target's
 own greedy tokens (from a target-only decode of the same rows), each replaced, with
 probability 1 - acceptance, by a different token, which the target then rejects. The draft
-model still runs every forward pass it would run (asr/graphs.py discards only its argmax),
+model still runs every forward pass it would run (OracleDraft only overrides its choice),
 so a round costs what it costs with a real draft of that size.
 
 The acceptance here is per token, as in Leviathan et al. (2023): each proposal is right
@@ -16,6 +16,11 @@ accepted / proposed = (alpha - alpha^(k+1)) / ((1 - alpha) k), and a target pass
 from __future__ import annotations
 
 import torch
+from torch import Tensor
+
+from asr.decoder import DecoderRunner, KVCache
+
+ORACLE_LOGIT = 1e4  # above any real logit, and within float16's range
 
 
 def oracle_proposals(reference: list[list[int]], acceptance: float, vocab_size: int, seed: int = 0) -> list[list[int]]:
@@ -56,3 +61,36 @@ def acceptance_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:
         middle = (low + high) / 2
         low, high = (middle, high) if expected_tokens_per_pass(middle, k) < tokens_per_pass else (low, middle)
     return (low + high) / 2
+
+
+class OracleDraft:
+    """A draft runner (DecoderRunner's interface) whose proposals are given: the draft model
+    runs every pass, then the logit of the given token at each predicted index is raised
+    above all others. table [R, C]: the proposal for each token index of each cache row
+    (R and C those of the engine's batch state: oracle_table)."""
+
+    def __init__(self, runner: DecoderRunner, table: Tensor):
+        self.runner = runner
+        self.table = table
+
+    def __getattr__(self, name: str):
+        return getattr(self.runner, name)
+
+    def forward(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
+                window: int | None = None, rows: Tensor | None = None) -> Tensor:
+        logits = self.runner.forward(tokens, start, cache, logits_at, window, rows)
+        at = torch.arange(tokens.shape[1], device=tokens.device).expand(len(tokens), -1) if logits_at is None else logits_at
+        predicted = (start[:, None] + at + 1).clamp(max=self.table.shape[1] - 1)
+        table = self.table if rows is None else self.table.index_select(0, rows)
+        return logits.scatter_(-1, table.gather(1, predicted)[:, :, None], ORACLE_LOGIT)
+
+
+def oracle_table(proposals: list[list[int]], prompt_lengths: list[int], rows: int, capacity: int,
+                 device: torch.device | str) -> Tensor:
+    """oracle_proposals' rows laid out by token index, for OracleDraft: row b's proposals
+    start at its prompt's length; rows past len(proposals) (a batch padded to `rows`) get none."""
+    table = torch.zeros(rows, capacity, dtype=torch.long)
+    for row, (tokens, begin) in enumerate(zip(proposals, prompt_lengths)):
+        tokens = tokens[: capacity - begin]
+        table[row, begin : begin + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+    return table.to(device)

@@ -67,12 +67,14 @@ class DecodingRules:
 
     def apply(self, logits: Tensor, prefix: Prefix) -> Tensor:
         """Filters logits [N, V] in place and returns them."""
+        # Explicit index ops: `logits[:, ids] = NEG_INF` would copy a CPU scalar to the GPU,
+        # which CUDA graph capture forbids (tests/test_capture_safety.py).
         if self.suppress.numel():
-            logits[:, self.suppress] = NEG_INF
+            logits.index_fill_(1, self.suppress, NEG_INF)
         at_begin = prefix.generated == 0
         if self.begin_suppress.numel():
-            columns = logits[:, self.begin_suppress]
-            logits[:, self.begin_suppress] = columns.masked_fill(at_begin[:, None], NEG_INF)
+            columns = logits.index_select(1, self.begin_suppress).masked_fill_(at_begin[:, None], NEG_INF)
+            logits.index_copy_(1, self.begin_suppress, columns)
         if self.timestamps:
             self._timestamp_rules(logits, prefix, at_begin)
         return logits
@@ -81,7 +83,7 @@ class DecodingRules:
         # Row-wise masks over column slices: no [N, V] temporaries on this hot path.
         ts_begin = self.timestamp_begin
         text, timestamps = logits[:, :ts_begin], logits[:, ts_begin:]
-        logits[:, self.no_timestamps] = NEG_INF
+        logits.select(1, self.no_timestamps).fill_(NEG_INF)
         last_is_ts = (prefix.generated >= 1) & (prefix.last >= ts_begin)
         penultimate_is_ts = (prefix.generated < 2) | (prefix.penultimate >= ts_begin)
         closing_pair = last_is_ts & ~penultimate_is_ts

@@ -1,21 +1,38 @@
-"""The speculative decoding loop: the draft proposes k tokens, the target verifies k+1
-positions in one pass, and each row keeps its longest agreeing prefix plus one target
-token. Rejected positions are rolled back by moving a row's length, never by copying.
-Without a draft (k = 0) the same loop is plain target-only decoding.
+"""The speculative decoding engine, one loop for CPU and GPU: the draft proposes k tokens,
+the target verifies k+1 positions in one pass, and each row keeps its longest agreeing
+prefix plus one target token. Rejected positions are rolled back by moving a row's
+length, never by copying. With k = 0 a round is plain target-only decoding.
+
+A Batch holds rows (windows) in slots of a static KV cache; a row that finishes frees its
+slot, and the caller refills it at once (Batch.add). Each round is two steps over the
+whole batch, the draft's proposals and the target's verification, which read nothing
+back to the host; the host reads one small summary per round. On CUDA (fixed_shapes) the
+steps keep fixed shapes (every position of the cache attended under a mask, finished
+rows frozen in place, batches padded to a power of two) and run as CUDA graphs
+(asr/cudagraphs.py). On a CPU the same steps run eagerly in shapes fitted to the data:
+attention over the longest row, finished rows dropped, drafting stopped once every row
+has proposed end-of-text.
 
 Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps
-the target's distribution (Leviathan et al. 2023, Chen et al. 2023)."""
+the target's distribution (asr/sampling.py); hints (asr/hints.py) are proposed in place
+of the draft's tokens where a row follows them."""
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
+from asr import hints, sampling
+from asr.cudagraphs import RoundClock, StepGraphs
 from asr.decoder import DecoderRunner, KVCache
+from asr.draft_length import DraftLength
 from asr.rules import DecodingRules, Prefix
+
+IDLE_STATES = 8  # batch states (with their graphs) kept for reuse on a GPU
 
 
 @dataclass
@@ -25,7 +42,7 @@ class DecodeStats:
     target_passes: int = 0
     draft_passes: int = 0
     tokens: int = 0  # tokens kept (end-of-text included)
-    hint_proposed: int = 0  # tokens proposed from a hint (decode's hints), not counted as draft tokens
+    hint_proposed: int = 0  # tokens proposed from a hint, not counted as draft tokens
     hint_accepted: int = 0
     tokens_per_pass: list[int] = field(default_factory=list)  # kept by each target pass: accepted proposals + 1
 
@@ -50,396 +67,485 @@ class Sequence:
     sum_logprob: float
     no_speech_prob: float
     stats: DecodeStats = field(default_factory=DecodeStats)
+    seconds: float = 0.0  # the row's share of the time of the steps it took part in
 
     @property
     def avg_logprob(self) -> float:
         return self.sum_logprob / (len(self.tokens) + 1)
 
 
-class DraftLength:
-    """Chooses k, the draft tokens proposed in a round (0: the target alone). Fixed when asked;
-    otherwise it maximises expected tokens per second,
+@dataclass
+class Window:
+    """One window to decode: a row of a Batch."""
 
-        (1 - a^(k+1)) / (1 - a) / (k * draft_step + plain + k * per_proposal),
-
-    from the measured per-token acceptance a, the measured cost of a draft step, and the cost
-    of a target pass measured without proposals (plain) and with them. No drafting (k = 0,
-    1 / plain) wins where drafting does not pay: in a large batch on a CPU, verifying k
-    proposals for every row costs nearly what k plain passes do. Every EXPLORE-th round goes
-    the other way (drafting or not), so that both stay measured. k is the best drafting
-    length (>= 1); next_round() says what a round does."""
-
-    EXPLORE = 16
-
-    def __init__(self, fixed: int | None = None, maximum: int = 8, initial: int = 4):
-        self.fixed = fixed
-        self.maximum = fixed if fixed is not None else maximum
-        self.k = fixed if fixed is not None else min(initial, maximum)
-        self._accepted = 1.0  # decayed counts, starting from a mild prior
-        self._rejected = 1.0
-        self._draft_step: float | None = None
-        self._verify: float | None = None  # a target pass checking proposals (_proposals on average)
-        self._proposals: float | None = None
-        self._plain: float | None = None  # a target pass without proposals
-        self._plain_wins = False
-        self._rounds = 0
-
-    def next_round(self) -> int:
-        if self.fixed is not None:
-            return self.fixed
-        self._rounds += 1
-        explore = self._rounds % self.EXPLORE == 0 or (self._plain is None and self._draft_step is not None)
-        return self.k if self._plain_wins == explore else 0
-
-    def update(self, k: int, accepted: int, rejected: int, draft_seconds_per_step: float, verify_seconds: float) -> None:
-        """A round's outcome: k proposed per row, accepted in all, rows that rejected one."""
-        if self.fixed is not None:
-            return
-        if k == 0:
-            self._plain = _average(self._plain, verify_seconds)
-        else:
-            decay = 0.9
-            self._accepted = decay * self._accepted + accepted
-            self._rejected = decay * self._rejected + rejected
-            self._draft_step = _average(self._draft_step, draft_seconds_per_step)
-            self._verify = _average(self._verify, verify_seconds)
-            self._proposals = _average(self._proposals, float(k))
-        if self._draft_step is None:
-            return
-        alpha = self._accepted / (self._accepted + self._rejected)
-        plain, verify = self._plain, self._verify
-
-        def tokens_per_second(k: int) -> float:
-            expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            if plain is None:
-                return expected / (k * self._draft_step + verify)
-            per_proposal = max(verify - plain, 0.0) / self._proposals
-            return expected / (k * self._draft_step + plain + k * per_proposal)
-
-        self.k = max(range(1, self.maximum + 1), key=tokens_per_second)
-        self._plain_wins = plain is not None and tokens_per_second(0) > tokens_per_second(self.k)
-
-
-def _average(mean: float | None, value: float) -> float:
-    """An exponential moving average (the machine's speed drifts; batches shrink)."""
-    return value if mean is None else 0.7 * mean + 0.3 * value
+    encoded: Tensor  # [frames, width]: the target encoder's output
+    prompt: list[int]  # [<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> ...
+    sot_index: int = 0  # where <|startoftranscript|> is in the prompt: the no-speech probability is read there
+    max_new_tokens: int = 224
+    temperature: float = 0.0
+    hint: list[int] = field(default_factory=list)  # tokens the row is expected to generate (asr/hints.py)
+    draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
 
 
 @dataclass
-class _Model:
-    runner: DecoderRunner
-    cache: KVCache
+class _State:
+    """A batch's tensors for `rows` rows of `frames` encoder frames. On a GPU they are kept
+    and reused, since captured graphs point at them."""
+
+    key: tuple  # (rows, frames, draft frames)
+    tokens: Tensor  # [R, C] prompt, kept tokens, then proposals
+    length: Tensor  # [R] tokens kept, prompt included
+    sample_begin: Tensor  # [R] where generated tokens start
+    limit: Tensor  # [R] the length at which a row stops
+    draft_cached: Tensor  # [R] leading positions the draft has cached
+    live: Tensor  # [R] bool: a row being decoded
+    eot: Tensor  # [R] bool: ended on end-of-text
+    temperature: Tensor  # [R] float32
+    sum_logprob: Tensor  # [R] float64
+    no_speech: Tensor  # [R] float32
+    sot: Tensor  # [R] index of <|startoftranscript|>
+    hint: Tensor  # [R, C], padded with end-of-text
+    hint_length: Tensor  # [R]
+    hint_shift: Tensor  # [R] (asr/hints.py)
+    hint_on: Tensor  # [R] bool
+    prefill_row: Tensor  # [1] the row a captured prefill reads
+    noise: Tensor  # [R, 3 * max_draft + 1] uniforms in (0, 1] for sampling
+    out: Tensor  # [5, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text
+    target: KVCache
+    draft: KVCache | None
+    draft_probs: Tensor | None = None  # [R, max_draft, V] the draft's distributions, when sampling
+    graphs: dict = field(default_factory=dict)
+
+    def rows_state(self) -> list[Tensor]:
+        """The per-row tensors a row's move or a capture's warm-up must carry over."""
+        return [self.tokens, self.length, self.sample_begin, self.limit, self.draft_cached, self.live, self.eot,
+                self.temperature, self.sum_logprob, self.no_speech, self.sot, self.hint, self.hint_length,
+                self.hint_shift, self.hint_on]
+
+
+@dataclass
+class _Row:
+    """The host's view of a live row."""
+
+    tag: int
+    length: int
+    limit: int
+    sample_begin: int
+    temperature: float
+    hinted: bool
+    gap: int = 1  # kept tokens the draft has not cached yet
+    stats: DecodeStats = field(default_factory=DecodeStats)
+    seconds: float = 0.0
 
 
 class SpeculativeDecoder:
-    """Decodes a batch of windows with a target decoder and an optional draft decoder."""
+    """The engine for one target (and optionally one draft); keeps the states of its batches
+    (and their CUDA graphs) for reuse. fixed_shapes: decode in fixed shapes (default: on
+    CUDA); cuda_graphs: run those as CUDA graphs on CUDA."""
 
-    def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None):
+    def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
+                 fixed_shapes: bool | None = None, cuda_graphs: bool = True):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target = target
         self.draft = draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
-        self._shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
+        self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
+        self.max_draft_tokens = max_draft_tokens
+        weight = target.decoder.embed_tokens.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.fixed_shapes = self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
+        self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda")
+        self.max_positions = min(r.max_positions for r in (target, draft) if r is not None)
+        # Past the decoder's last position, room for proposals beyond a row's limit (never kept).
+        self.capacity = self.max_positions + max_draft_tokens + 1
+        self._idle: OrderedDict[tuple, _State] = OrderedDict()
+
+    def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
+              draft_length: DraftLength | None = None, generator: torch.Generator | None = None) -> "Batch":
+        """An empty batch sized for `rows` rows (it grows if given more)."""
+        return Batch(self, rules, rows, no_speech_token, draft_length or DraftLength(maximum=self.max_draft_tokens), generator)
 
     @torch.inference_mode()
-    def decode(
-        self,
-        target_encoder_output: Tensor,
-        prompts: list[list[int]],
-        rules: DecodingRules,
-        *,
-        sot_index: list[int] | None = None,
-        no_speech_token: int | None = None,
-        draft_encoder_output: Tensor | None = None,
-        max_new_tokens: int = 224,
-        temperature: float = 0.0,
-        draft_length: DraftLength | None = None,
-        generator: torch.Generator | None = None,
-        hints: list[list[int]] | None = None,
-    ) -> list[Sequence]:
-        """prompts[b] is row b's decoder prompt (previous text, <|startoftranscript|>, ...).
-        sot_index[b] is where <|startoftranscript|> sits in it: the no-speech probability is
-        read from the target's prediction there.
-
-        hints[b]: tokens row b is expected to generate (e.g. the previous hypothesis of a
-        re-transcribed stream). While the row follows its hint, a round proposes all the rest
-        of it instead of running the draft; where the row departs from it, or once it is used
-        up, the draft takes over, until the hint can be followed again (_follow_hint). Like a
-        draft's, a hint's proposals are only ever kept where the target agrees, so any hint
-        keeps the output exact."""
-        device = target_encoder_output.device
-        batch = len(prompts)
-        use_draft = self.draft is not None and (draft_length is None or draft_length.maximum > 0)
-        draft_length = draft_length if draft_length is not None else DraftLength()
-        k_max = draft_length.maximum if use_draft else 0
-        lengths = [len(p) for p in prompts]
-        capacity = max(lengths) + max_new_tokens + k_max + 2
-        max_positions = min(r.max_positions for r in self._runners(use_draft))
-        if max(lengths) + max_new_tokens > max_positions - 1:
-            raise ValueError(f"prompt plus {max_new_tokens} new tokens exceeds the decoder's {max_positions} positions")
-
-        tokens = torch.zeros(batch, capacity, dtype=torch.long, device=device)
-        for b, prompt in enumerate(prompts):
-            tokens[b, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
-        length = torch.tensor(lengths, device=device)
-        sample_begin = length.clone()
-        limit = length + max_new_tokens
-        sot = torch.tensor(sot_index if sot_index is not None else [0] * batch, device=device)
-        hint, hint_length = _pad_hints(hints or [[]] * batch, rules.eot, self.target.vocab_size, device)
-        hint_shift, hint_on = torch.zeros_like(hint_length), hint_length > 0
-        hinted = bool(hints) and any(hints)  # else no hint work at all (and no host sync for it)
-
-        target = _Model(self.target, self.target.new_cache(target_encoder_output, capacity))
-        no_speech = torch.full((batch,), float("nan"), device=device)
-        self._prefill(target, tokens, length, sot, no_speech, no_speech_token)
-        draft = None
-        draft_cached = length - 1
-        if use_draft:
-            encoder_output = draft_encoder_output if draft_encoder_output is not None else target_encoder_output
-            shared = self._shared_cross if draft_encoder_output is None else None
-            cache = self.draft.new_cache(encoder_output, capacity, cross_from=target.cache if shared else None, cross_layers=shared)
-            draft = _Model(self.draft, cache)
-            self._prefill(draft, tokens, length, sot, None, None)
-
-        rows = torch.arange(batch, device=device)  # original index of each live row
-        sum_logprob = torch.zeros(batch, dtype=torch.float64, device=device)
-        stats = [DecodeStats() for _ in range(batch)]
-        results: list[Sequence | None] = [None] * batch
-        first_round = True
-
-        while rows.numel():
-            live = rows.numel()
-            remaining = int((limit - length).min())
-            hint_round = False
-            if hinted:
-                hint_on, hint_shift = _follow_hint(hint, hint_length, hint_shift, hint_on, tokens, length, sample_begin)
-                hint_round = bool(hint_on.any())
-            draft_probs = None
-            started = time.perf_counter()
-            if hint_round:
-                offset = length - sample_begin + hint_shift  # index in the hint of the first proposal
-                k = min(int((hint_length - offset)[hint_on].max()), remaining - 1)
-                hint_proposed = torch.where(hint_on, (hint_length - offset).clamp(max=k), 0)
-                if k > 0:
-                    # Rows not hinting propose whatever lies in their padded hint: never kept unless right.
-                    proposals = hint.gather(1, (offset[:, None] + torch.arange(k, device=device)).clamp(max=hint.shape[1] - 1))
-                    tokens.scatter_(1, length[:, None] + torch.arange(k, device=device), proposals)
-                    if temperature > 0:  # a fixed proposal is a draft distribution with all its mass on it
-                        draft_probs = torch.nn.functional.one_hot(proposals, self.target.vocab_size).float()
-            else:
-                k = min(draft_length.next_round(), remaining - 1) if use_draft else 0
-                if k > 0:
-                    k, draft_probs = self._propose(draft, tokens, length, draft_cached, sample_begin, rules, k, temperature, generator)
-                    draft_cached = length + k - 1
-            drafted = time.perf_counter()
-
-            positions = length[:, None] + torch.arange(k + 1, device=device)  # predicted indices
-            verify_tokens = tokens.gather(1, positions - 1)
-            logits = self.target.forward(verify_tokens, length - 1, target.cache)
-            if first_round and no_speech_token is not None:
-                # Rows whose prompt ends in <|startoftranscript|> read it from this pass.
-                at_sot = (sot == length - 1)
-                probs = logits[:, 0].float().softmax(-1)[:, no_speech_token]
-                no_speech = torch.where(at_sot, probs.to(no_speech.dtype), no_speech)
-            first_round = False
-            flat = logits.reshape(live * (k + 1), -1)
-            rules.apply(flat, Prefix.at(tokens, sample_begin, positions, rules.timestamp_begin))
-            logits = flat.view(live, k + 1, -1)
-            proposals = tokens.gather(1, positions[:, :k])
-            if temperature > 0:
-                accepted, chosen = _rejection_sample(logits, draft_probs, proposals, temperature, generator)
-            else:
-                chosen = logits.argmax(-1)
-                accepted = (proposals == chosen[:, :k]).long().cumprod(1).sum(1)
-            correction = chosen.gather(1, accepted[:, None])[:, 0]
-            tokens[torch.arange(live, device=device), length + accepted] = correction
-
-            # Keep accepted + 1 tokens, cut at end-of-text and at the length limit.
-            new = accepted + 1
-            window = tokens.gather(1, positions)
-            is_eot = (window == rules.eot) & (torch.arange(k + 1, device=device) < new[:, None])
-            ends_with_eot = is_eot.any(1)
-            new = torch.where(ends_with_eot, is_eot.long().argmax(1) + 1, new)
-            new = torch.minimum(new, limit - length)
-            token_logprobs = torch.log_softmax(logits.float(), -1).gather(2, window[:, :, None])[:, :, 0]
-            kept = torch.arange(k + 1, device=device) < new[:, None]
-            sum_logprob += torch.where(kept, token_logprobs, 0.0).sum(1).double()  # -inf * 0 would be NaN
-            eot_kept = ends_with_eot & (is_eot & kept).any(1)
-            length = length + new
-            if draft is not None:
-                draft_cached = torch.minimum(draft_cached, length - 1)
-            verified = time.perf_counter()
-
-            accepted_list, new_list = accepted.tolist(), new.tolist()
-            if hint_round:
-                hinted_list = hint_proposed.tolist()
-            for i, row in enumerate(rows.tolist()):
-                s = stats[row]
-                if hint_round:
-                    s.hint_proposed += hinted_list[i]
-                    s.hint_accepted += min(accepted_list[i], hinted_list[i])
-                else:
-                    s.draft_proposed += k
-                    s.draft_accepted += accepted_list[i]
-                    s.draft_passes += k
-                s.target_passes += 1
-                s.tokens += new_list[i]
-                s.tokens_per_pass.append(new_list[i])
-            if use_draft and not hint_round:
-                rejected = sum(1 for a in accepted_list if a < k)
-                draft_length.update(k, sum(accepted_list), rejected, (drafted - started) / max(k, 1), verified - drafted)
-
-            finished = eot_kept | (length >= limit)
-            if bool(finished.any()):
-                done_at = finished.nonzero()[:, 0]
-                for i in done_at.tolist():
-                    row = int(rows[i])
-                    end = int(length[i]) - (1 if bool(eot_kept[i]) else 0)
-                    results[row] = Sequence(
-                        tokens=tokens[i, int(sample_begin[i]) : end].tolist(),
-                        sum_logprob=float(sum_logprob[i]),
-                        no_speech_prob=float(no_speech[i]),
-                        stats=stats[row],
-                    )
-                keep = (~finished).nonzero()[:, 0]
-                rows, tokens, length, sample_begin, limit, sot = (
-                    t.index_select(0, keep) for t in (rows, tokens, length, sample_begin, limit, sot)
-                )
-                sum_logprob, no_speech, draft_cached = (t.index_select(0, keep) for t in (sum_logprob, no_speech, draft_cached))
-                hint, hint_length, hint_shift, hint_on = (t.index_select(0, keep) for t in (hint, hint_length, hint_shift, hint_on))
-                target.cache.keep_rows(keep)
-                if draft is not None:
-                    draft.cache.keep_rows(keep)
+    def decode(self, target_encoder_output: Tensor, prompts: list[list[int]], rules: DecodingRules, *,
+               sot_index: list[int] | None = None, no_speech_token: int | None = None,
+               draft_encoder_output: Tensor | None = None, max_new_tokens: int = 224, temperature: float = 0.0,
+               draft_length: DraftLength | None = None, generator: torch.Generator | None = None,
+               hints: list[list[int]] | None = None) -> list[Sequence]:
+        """Decodes these rows together until all have finished (Batch for the details):
+        target_encoder_output [B, frames, width], prompts[b] and sot_index[b] as Window's."""
+        batch = self.batch(rules, rows=len(prompts), no_speech_token=no_speech_token, draft_length=draft_length,
+                           generator=generator)
+        windows = [Window(target_encoder_output[b], prompt, (sot_index or [0] * len(prompts))[b], max_new_tokens,
+                          temperature, (hints or [[]] * len(prompts))[b],
+                          None if draft_encoder_output is None else draft_encoder_output[b])
+                   for b, prompt in enumerate(prompts)]
+        order = {tag: i for i, tag in enumerate(batch.add(windows))}
+        results: list[Sequence | None] = [None] * len(prompts)
+        while batch.live:
+            for tag, sequence in batch.step():
+                results[order[tag]] = sequence
+        batch.close()
         return results  # type: ignore[return-value]
 
-    def _runners(self, use_draft: bool) -> list[DecoderRunner]:
-        return [self.target, self.draft] if use_draft else [self.target]
+    def rows_for(self, rows: int) -> int:
+        """The rows of the state a batch of `rows` rows gets: a power of two in fixed shapes."""
+        return 1 << (rows - 1).bit_length() if self.fixed_shapes else rows
 
-    def _prefill(
-        self, model: _Model, tokens: Tensor, length: Tensor, sot: Tensor, no_speech: Tensor | None, no_speech_token: int | None
-    ) -> None:
-        """Caches every prompt token but the last, which each round feeds as the pending token."""
-        width = int(length.max()) - 1
-        if width <= 0:
+    def _state(self, rows: int, frames: int, draft_frames: int | None) -> _State:
+        key = (rows, frames, draft_frames)
+        if key in self._idle:
+            return self._idle.pop(key)
+        device, C, R = self.device, self.capacity, rows
+
+        def zeros(*shape: int, dtype: torch.dtype = torch.long) -> Tensor:
+            return torch.zeros(shape, dtype=dtype, device=device)
+
+        target = self.target.empty_cache(R, frames, C, self.dtype, device)
+        draft = None
+        if self.draft is not None:
+            shared = self.shared_cross if draft_frames is None else None
+            draft = self.draft.empty_cache(R, draft_frames or frames, C, self.dtype, device,
+                                           cross_from=target if shared else None, cross_layers=shared)
+        return _State(key, tokens=zeros(R, C), length=zeros(R), sample_begin=zeros(R), limit=zeros(R),
+                      draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
+                      temperature=zeros(R, dtype=torch.float32), sum_logprob=zeros(R, dtype=torch.float64),
+                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
+                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1),
+                      noise=zeros(R, 3 * self.max_draft_tokens + 1, dtype=torch.float32), out=zeros(5, R),
+                      target=target, draft=draft)
+
+    def _release(self, state: _State) -> None:
+        if self.fixed_shapes:
+            self._idle[state.key] = state
+            while len(self._idle) > IDLE_STATES:
+                self._idle.popitem(last=False)
+
+
+class Batch:
+    """Rows decoding together. add() puts windows in free slots; each step() runs one round
+    for every live row and returns the rows that finished, freeing their slots."""
+
+    def __init__(self, engine: SpeculativeDecoder, rules: DecodingRules, rows: int, no_speech_token: int | None,
+                 draft_length: DraftLength, generator: torch.Generator | None):
+        self.engine = engine
+        self.rules = rules
+        self.rows_wanted = rows
+        self.no_speech_token = no_speech_token
+        self.draft_length = draft_length
+        self.generator = generator
+        self.use_draft = engine.draft is not None and draft_length.maximum > 0
+        if self.use_draft and draft_length.maximum > engine.max_draft_tokens:
+            raise ValueError(f"this engine proposes at most {engine.max_draft_tokens} tokens a round, not {draft_length.maximum}")
+        self.state: _State | None = None
+        self.slots: list[_Row | None] = []
+        self.clock = RoundClock(engine.device)
+        self._tags = 0
+
+    @property
+    def live(self) -> int:
+        return sum(row is not None for row in self.slots)
+
+    def close(self) -> None:
+        if self.state is not None:
+            self.engine._release(self.state)
+            self.state = None
+
+    @torch.inference_mode()
+    def add(self, windows: list[Window]) -> list[int]:
+        """Starts decoding these windows; returns a tag for each (step() names rows by it)."""
+        if not windows:
+            return []
+        e = self.engine
+        frames = {w.encoded.shape[0] for w in windows}
+        draft_frames = {None if w.draft_encoded is None else w.draft_encoded.shape[0] for w in windows}
+        if len(frames) != 1 or len(draft_frames) != 1:
+            raise ValueError("a batch's windows must have the same number of encoder frames")
+        key = (frames.pop(), draft_frames.pop())
+        for w in windows:
+            if len(w.prompt) + w.max_new_tokens > e.max_positions - 1:
+                raise ValueError(f"prompt plus {w.max_new_tokens} new tokens exceeds the decoder's {e.max_positions} positions")
+            if any(not 0 <= t < e.target.vocab_size for t in w.hint):
+                raise ValueError(f"hint tokens must be token ids below the vocabulary's {e.target.vocab_size}")
+        if self.state is not None and self.state.key[1:] != key and not self.live:
+            self.close()
+        if self.state is None:
+            self.state = e._state(e.rows_for(max(self.rows_wanted, len(windows))), *key)
+            self.slots = [None] * self.state.key[0]
+        elif self.state.key[1:] != key:
+            raise ValueError(f"windows of {key[0]} frames cannot join a batch of windows of {self.state.key[1]}")
+        free = [i for i, row in enumerate(self.slots) if row is None]
+        if len(free) < len(windows):
+            self._resize(e.rows_for(self.live + len(windows)))
+            free = [i for i, row in enumerate(self.slots) if row is None]
+        slots = free[: len(windows)]
+        started = time.perf_counter()
+        self._write_rows(slots, windows)
+        tags = []
+        for slot, w in zip(slots, windows):
+            length = len(w.prompt)
+            self.slots[slot] = _Row(self._tags, length, length + w.max_new_tokens, length, w.temperature, bool(w.hint))
+            tags.append(self._tags)
+            self._tags += 1
+        seconds = (time.perf_counter() - started) / len(windows)
+        for slot in slots:
+            self.slots[slot].seconds += seconds
+        return tags
+
+    def _write_rows(self, slots: list[int], windows: list[Window]) -> None:
+        """Writes the rows' prompts and settings, fills their cross-attention K/V and caches
+        their prompts."""
+        e, s, device = self.engine, self.state, self.engine.device
+        n, C = len(windows), e.capacity
+        tokens = torch.zeros(n, C, dtype=torch.long)
+        hint = torch.full((n, C), self.rules.eot, dtype=torch.long)
+        for i, w in enumerate(windows):
+            tokens[i, : len(w.prompt)] = torch.tensor(w.prompt, dtype=torch.long)
+            hint[i, : len(w.hint)] = torch.tensor(w.hint[:C], dtype=torch.long)
+        lengths = torch.tensor([len(w.prompt) for w in windows])
+        values = {
+            "tokens": tokens, "length": lengths, "sample_begin": lengths, "draft_cached": lengths - 1,
+            "limit": lengths + torch.tensor([w.max_new_tokens for w in windows]), "live": torch.ones(n, dtype=torch.bool),
+            "eot": torch.zeros(n, dtype=torch.bool), "temperature": torch.tensor([w.temperature for w in windows]),
+            "sum_logprob": torch.zeros(n, dtype=torch.float64), "sot": torch.tensor([w.sot_index for w in windows]),
+            "hint": hint, "hint_length": torch.tensor([min(len(w.hint), C) for w in windows]),
+            "hint_shift": torch.zeros(n, dtype=torch.long), "hint_on": torch.tensor([bool(w.hint) for w in windows]),
+        }
+        index = torch.tensor(slots, device=device)
+        for name, value in values.items():
+            getattr(s, name).index_copy_(0, index, value.to(device, getattr(s, name).dtype))
+        encoded = torch.stack([w.encoded for w in windows]).to(e.dtype)
+        # One row at a time in fixed shapes: a row's K/V then never depend on the rows beside it.
+        groups = [[i] for i in range(n)] if e.fixed_shapes else [list(range(n))]
+        for group in groups:
+            rows = index[group]
+            e.target.fill_cross(s.target, rows, encoded[group])
+            if s.draft is not None and s.draft.cross_from is None:
+                own = encoded if windows[0].draft_encoded is None else torch.stack([w.draft_encoded for w in windows])
+                e.draft.fill_cross(s.draft, rows, own[group].to(e.dtype))
+        width = max(len(w.prompt) for w in windows)
+        if not e.fixed_shapes:
+            self._prefill(None if slots == list(range(s.key[0])) else index, width)
             return
-        start = torch.zeros_like(length)
-        logits = model.runner.forward(tokens[:, :width], start, model.cache, logits_at=sot.clamp(max=width - 1)[:, None])
-        if no_speech is not None and no_speech_token is not None:
-            probs = logits[:, 0].float().softmax(-1)[:, no_speech_token]
-            no_speech.copy_(torch.where(sot < length - 1, probs.to(no_speech.dtype), no_speech))
+        for slot, w in zip(slots, windows):
+            width = min(max(8, 1 << (len(w.prompt) - 1).bit_length()), C)
+            s.prefill_row.fill_(slot)
+            e.graphs.run(s.graphs, ("prefill", width), lambda: self._prefill(s.prefill_row, width), [s.no_speech])
 
-    def _propose(
-        self,
-        draft: _Model,
-        tokens: Tensor,
-        length: Tensor,
-        draft_cached: Tensor,
-        sample_begin: Tensor,
-        rules: DecodingRules,
-        k: int,
-        temperature: float,
-        generator: torch.Generator | None,
-    ) -> tuple[int, Tensor | None]:
-        """Writes up to k proposals per row into tokens[length : length + k]. The draft first
-        catches up on the tokens it has not seen (one, two after a full acceptance, many after
-        a hint), and stops early once every row has proposed end-of-text. Returns how many it
-        proposed, and the draft's distributions [B, k, V] when sampling."""
-        live = tokens.shape[0]
-        arange_rows = torch.arange(live, device=tokens.device)
-        width = int((length - draft_cached).max())
-        # Every row's catch-up ends at its pending token: a row with less to catch up re-feeds
-        # cached tokens (same keys and values) rather than running past its length, which
-        # a long catch-up beside a row near its limit could take beyond the cache.
-        start = (length - width).clamp(min=0)
-        feed = tokens.gather(1, start[:, None] + torch.arange(width, device=tokens.device))
-        last = (length - 1 - start)[:, None]
-        ended = torch.zeros(live, dtype=torch.bool, device=tokens.device)
-        probs = []
+    def _prefill(self, rows: Tensor | None, width: int) -> None:
+        """Caches the first `width` tokens of these rows (all if None): the target's prompt
+        and the no-speech probability at <|startoftranscript|>, the draft's too. Tokens past
+        a row's prompt are cached too, harmlessly: each position is rewritten before it is read."""
+        e, s = self.engine, self.state
+        pick = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        tokens = pick(s.tokens)[:, :width]
+        start = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
+        at = pick(s.sot).clamp(max=width - 1)[:, None]
+        logits = e.target.forward(tokens, start, s.target, logits_at=at, window=width, rows=rows)
+        if self.no_speech_token is None:
+            probs = torch.full_like(start, float("nan"), dtype=torch.float32)
+        else:
+            probs = logits[:, 0].float().softmax(-1).select(-1, self.no_speech_token)
+        if rows is None:
+            s.no_speech.copy_(probs)
+        else:
+            s.no_speech.index_copy_(0, rows, probs)
+        if s.draft is not None:
+            e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
+
+    def _resize(self, rows: int) -> None:
+        """Moves the live rows into the first slots of a state of `rows` rows."""
+        e, old = self.engine, self.state
+        keep = [i for i, row in enumerate(self.slots) if row is not None]
+        new = e._state(rows, *old.key[1:])
+        index = torch.tensor(keep, dtype=torch.long, device=e.device)
+        for mine, theirs in zip(new.rows_state(), old.rows_state()):
+            mine[: len(keep)].copy_(theirs.index_select(0, index))
+        new.live[len(keep):] = False
+        new.target.copy_rows(old.target, index, len(keep))
+        if new.draft is not None:
+            new.draft.copy_rows(old.draft, index, len(keep))
+        self.slots = [self.slots[i] for i in keep] + [None] * (rows - len(keep))
+        e._release(old)
+        self.state = new
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[int, Sequence]]:
+        """One round for every live row; returns (tag, result) for each row that finished."""
+        e = self.engine
+        if not e.fixed_shapes and self.live < len(self.slots):
+            self._resize(self.live)  # on a CPU, finished rows stop costing work
+        s, rows = self.state, [row for row in self.slots if row is not None]
+        if not rows:
+            return []
+        sample = any(row.temperature > 0 for row in rows)
+        if sample:
+            s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
+        started = time.perf_counter()
+        self.clock.start()
+        hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
+        representative = hinted is None
+        if hinted is None:
+            k = self.draft_length.next_round() if self.use_draft else 0
+            if k > 0:
+                width = max(row.gap for row in rows)
+                if sample and s.draft_probs is None:
+                    s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
+                draft_probs, noise = (s.draft_probs[:, :k], s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
+                proposed = [k]  # fewer where drafting stopped early (fitted shapes only)
+
+                def propose() -> None:
+                    proposed[0] = self._propose(k, width, sample, rows)
+
+                key = ("propose", k, width, sample, self.rules)
+                representative = e.graphs.run(s.graphs, key, propose, s.rows_state(), capture=width <= 2)
+                k = proposed[0]
+            elif sample:
+                noise = s.noise[:, e.max_draft_tokens:]
+        self.clock.lap()
+        key = ("verify", k, sample, self.rules)
+        verify = lambda: self._verify(k, draft_probs, noise, rows)  # noqa: E731
+        representative &= e.graphs.run(s.graphs, key, verify, s.rows_state() + [s.out], capture=hinted is None)
+        self.clock.lap()
+        kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
+        if self.use_draft and hinted is None and representative:
+            drafting, verifying = self.clock.seconds()
+            live = [i for i, row in enumerate(self.slots) if row is not None]
+            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live),
+                                     drafting / max(k, 1), verifying)
+        share = (time.perf_counter() - started) / len(rows)
+        done = []
+        for i, row in enumerate(self.slots):
+            if row is None:
+                continue
+            stats = row.stats
+            if hinted is not None:
+                stats.hint_proposed += hinted[i]
+                stats.hint_accepted += min(accepted[i], hinted[i])
+            else:
+                stats.draft_proposed += k
+                stats.draft_accepted += accepted[i]
+                stats.draft_passes += k
+            stats.target_passes += 1
+            stats.tokens += kept[i]
+            stats.tokens_per_pass.append(kept[i])
+            row.length += kept[i]
+            row.gap = gap[i]
+            row.seconds += share
+            if finished[i]:
+                done.append(i)
+        return self._finish(done, ended) if done else []
+
+    def _finish(self, slots: list[int], ended: list[int]) -> list[tuple[int, Sequence]]:
+        s = self.state
+        index = torch.tensor(slots, device=self.engine.device)
+        scores = torch.stack([s.sum_logprob.index_select(0, index), s.no_speech.index_select(0, index).double()]).tolist()
+        results = []
+        for j, slot in enumerate(slots):
+            row = self.slots[slot]
+            end = row.length - (1 if ended[slot] else 0)
+            tokens = s.tokens[slot, row.sample_begin : end].tolist()
+            results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds)))
+            self.slots[slot] = None
+        return results
+
+    def _window(self, rows: list[_Row], extra: int) -> int | None:
+        """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""
+        return None if self.engine.fixed_shapes else max(row.length for row in rows) + extra
+
+    def _hint_round(self, rows: list[_Row], sample: bool) -> tuple[list[int] | None, int, Tensor | None, Tensor | None]:
+        """Rows following their hints propose the rest of them (eagerly: hints vary in
+        length). Returns, where any row follows its hint, the tokens each row proposed, k,
+        and for sampling the proposals' distributions (all mass on each) and uniforms."""
+        s, e = self.state, self.engine
+        on, shift = hints.follow(s.hint, s.hint_length, s.hint_shift, s.hint_on, s.tokens, s.length, s.sample_begin)
+        s.hint_on.copy_(on & s.live)
+        s.hint_shift.copy_(shift)
+        offset = s.length - s.sample_begin + s.hint_shift  # index in the hint of the first proposal
+        left = torch.where(s.hint_on, s.hint_length - offset, 0)
+        left_list = left.tolist()
+        if not any(left_list[i] > 0 for i, row in enumerate(self.slots) if row is not None):
+            return None, 0, None, None
+        remaining = min(row.limit - row.length for row in rows)
+        k = max(min(max(left_list), remaining - 1), 0)
+        proposed = left.clamp(max=k).tolist()
+        if k == 0:
+            return proposed, 0, None, None
+        steps = torch.arange(k, device=e.device)
+        s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(max=e.capacity - 1)))
+        if not sample:
+            return proposed, k, None, None
+        # A fixed proposal is a draft distribution with all its mass on it.
+        proposals = s.tokens.gather(1, s.length[:, None] + steps)
+        probs = torch.zeros(len(self.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals[:, :, None], 1.0)
+        noise = torch.rand(len(self.slots), 2 * k + 1, device=e.device, generator=self.generator).neg_().add_(1)
+        return proposed, k, probs, noise
+
+    def _propose(self, k: int, width: int, sample: bool, rows: list[_Row]) -> int:
+        """The draft's k proposals, written to tokens[length : length + k]. It first feeds
+        the last `width` kept tokens, ending at the pending one (those it has not cached;
+        a row with fewer re-feeds cached ones, which rewrites the same keys and values).
+        In fitted shapes it stops once every row has proposed end-of-text. Returns how
+        many it proposed."""
+        e, s = self.engine, self.state
+        start = (s.length - width).clamp(min=0)
+        feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
+        last = (s.length - 1 - start)[:, None]
+        ended = torch.zeros_like(s.live)
+        proposed = k
         for i in range(k):
-            logits = draft.runner.forward(feed, start, draft.cache, logits_at=last)[:, 0]
-            position = length + i
-            rules.apply(logits, Prefix.at(tokens, sample_begin, position[:, None], rules.timestamp_begin))
-            if temperature > 0:
-                p = torch.softmax(logits.float() / temperature, -1)
-                proposal = torch.multinomial(p, 1, generator=generator)[:, 0]
-                probs.append(p)
+            logits = e.draft.forward(feed, start, s.draft, logits_at=last, window=self._window(rows, i))[:, 0]
+            position = (s.length + i)[:, None]
+            self.rules.apply(logits, Prefix.at(s.tokens, s.sample_begin, position, self.rules.timestamp_begin))
+            if sample:
+                proposal, probs = sampling.choose(logits, s.temperature, s.noise[:, i])
+                s.draft_probs[:, i].copy_(probs)
             else:
                 proposal = logits.argmax(-1)
-            tokens[arange_rows, position] = proposal
-            ended |= proposal == rules.eot
-            if bool(ended.all()):
-                k = i + 1
-                break
-            start = position
-            feed = proposal[:, None]
-            last = torch.zeros_like(last)
-        return k, torch.stack(probs, 1) if probs else None
+            s.tokens.scatter_(1, position, proposal[:, None])
+            if not e.fixed_shapes:
+                ended |= proposal == self.rules.eot
+                if bool(ended.all()):
+                    proposed = i + 1
+                    break
+            start, feed, last = position[:, 0], proposal[:, None], torch.zeros_like(last)
+        s.draft_cached.copy_(s.length + proposed - 1)
+        return proposed
 
+    def _verify(self, k: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[_Row]) -> None:
+        """The target's pass over k + 1 positions: each live row keeps its longest agreeing
+        prefix plus the target's own next token, cut at end-of-text and at its limit."""
+        e, s, rules = self.engine, self.state, self.rules
+        steps = torch.arange(k + 1, device=e.device)
+        positions = s.length[:, None] + steps  # predicted indices
+        logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=self._window(rows, k))
+        n, width, vocab = logits.shape
+        rules.apply(logits.view(n * width, vocab), Prefix.at(s.tokens, s.sample_begin, positions, rules.timestamp_begin))
+        proposals = s.tokens.gather(1, positions[:, :k])
+        if noise is not None:
+            if draft_probs is None:  # no proposals: k = 0
+                draft_probs = logits.new_zeros(n, 0, vocab, dtype=torch.float32)
+            accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs, noise[:, : 2 * k + 1])
+        else:
+            chosen = logits.argmax(-1)
+            accepted = (proposals == chosen[:, :k]).long().cumprod(1).sum(1)
+        s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
-def _pad_hints(hints: list[list[int]], pad: int, vocab_size: int, device: torch.device) -> tuple[Tensor, Tensor]:
-    """Hints as one [B, H] tensor (padded with `pad`, H >= 1) and their lengths [B]."""
-    if any(not 0 <= t < vocab_size for row in hints for t in row):
-        raise ValueError(f"hint tokens must be token ids below the vocabulary's {vocab_size}")
-    width = max(1, max(map(len, hints)))
-    padded = torch.full((len(hints), width), pad, dtype=torch.long, device=device)
-    for b, row in enumerate(hints):
-        padded[b, : len(row)] = torch.tensor(row, dtype=torch.long)
-    return padded, torch.tensor([len(row) for row in hints], device=device)
+        # Keep accepted + 1 tokens, cut at end-of-text and at the length limit.
+        window = s.tokens.gather(1, positions)
+        is_eot = (window == rules.eot) & (steps < (accepted + 1)[:, None])
+        ends_with_eot = is_eot.any(1)
+        new = torch.where(ends_with_eot, is_eot.long().argmax(1) + 1, accepted + 1)
+        new = torch.minimum(new, s.limit - s.length) * s.live
+        kept = steps < new[:, None]
+        scores = logits.float()
+        logprobs = scores.gather(2, window[:, :, None])[:, :, 0] - scores.logsumexp(-1)
+        s.sum_logprob.add_(torch.where(kept, logprobs, 0.0).sum(1).double())  # -inf * 0 would be NaN
+        eot_kept = ends_with_eot & (is_eot & kept).any(1)
+        s.length.add_(new)
+        s.draft_cached.copy_(torch.minimum(s.draft_cached, s.length - 1))
+        finished = s.live & (eot_kept | (s.length >= s.limit))
+        s.eot.logical_or_(eot_kept)
+        s.live.logical_and_(~finished)
+        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()]))
 
-
-HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the hint there
-
-
-def _follow_hint(
-    hint: Tensor, hint_length: Tensor, shift: Tensor, on: Tensor, tokens: Tensor, length: Tensor, sample_begin: Tensor
-) -> tuple[Tensor, Tensor]:
-    """Which rows propose from their hint this round [B], given which did last round (on
-    [B]) and shift [B] (the hint index of a row's next token minus its count of generated
-    tokens); returns them with the updated shift. A row follows its hint while everything it
-    kept is the hint's: its last kept token is the hint's at that place. Where it departs (a
-    stream's hypothesis changed a word or a timestamp, and goes on as before), the hint
-    resumes where the row's last HINT_REALIGN kept tokens occur in it (the occurrence
-    nearest its place)."""
-    generated = length - sample_begin
-    at = generated + shift
-    width, rows = hint.shape[1], torch.arange(len(length), device=length.device)
-    last = tokens[rows, length - 1]
-    follows = on & ((generated == 0) | ((at >= 1) & (hint[rows, (at - 1).clamp(0, width - 1)] == last)))
-    if width >= HINT_REALIGN:
-        recent = tokens.gather(1, (length[:, None] - HINT_REALIGN + torch.arange(HINT_REALIGN, device=length.device)).clamp(min=0))
-        ends = torch.arange(HINT_REALIGN, width + 1, device=length.device)  # hint index just past each window
-        found = (hint.unfold(1, HINT_REALIGN, 1) == recent[:, None]).all(-1) & (ends <= hint_length[:, None])
-        found &= (generated >= HINT_REALIGN)[:, None]
-        nearest = torch.where(found, (ends - at[:, None]).abs(), width + 1).argmin(1)
-        realign = ~follows & found.any(1)
-        shift = torch.where(realign, ends[nearest] - generated, shift)
-        follows |= realign
-    return follows & (generated + shift < hint_length), shift
-
-
-def _rejection_sample(
-    logits: Tensor, draft_probs: Tensor | None, proposals: Tensor, temperature: float, generator: torch.Generator | None
-) -> tuple[Tensor, Tensor]:
-    """Accepts proposal j with probability min(1, p_j / q_j); at the first rejection draws
-    from normalise(max(p - q, 0)), and after k acceptances from p_k. Returns the accepted
-    count [B] and the chosen token at every position [B, k+1] (only index `accepted` of
-    which is used)."""
-    live, width, _ = logits.shape
-    k = width - 1
-    target_probs = torch.softmax(logits.float() / temperature, -1)
-    if k == 0:
-        accepted = torch.zeros(live, dtype=torch.long, device=logits.device)
-        return accepted, torch.multinomial(target_probs[:, 0], 1, generator=generator)
-    index = proposals[:, :, None]
-    p = target_probs[:, :k].gather(2, index)[:, :, 0]
-    q = draft_probs.gather(2, index)[:, :, 0]
-    u = torch.rand(live, k, generator=generator, device=logits.device)
-    accepted = (u * q < p).long().cumprod(1).sum(1)
-    residual = target_probs.clone()
-    residual[:, :k] = (target_probs[:, :k] - draft_probs).clamp(min=0)
-    mass = residual.sum(-1, keepdim=True)
-    # p == q exactly leaves no residual mass; then the target's own distribution is exact.
-    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), target_probs)
-    chosen = torch.multinomial(residual.view(live * width, -1), 1, generator=generator).view(live, width)
-    return accepted, chosen

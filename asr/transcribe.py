@@ -17,10 +17,10 @@ from torch import Tensor
 
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
-from asr.graphs import StaticDecoder
+from asr.draft_length import DraftLength
 from asr.models import ModelPair
 from asr.rules import DecodingRules
-from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder
+from asr.speculative import DecodeStats, Sequence, Window
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -42,9 +42,7 @@ class TranscribeOptions:
     num_draft_tokens: int | None = None  # None: adaptive
     max_draft_tokens: int = 8
     seed: int = 0
-    # Greedy decoding in fixed shapes captured as CUDA graphs (asr/graphs.py). Off by default
-    # until it has been run and measured on a GPU (it is tested on CPU only so far).
-    cuda_graphs: bool = False
+    cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
 
 
 @dataclass(frozen=True)
@@ -113,6 +111,9 @@ class _Job:
     segments: list[Segment] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # text tokens that condition the next window
     hint: list[int] = field(default_factory=list)  # tokens the window is expected to give: its first draft
+    encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
+    draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
+    attempt: int = 0  # index of the current window's temperature in the options' temperatures
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
@@ -129,14 +130,10 @@ class Transcriber:
         self.batch_size = batch_size
         target = models.target
         self.vocab = target.vocab
-        self._target_runner = target.runner
-        self._draft_runner = models.draft.runner if models.draft is not None else None
         self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
-        # On a GPU, greedy decoding without hints runs in fixed shapes, as CUDA graphs (asr/graphs.py).
-        self._static = None
-        if target.device.type == "cuda" and options.cuda_graphs:
-            self._static = StaticDecoder(self._target_runner, self._draft_runner if self.speculative else None,
-                                         max_draft_tokens=self._draft_length.maximum)
+        # One engine per model pair and configuration: its batch states and CUDA graphs outlive this Transcriber.
+        self.engine = models.engine(self.speculative, self._draft_length.maximum, options.cuda_graphs)
+        self._rules: dict[bool, DecodingRules] = {}
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
         if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
@@ -146,19 +143,23 @@ class Transcriber:
 
     @property
     def speculative(self) -> bool:
-        return self.options.speculative and self._draft_runner is not None
+        return self.options.speculative and self.models.draft is not None
 
     def rules(self, timestamps: bool) -> DecodingRules:
-        target = self.models.target
-        return DecodingRules(
-            vocab_size=target.config.vocab_size,
-            eot=self.vocab.eot,
-            no_timestamps=self.vocab.no_timestamps,
-            suppress=target.suppress + self.vocab.non_speech_specials(),
-            begin_suppress=target.begin_suppress,
-            timestamps=timestamps,
-            device=target.device,
-        )
+        """Whisper's decoding rules for this target (one instance per setting: graphs captured
+        on a GPU hold its tensors)."""
+        if timestamps not in self._rules:
+            target = self.models.target
+            self._rules[timestamps] = DecodingRules(
+                vocab_size=target.config.vocab_size,
+                eot=self.vocab.eot,
+                no_timestamps=self.vocab.no_timestamps,
+                suppress=target.suppress + self.vocab.non_speech_specials(),
+                begin_suppress=target.begin_suppress,
+                timestamps=timestamps,
+                device=target.device,
+            )
+        return self._rules[timestamps]
 
     def transcribe(self, audio: str | Path | np.ndarray, name: str | None = None) -> Transcript:
         item = AudioInput(name or "audio", audio) if isinstance(audio, np.ndarray) else self.read(audio, name)
@@ -175,19 +176,30 @@ class Transcriber:
         return AudioInput(name or str(path), mel)
 
     def transcribe_many(self, inputs: Iterable[AudioInput]) -> Iterator[Transcript]:
-        """Yields each recording's transcript as soon as its last window is decoded."""
+        """Yields each recording's transcript as soon as its last window is decoded. Up to
+        batch_size recordings decode together, one window each; a row whose window is done
+        takes the recording's next window, or the next recording, at once."""
         pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
-        active: list[_Job] = []
-        rules = self.rules(timestamps=not self.options.without_timestamps)
-        while True:
-            while len(active) < self.batch_size and (item := next(pending, None)) is not None:
-                active.append(self._start(item))
-            if not active:
-                return
-            self._step(active, rules)
-            for job in [j for j in active if j.seek >= j.frames]:
-                active.remove(job)
-                yield Transcript(job.audio.name, job.segments, job.info)
+        decoding = _Decoding(self, self.batch_size)
+        active, ready = 0, []
+        try:
+            while True:
+                while active < self.batch_size and (item := next(pending, None)) is not None:
+                    ready.append(self._start(item))
+                    active += 1
+                decoding.submit(ready)
+                if not decoding.busy:
+                    return
+                ready = []
+                for job, sequence, temperature in decoding.step():
+                    self._advance(job, sequence, temperature)
+                    if job.seek < job.frames:
+                        ready.append(job)
+                        continue
+                    active -= 1
+                    yield Transcript(job.audio.name, job.segments, job.info)
+        finally:
+            decoding.close()
 
     def transcribe_window(
         self,
@@ -200,7 +212,7 @@ class Transcriber:
     ) -> WindowResult:
         """Decodes at most 30 s of audio as one window, as transcribe decodes each of its
         windows (language detection when none is given, temperature fallback), conditioned on
-        the text tokens `context` and with `hint` as the first draft (SpeculativeDecoder.decode):
+        the text tokens `context` and with `hint` as the first draft (asr/hints.py):
         how a stream re-transcribes its buffer. encoder_frames: encode only the window's first
         frames (an even number; WhisperModel.encode) rather than all 3000. max_new_tokens: a
         lower limit than the options'."""
@@ -210,9 +222,15 @@ class Transcriber:
         if language is not None:
             job.language = job.info.language = language
         job.context, job.hint = list(context), list(hint or [])
-        rules = self.rules(timestamps=not self.options.without_timestamps)
-        [(sequence, temperature)] = self._decode([job], rules, encoder_frames, max_new_tokens)
-        return WindowResult(sequence.tokens, job.info.language, temperature, self._silent(sequence), job.info)
+        decoding = _Decoding(self, 1, encoder_frames, max_new_tokens)
+        try:
+            decoding.submit([job])
+            while decoding.busy:
+                for _, sequence, temperature in decoding.step():
+                    return WindowResult(sequence.tokens, job.info.language, temperature, self._silent(sequence), job.info)
+        finally:
+            decoding.close()
+        raise RuntimeError("the window was not decoded")  # unreachable: a submitted row always finishes
 
     def _start(self, audio: AudioInput) -> _Job:
         target = self.models.target
@@ -229,93 +247,19 @@ class Transcriber:
         )
         return _Job(audio, mel, frames, info, language=info.language or None)
 
-    def _step(self, jobs: list[_Job], rules: DecodingRules) -> None:
-        """Decodes the current window of every job together and advances each seek."""
-        for job, (sequence, temperature) in zip(jobs, self._decode(jobs, rules)):
-            self._advance(job, sequence, temperature)
-
-    def _decode(
-        self, jobs: list[_Job], rules: DecodingRules, encoder_frames: int | None = None, max_new_tokens: int | None = None
-    ) -> list[tuple[Sequence, float]]:
-        """Decodes the current window of every job together, adding to each job's info."""
-        target, draft = self.models.target, self.models.draft
-        features = torch.stack([job.window()[:, :encoder_frames].to(target.device) for job in jobs])
-        started = time.perf_counter()
-        encoded = target.encode(features)
-        draft_encoded = draft.encode(features) if self.speculative and self.models.draft_has_own_encoder else None
-        encoder_seconds = time.perf_counter() - started
-        started = time.perf_counter()
-        undetected = [i for i, job in enumerate(jobs) if job.language is None]
-        if undetected:
-            for i, (language, probability) in zip(undetected, self.detect_language(encoded[undetected])):
-                jobs[i].language = jobs[i].info.language = language
-                jobs[i].info.language_probability = probability
-        results = self._decode_with_fallback(jobs, encoded, draft_encoded, rules, max_new_tokens)
-        decoder_seconds = time.perf_counter() - started
-        passes = sum(seq.stats.target_passes for seq, _ in results) or 1
-        for job, (sequence, temperature) in zip(jobs, results):
-            job.info.encoder_seconds += encoder_seconds / len(jobs)
-            job.info.decoder_seconds += decoder_seconds * sequence.stats.target_passes / passes
-            job.info.stats.add(sequence.stats)
-            job.info.windows += 1
-        return results
-
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> list[tuple[str, float]]:
         """Whisper's language guess: the target's distribution over language tokens after
         <|startoftranscript|>."""
-        cache = self._target_runner.new_cache(encoded, capacity=1)
+        runner = self.models.target.runner
+        cache = runner.new_cache(encoded, capacity=1)
         sot = torch.full((encoded.shape[0], 1), self.vocab.sot, device=encoded.device)
-        logits = self._target_runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
+        logits = runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
         codes = list(self.vocab.languages)
         ids = torch.tensor([self.vocab.languages[c] for c in codes], device=encoded.device)
         probs = logits[:, ids].float().softmax(-1)
         best = probs.argmax(-1).tolist()
         return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)]
-
-    def _decode_with_fallback(
-        self, jobs: list[_Job], encoded: Tensor, draft_encoded: Tensor | None, rules: DecodingRules,
-        max_new_tokens: int | None = None,
-    ) -> list[tuple[Sequence, float]]:
-        """Whisper's temperature fallback: rows whose output looks like a loop (high
-        compression ratio) or is unlikely (low average log-probability) are decoded again,
-        together, at the next temperature, unless the window is judged silent."""
-        options = self.options
-        decoder = SpeculativeDecoder(self._target_runner, self._draft_runner if self.speculative else None)
-        generator = torch.Generator(device=encoded.device).manual_seed(options.seed)
-        results: list[tuple[Sequence, float] | None] = [None] * len(jobs)
-        todo = list(range(len(jobs)))
-        for attempt, temperature in enumerate(options.temperatures):
-            prompts, sot_index = zip(*(self._prompt(jobs[i], temperature) for i in todo))
-            max_new = min(max_new_tokens or options.max_new_tokens, options.max_new_tokens,
-                          self._target_runner.max_positions - 1 - max(map(len, prompts)))
-            hints = [jobs[i].hint for i in todo]
-            static = self._static is not None and temperature == 0 and not any(hints)
-            sequences = (self._static if static else decoder).decode(
-                encoded[todo],
-                list(prompts),
-                rules,
-                sot_index=list(sot_index),
-                no_speech_token=self.vocab.no_speech,
-                draft_encoder_output=draft_encoded[todo] if draft_encoded is not None else None,
-                max_new_tokens=max_new,
-                temperature=temperature,
-                draft_length=self._draft_length,
-                generator=generator,
-                hints=hints,
-            )
-            last = attempt == len(options.temperatures) - 1
-            retry = []
-            for i, sequence in zip(todo, sequences):
-                if results[i] is not None:  # keep the stats of earlier attempts
-                    sequence.stats.add(results[i][0].stats)
-                results[i] = (sequence, temperature)
-                if not last and self._needs_fallback(sequence):
-                    retry.append(i)
-            todo = retry
-            if not todo:
-                break
-        return results  # type: ignore[return-value]
 
     def _needs_fallback(self, sequence: Sequence) -> bool:
         options = self.options
@@ -332,7 +276,7 @@ class Transcriber:
         vocab = self.vocab
         previous: list[int] = []
         if job.context and self.options.condition_on_previous_text and temperature <= 0.5:
-            previous = [vocab.sot_prev] + job.context[-(self._target_runner.max_positions // 2 - 1) :]
+            previous = [vocab.sot_prev] + job.context[-(self.engine.max_positions // 2 - 1) :]
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
             prompt.append(vocab.no_timestamps)
@@ -401,6 +345,87 @@ class Transcriber:
             )
         text_tokens = [t for t in tokens if t < self.vocab.eot]
         job.context = [] if temperature > 0.5 else job.context + text_tokens
+
+
+class _Decoding:
+    """The windows being decoded: the current window of each job is a row of one engine
+    batch. A decoded row is judged as Whisper judges it (temperature fallback): decoded again,
+    at the next temperature, or handed back."""
+
+    def __init__(self, transcriber: Transcriber, rows: int, encoder_frames: int | None = None,
+                 max_new_tokens: int | None = None):
+        self.transcriber = transcriber
+        options, target = transcriber.options, transcriber.models.target
+        generator = torch.Generator(device=target.device).manual_seed(options.seed)
+        self.batch = transcriber.engine.batch(
+            transcriber.rules(timestamps=not options.without_timestamps), rows=rows,
+            no_speech_token=transcriber.vocab.no_speech, draft_length=transcriber._draft_length, generator=generator)
+        self.encoder_frames = encoder_frames
+        self.max_new_tokens = min(max_new_tokens or options.max_new_tokens, options.max_new_tokens)
+        self.jobs: dict[int, _Job] = {}  # by the batch's row tag
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.jobs)
+
+    def close(self) -> None:
+        self.batch.close()
+
+    def submit(self, jobs: list[_Job]) -> None:
+        """Encodes the current window of each job and starts decoding it, at the first temperature."""
+        if not jobs:
+            return
+        t = self.transcriber
+        target, draft = t.models.target, t.models.draft
+        features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
+        started = time.perf_counter()
+        encoded = target.encode(features)
+        draft_encoded = draft.encode(features) if t.speculative and t.models.draft_has_own_encoder else None
+        encoder_seconds = (time.perf_counter() - started) / len(jobs)
+        started = time.perf_counter()
+        undetected = [i for i, job in enumerate(jobs) if job.language is None]
+        if undetected:
+            for i, (language, probability) in zip(undetected, t.detect_language(encoded[undetected])):
+                jobs[i].language = jobs[i].info.language = language
+                jobs[i].info.language_probability = probability
+        detection_seconds = (time.perf_counter() - started) / len(jobs)
+        for i, job in enumerate(jobs):
+            job.info.encoder_seconds += encoder_seconds
+            job.info.decoder_seconds += detection_seconds
+            job.encoded = encoded[i]
+            job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
+            job.attempt = 0
+        self._add(jobs)
+
+    def _add(self, jobs: list[_Job]) -> None:
+        t = self.transcriber
+        windows = []
+        for job in jobs:
+            temperature = t.options.temperatures[job.attempt]
+            prompt, sot_index = t._prompt(job, temperature)
+            max_new = min(self.max_new_tokens, t.engine.max_positions - 1 - len(prompt))
+            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, job.hint, job.draft_encoded))
+        for job, tag in zip(jobs, self.batch.add(windows)):
+            self.jobs[tag] = job
+
+    def step(self) -> list[tuple[_Job, Sequence, float]]:
+        """One round; returns each window that is done: its job, result and temperature."""
+        t = self.transcriber
+        temperatures = t.options.temperatures
+        done, again = [], []
+        for tag, sequence in self.batch.step():
+            job = self.jobs.pop(tag)
+            job.info.decoder_seconds += sequence.seconds
+            job.info.stats.add(sequence.stats)  # every attempt's
+            if job.attempt + 1 < len(temperatures) and t._needs_fallback(sequence):
+                job.attempt += 1
+                again.append(job)
+                continue
+            job.info.windows += 1
+            done.append((job, sequence, temperatures[job.attempt]))
+        if again:
+            self._add(again)
+        return done
 
 
 def compression_ratio(text: str) -> float:

@@ -31,7 +31,8 @@ from asr.audio import load_audio
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest
 from asr.models import PRESETS, WhisperModel, load_pair
-from asr.speculative import DecodeStats, DraftLength, SpeculativeDecoder
+from asr.draft_length import DraftLength
+from asr.speculative import DecodeStats, SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
 
 DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "eval" / "dev"

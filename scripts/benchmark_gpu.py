@@ -2,7 +2,7 @@
 the dev clips, each next to its physical floor.
 
     python scripts/benchmark_gpu.py                                   # CUDA, float16, large-v3 geometry
-    python scripts/benchmark_gpu.py --measure-bandwidth --batch-sizes 1,4,16 --out out/gpu
+    python scripts/benchmark_gpu.py --measure-bandwidth --profile --batch-sizes 1,4,16 --out out/gpu
     python scripts/benchmark_gpu.py --device cpu --geometry tiny --batch-sizes 1,2   # seconds, on CPU
 
 Section 1, large-v3 geometry (openai/whisper-large-v3's config: d_model 1280, 32 encoder and
@@ -11,15 +11,18 @@ source positions) and a 2-layer draft of the same width reading the target's enc
 distil-large-v3 does), both with RANDOM weights (nothing is downloaded). Random models say
 end-of-text at once or never, so end-of-text is suppressed and every row decodes exactly
 --max-new-tokens tokens: per-token figures then mean something, transcripts do not. Methods:
-transformers' `generate` (target only), ours target-only (the loop of asr/speculative.py, and
-the fixed-shape path of asr/graphs.py: CUDA graphs on a GPU), and ours speculative with an
-ORACLE draft at each --acceptance: its proposals are the target's own greedy tokens with
-errors injected at rate 1 - acceptance per token (asr/oracle.py), while the draft model still
-runs all its forward passes, so a round costs what it would with a real draft of that size.
+transformers' `generate` (target only), our engine (asr/speculative.py) target-only with its
+steps run eagerly and as CUDA graphs (on a GPU; the product's default), and ours speculative
+with an ORACLE draft at each --acceptance: its proposals are the target's own greedy tokens
+with errors injected at rate 1 - acceptance per token (asr/oracle.py), while the draft model
+still runs all its forward passes, so a round costs what it would with a real draft of that size.
 
 Section 2, the real packaged pair (--real-target, --real-draft: the embedded preset) on the
 short dev clips (one 30 s window each, greedy with timestamps, natural end-of-text), with
-the draft's real acceptance.
+the draft's real acceptance, at fixed k and with the adaptive length.
+
+--profile runs each method once more under torch.profiler and adds its kernels per token
+and their GPU time per token (on a CPU: operators per token and their time).
 
 The floor of each row is the time to read, at --bandwidth-gbs (default: H100 SXM's 3,350
 GB/s; --measure-bandwidth times a large device copy instead), the bytes its decoder steps
@@ -55,10 +58,10 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
 
 from asr.decoder import DecoderRunner  # noqa: E402
-from asr.graphs import StaticDecoder  # noqa: E402
-from asr.oracle import acceptance_from_tokens_per_pass, oracle_proposals  # noqa: E402
+from asr.draft_length import DraftLength  # noqa: E402
+from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_proposals, oracle_table  # noqa: E402
 from asr.rules import DecodingRules  # noqa: E402
-from asr.speculative import DecodeStats, DraftLength, Sequence, SpeculativeDecoder  # noqa: E402
+from asr.speculative import DecodeStats, Sequence, SpeculativeDecoder  # noqa: E402
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 H100_SXM_GBS = 3350.0
@@ -66,6 +69,8 @@ DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch
 
 # Special tokens of the 51,866-token vocabulary of large-v3.
 EOT, SOT, EN, TRANSCRIBE, NO_TIMESTAMPS = 50257, 50258, 50259, 50360, 50364
+GENERATE = "transformers generate"
+TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU; the reference for "identical"
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,8 @@ class Row:
     alpha: float | None = None  # per-token acceptance, from tokens per target pass
     tokens_per_pass: float | None = None
     oracle_alpha: float | None = None
+    kernels_per_token: float | None = None  # --profile: kernels (on a CPU, operators) per token
+    kernel_ms_per_token: float | None = None  # --profile: their summed time per token
 
     @property
     def ms_per_token(self) -> float:
@@ -142,7 +149,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, after one untimed (median)")
     parser.add_argument("--bandwidth-gbs", type=float, default=H100_SXM_GBS)
     parser.add_argument("--measure-bandwidth", action="store_true", help="time a large device copy instead")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="run asr/graphs.py's steps eagerly")
+    parser.add_argument("--fixed-shapes", action="store_true", help="on a CPU too, decode in the fixed shapes a GPU uses")
+    parser.add_argument("--profile", action="store_true", help="count kernels and their time per token (torch.profiler)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -156,27 +164,27 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    graphs = device.type == "cuda" and not args.no_cuda_graphs
+    graphs = device.type == "cuda"
     bandwidth = measure_bandwidth(device) if args.measure_bandwidth else args.bandwidth_gbs * 1e9
-    static_name = "ours target-only, fixed shapes" + (" + CUDA graphs" if graphs else "")
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     header = [
         f"{name}, {str(dtype).removeprefix('torch.')}, torch {torch.__version__}, "
         f"bandwidth {bandwidth / 1e9:.0f} GB/s ({'measured' if args.measure_bandwidth else 'given'}), "
-        f"CUDA graphs {'on' if graphs else 'off'}, k = {args.num_draft_tokens}.",
+        f"CUDA graphs {'on' if graphs else 'off (no GPU)'} for '{TARGET_ONLY}' and the speculative rows, "
+        f"k = {args.num_draft_tokens} where fixed.",
         f"Section 1: {args.geometry} geometry with RANDOM weights; end-of-text suppressed, so every row decodes "
         f"exactly {args.max_new_tokens} tokens. 'oracle' rows: the draft model runs all its passes, but its "
         "proposals are replaced by the target's own greedy tokens with errors injected at rate 1 - alpha per token.",
     ]
     print("\n".join(header), flush=True)
     torch.manual_seed(args.seed)
-    rows = random_section(args, device, dtype, batch_sizes, graphs, bandwidth, static_name)
+    rows = random_section(args, device, dtype, batch_sizes, bandwidth)
     if not args.no_real:
         if (args.dev / "manifest.tsv").is_file():
             header.append(f"Section 2: {args.real_target} + {args.real_draft} on the short clips of {args.dev} "
                           "(greedy, timestamps, natural end-of-text).")
             print(header[-1], flush=True)
-            rows += real_section(args, device, dtype, batch_sizes, graphs, bandwidth, static_name)
+            rows += real_section(args, device, dtype, batch_sizes, bandwidth)
         else:
             print(f"Section 2 skipped: no {args.dev / 'manifest.tsv'}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -188,8 +196,19 @@ def main() -> None:
     print(f"\nwrote {args.out}/benchmark_gpu.md, .json, .png")
 
 
+def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., SpeculativeDecoder]:
+    """Our engine as the product builds it on this device (fixed shapes and CUDA graphs on a
+    GPU), or with graphs=False its steps run eagerly."""
+    fixed = device.type == "cuda" or args.fixed_shapes
+
+    def build(target: DecoderRunner, draft=None, graphs: bool = True) -> SpeculativeDecoder:
+        return SpeculativeDecoder(target, draft, max_draft_tokens=max(args.num_draft_tokens, 8), fixed_shapes=fixed,
+                                  cuda_graphs=graphs)
+    return build
+
+
 def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
-                   graphs: bool, bandwidth: float, static_name: str) -> list[Row]:
+                   bandwidth: float) -> list[Row]:
     geometry = GEOMETRIES[args.geometry]
     target, draft = random_pair(geometry, device, dtype)
     target_runner = DecoderRunner(target.model.decoder, target.proj_out.weight)
@@ -200,8 +219,7 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
     prompt = [SOT, EN, TRANSCRIBE, NO_TIMESTAMPS]
     max_new = args.max_new_tokens
     k = args.num_draft_tokens
-    static_target = StaticDecoder(target_runner, cuda_graphs=graphs)
-    static_pair = StaticDecoder(target_runner, draft_runner, max_draft_tokens=k, cuda_graphs=graphs)
+    engine = engines(args, device)
     element = torch.finfo(dtype).bits // 8
     context = len(prompt) + max_new / 2
     rows: list[Row] = []
@@ -213,30 +231,32 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
         target_bytes = step_bytes(target_runner, batch, context, frames, element)
         draft_bytes = step_bytes(draft_runner, batch, context, frames, element)
 
-        def ours(decoder, **options) -> Callable[[], Decoded]:
+        def ours(decoder: SpeculativeDecoder, **options) -> Callable[[], Decoded]:
             def run() -> Decoded:
                 sequences = decoder.decode(encoded, [prompt] * batch, rules, max_new_tokens=max_new, **options)
                 return decoded(sequences)
             return run
 
+        target_only = engine(target_runner)  # one engine per batch size: its states go with it
         methods: list[Method] = [
-            ("transformers generate", lambda: Decoded(transformers_generate(
-                target, encoded, prompt, suppress, [220], None, max_new), None), None),
-            ("ours target-only", ours(SpeculativeDecoder(target_runner)), None),
-            (static_name, ours(static_target), None),
+            (GENERATE, lambda: Decoded(transformers_generate(target, encoded, prompt, suppress, [220], None, max_new), None),
+             None),
+            (f"{TARGET_ONLY}, eager", ours(engine(target_runner, graphs=False)), None),
+            (TARGET_ONLY, ours(target_only), None),
         ]
-        reference = ours(static_target)().tokens  # the oracle's right answers (the path it runs on)
+        reference = ours(target_only)().tokens  # the oracle's right answers
         for alpha in [float(a) for a in args.acceptance.split(",")]:
             proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
-            method = f"ours speculative, oracle alpha={alpha:g}" + (" + CUDA graphs" if graphs else ", fixed shapes")
-            methods.append((method, ours(static_pair, draft_length=DraftLength(fixed=k), oracle=proposals), alpha))
-        rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args.repeats, device,
+            table = oracle_table(proposals, [len(prompt)] * batch, target_only.rows_for(batch), target_only.capacity, device)
+            oracle = engine(target_runner, OracleDraft(draft_runner, table))
+            methods.append((f"ours speculative, oracle alpha={alpha:g}", ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
+        rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
                         target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False)
     return rows
 
 
 def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
-                 graphs: bool, bandwidth: float, static_name: str) -> list[Row]:
+                 bandwidth: float) -> list[Row]:
     from asr.audio import load_audio
     from asr.features import WINDOW_FRAMES, log_mel
     from asr.models import load_pair
@@ -250,8 +270,7 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     clips = short_clips(args.dev / "manifest.tsv")[: args.real_clips]
     windows = [log_mel(load_audio(path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for path in clips]
     k = args.num_draft_tokens
-    static_target = StaticDecoder(target.runner, cuda_graphs=graphs)
-    static_pair = StaticDecoder(target.runner, draft.runner, max_draft_tokens=k, cuda_graphs=graphs)
+    engine = engines(args, device)
     element = torch.finfo(dtype).bits // 8
     section = f"{args.real_target} + {args.real_draft}, {len(clips)} dev clips"
     rows: list[Row] = []
@@ -260,12 +279,12 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         with torch.inference_mode():
             encoded = [target.encode(chunk) for chunk in chunks]
 
-        def ours(decoder, **options) -> Callable[[], Decoded]:
+        def ours(decoder: SpeculativeDecoder, draft_length: Callable[[], DraftLength | None] = lambda: None) -> Callable[[], Decoded]:
             def run() -> Decoded:
-                results = []
+                results, length = [], draft_length()  # the adaptive length learns across a run's windows
                 for e in encoded:
                     results += decoder.decode(e, [prompt] * len(e), rules, max_new_tokens=max_new,
-                                              no_speech_token=target.vocab.no_speech, **options)
+                                              no_speech_token=target.vocab.no_speech, draft_length=length)
                 return decoded(results)
             return run
 
@@ -276,45 +295,49 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
                                                 target.vocab.no_timestamps, max_new)
             return Decoded(tokens, None)
 
-        fixed = DraftLength(fixed=k)
+        speculative = engine(target.runner, draft.runner)
         methods: list[Method] = [
-            ("transformers generate", generate, None),
-            ("ours target-only", ours(SpeculativeDecoder(target.runner)), None),
-            ("ours speculative", ours(SpeculativeDecoder(target.runner, draft.runner), draft_length=fixed), None),
-            (static_name, ours(static_target), None),
-            ("ours speculative, fixed shapes" + (" + CUDA graphs" if graphs else ""), ours(static_pair, draft_length=fixed), None),
+            (GENERATE, generate, None),
+            (f"{TARGET_ONLY}, eager", ours(engine(target.runner, graphs=False)), None),
+            (TARGET_ONLY, ours(engine(target.runner)), None),
+            (f"ours speculative, k = {k}", ours(speculative, lambda: DraftLength(fixed=k)), None),
+            ("ours speculative, adaptive k", ours(speculative, lambda: DraftLength()), None),
         ]
-        lengths = [len(t) for t in ours(SpeculativeDecoder(target.runner))().tokens]
+        lengths = [len(t) for t in ours(engine(target.runner))().tokens]
         frames = encoded[0].shape[1]
         context = len(prompt) + statistics.mean(lengths) / 2
         # Floors per batch of `batch` rows; every chunk but the last is full.
         target_bytes = step_bytes(target.runner, batch, context, frames, element)
         draft_bytes = step_bytes(draft.runner, batch, context, frames, element)
-        rows += measure(section, batch, methods, args.repeats, device, target_bytes, draft_bytes, k, bandwidth,
+        rows += measure(section, batch, methods, args, device, target_bytes, draft_bytes, k, bandwidth,
                         ends_with_eot=True, chunks=[len(e) for e in encoded])
     return rows
 
 
-def measure(section: str, batch: int, methods: list[Method], repeats: int, device: torch.device, target_bytes: int,
-            draft_bytes: int, k: int, bandwidth: float, ends_with_eot: bool, chunks: list[int] | None = None) -> list[Row]:
-    """Times every method (one untimed run first: warm-up, graph capture), taking turns so
-    that the machine's drift is shared, and returns their rows. ends_with_eot: every row
-    kept an end-of-text (not in its tokens) besides its tokens; chunks: rows per decode call."""
+def measure(section: str, batch: int, methods: list[Method], args: argparse.Namespace, device: torch.device,
+            target_bytes: int, draft_bytes: int, k: int, bandwidth: float, ends_with_eot: bool,
+            chunks: list[int] | None = None) -> list[Row]:
+    """Times every method (one untimed run first: warm-up; two for graph capture, which
+    happens on a step's second use), taking turns so that the machine's drift is shared,
+    and returns their rows. ends_with_eot: every row kept an end-of-text (not in its tokens)
+    besides its tokens; chunks: rows per decode call."""
     runs: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     results: dict[str, Decoded] = {}
-    for repeat in range(repeats + 1):
+    warm_ups = 2
+    for repeat in range(args.repeats + warm_ups):
         for name, run, _ in methods:
             synchronize(device)
             began = time.perf_counter()
             results[name] = run()
             synchronize(device)
-            if repeat:
+            if repeat >= warm_ups:
                 runs[name].append(time.perf_counter() - began)
+    profiles = {name: profile(run, device) for name, run, _ in methods} if args.profile else {}
     chunks = chunks or [batch]
     # A caller waits, per chunk, for its longest row; a step reads the weights once per chunk.
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
     eot = int(ends_with_eot)
-    reference = results["ours target-only"].tokens
+    reference = results[TARGET_ONLY].tokens
     rows = []
     for name, _, oracle_alpha in methods:
         out = results[name]
@@ -329,11 +352,32 @@ def measure(section: str, batch: int, methods: list[Method], repeats: int, devic
                          tokens_per_pass=per_pass, oracle_alpha=oracle_alpha)
         else:
             floor, extra = steps * target_bytes / bandwidth, {}
+        if name in profiles:
+            kernels, kernel_seconds = profiles[name]
+            extra.update(kernels_per_token=kernels / steps, kernel_ms_per_token=1000 * kernel_seconds / steps)
         rows.append(Row(section, batch, name, statistics.median(runs[name]), steps, tokens, floor,
                         out.tokens == reference, **extra))
+        kernels = f", {rows[-1].kernels_per_token:.0f} kernels / token" if name in profiles else ""
         print(f"  {section} | batch {batch} | {name}: {rows[-1].ms_per_token:.2f} ms/token "
-              f"(floor {rows[-1].floor_ms_per_token:.3f})", flush=True)
+              f"(floor {rows[-1].floor_ms_per_token:.3f}{kernels})", flush=True)
     return rows
+
+
+def profile(run: Callable[[], Decoded], device: torch.device) -> tuple[int, float]:
+    """Kernels launched by one run and their summed time (on a CPU: top-level operators)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with torch.profiler.profile(activities=activities) as profiler:
+        run()
+        synchronize(device)
+    events = profiler.events()
+    if device.type == "cuda":
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    else:
+        kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
+    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e6
 
 
 def random_pair(geometry: Geometry, device: torch.device, dtype: torch.dtype) -> tuple[WhisperForConditionalGeneration, WhisperForCausalLM]:
@@ -433,21 +477,22 @@ def short_clips(manifest: Path) -> list[Path]:
 
 def markdown(rows: list[Row]) -> str:
     lines = ["| section | batch | method | ms / token | tokens / s | floor ms / token | floor / measured "
-             "| vs transformers | vs ours target-only | accepted / proposed | alpha | tokens / target pass "
-             "| same tokens as ours target-only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| kernels / token | kernel ms / token | vs transformers | vs ours target-only | accepted / proposed "
+             "| alpha | tokens / target pass | same tokens as ours target-only |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else format(value, pattern)
 
     for row in rows:
         group = [r for r in rows if r.section == row.section and r.batch == row.batch]
-        generate = next(r for r in group if r.method == "transformers generate")
-        ours = next(r for r in group if r.method == "ours target-only")
+        generate = next(r for r in group if r.method == GENERATE)
+        ours = next(r for r in group if r.method == TARGET_ONLY)
         alpha = fmt(row.alpha, ".2f") + (f" (oracle {row.oracle_alpha:g})" if row.oracle_alpha is not None else "")
         lines.append(
             f"| {row.section} | {row.batch} | {row.method} | {row.ms_per_token:.2f} | {row.tokens_per_second:.0f} "
-            f"| {row.floor_ms_per_token:.3f} | {row.floor_seconds / row.seconds:.0%} | {generate.seconds / row.seconds:.2f}x "
+            f"| {row.floor_ms_per_token:.3f} | {row.floor_seconds / row.seconds:.0%} | {fmt(row.kernels_per_token, '.0f')} "
+            f"| {fmt(row.kernel_ms_per_token, '.3f')} | {generate.seconds / row.seconds:.2f}x "
             f"| {ours.seconds / row.seconds:.2f}x | {fmt(row.acceptance, '.0%')} | {alpha} | {fmt(row.tokens_per_pass, '.2f')} "
             f"| {'yes' if row.identical else 'NO'} |")
     return "\n".join(lines)

@@ -1,5 +1,8 @@
 """Tiny Whisper models with random weights, built so their logits are well separated
-(random tiny models are otherwise full of near-ties), plus paths to real data."""
+(random tiny models are otherwise full of near-ties), plus paths to real data.
+
+Importing this needs torch and transformers only (a GPU machine without the audio
+extras or the packaged weights runs the GPU tests); what needs more skips, saying why."""
 
 from __future__ import annotations
 
@@ -20,7 +23,6 @@ from asr.models import packaged_directory
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 SAMPLES = REPO / "samples"
-TOKENIZER = packaged_directory("whisper-base")[0] / "tokenizer.json"
 
 EOT, SOT, EN, TRANSCRIBE, NO_TIMESTAMPS = 50257, 50258, 50259, 50359, 50363
 # Control tokens never worth emitting (what the pipeline suppresses too).
@@ -130,16 +132,30 @@ def generation_config(timestamps: bool, max_new_tokens: int) -> GenerationConfig
     )
 
 
+def packaged_weights() -> Path:
+    """The packaged whisper-base directory; skips the calling test where it is not installed."""
+    try:
+        return packaged_directory("whisper-base")[0]
+    except FileNotFoundError as error:
+        pytest.skip(f"the packaged weights are not installed: {error}")
+
+
 def save_tiny(model: torch.nn.Module, directory: Path, timestamps: bool = True) -> Path:
-    """The layout of a hub repo or save_pretrained: weights, config, generation config, tokenizer."""
+    """The layout of a hub repo or save_pretrained: weights, config, generation config,
+    tokenizer (whisper-base's, from the packaged weights)."""
+    tokenizer = packaged_weights() / "tokenizer.json"
     model.save_pretrained(directory)
     generation_config(timestamps, 40).save_pretrained(directory)
-    shutil.copy(TOKENIZER, directory / "tokenizer.json")
+    shutil.copy(tokenizer, directory / "tokenizer.json")
     return directory
 
 
 @pytest.fixture(scope="session")
 def dev_clips() -> list[Path]:
+    if not (DEV / "en_short").is_dir():
+        pytest.skip(f"no dev recordings at {DEV}")
+    for module in ("soundfile", "soxr"):
+        pytest.importorskip(module, reason=f"reading the dev recordings needs {module} (the audio extras)")
     clips = sorted((DEV / "en_short").iterdir())
     assert clips, f"no dev clips under {DEV}"
     return clips

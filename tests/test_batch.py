@@ -33,7 +33,7 @@ from asr.batch import (
 )
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import Transcriber
+from asr.transcribe import Transcriber, _Decoding
 from conftest import DEV, REPO
 
 SHORT = DEV / "en_short"
@@ -201,14 +201,14 @@ def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatc
     for name in ["1089-134691-0000.flac", "LJ002-0020.wav"]:
         shutil.copy(SHORT / name, source / name)
     shutil.copy(SHORT / "LJ002-0035.wav", source / "poison.wav")
-    step = Transcriber._step
+    submit = _Decoding.submit
 
-    def failing_step(self, jobs, rules):
+    def failing_submit(self, jobs):
         if any("poison" in job.audio.name for job in jobs):
             raise RuntimeError("kernel exploded")
-        return step(self, jobs, rules)
+        return submit(self, jobs)
 
-    monkeypatch.setattr(Transcriber, "_step", failing_step)
+    monkeypatch.setattr(_Decoding, "submit", failing_submit)
     summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), Transcriber(pair, batch_size=3))
     assert (summary.ok, summary.failed) == (2, 1)
     assert errors_of(out) == {"poison.wav": "transcription failed: RuntimeError: kernel exploded"}

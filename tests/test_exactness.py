@@ -19,7 +19,8 @@ from transformers.generation.utils import GenerationMixin
 
 from asr.decoder import DecoderRunner, int8_linear
 from asr.rules import DecodingRules
-from asr.speculative import DraftLength, SpeculativeDecoder
+from asr.draft_length import DraftLength
+from asr.speculative import SpeculativeDecoder
 from conftest import (
     BEGIN_SUPPRESS, EN, EOT, FRAMES, NO_TIMESTAMPS, SOT, SUPPRESS, TRANSCRIBE,
     decoder_only_draft, end_rows_at_different_lengths, generation_config, perturbed, tiny_target,

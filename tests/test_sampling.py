@@ -11,7 +11,8 @@ from scipy.stats import chi2
 
 from asr.decoder import DecoderRunner
 from asr.rules import DecodingRules, Prefix
-from asr.speculative import DraftLength, SpeculativeDecoder
+from asr.draft_length import DraftLength
+from asr.speculative import SpeculativeDecoder
 from conftest import BEGIN_SUPPRESS, EN, EOT, NO_TIMESTAMPS, SOT, SUPPRESS, TRANSCRIBE, decoder_only_draft, tiny_target
 
 TEMPERATURE = 2.0

@@ -1,0 +1,221 @@
+"""The GPU check, in one command: the CUDA tests, the large-v3-geometry benchmark, and (where
+the packaged weights, the audio extras and the dev set are installed) the dev set through
+`asr evaluate` and `asr transcribe` with and without the draft, all written to one report.
+
+    python scripts/gpu_check.py --out gpu-check
+
+Needs torch (CUDA) and transformers; nothing is downloaded. What needs more is skipped,
+and the report says why. Writes DIR/gpu_check.md (every figure, and the environment),
+DIR/gpu_check.json, and each part's own output under DIR."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEV = REPO.parent / "shared" / "eval" / "dev"
+AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
+SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, metavar="DIR")
+    parser.add_argument("--dev", type=Path, default=DEV, help="the dev set's folder (manifest.tsv)")
+    parser.add_argument("--dtypes", default="float16,bfloat16", help="dtypes of the dev-set runs")
+    parser.add_argument("--batch-sizes", default="1,4,16", help="of the large-v3-geometry benchmark")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per benchmark row")
+    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: tests, benchmark, evaluate, transcribe")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    report: dict = {"environment": environment(), "parts": {}}
+    missing = [m for m in AUDIO_EXTRAS if importlib.util.find_spec(m) is None]
+    real = real_models_reason(args.dev, missing)
+    report["environment"]["real weights and dev set"] = real or "present"
+
+    def part(name: str, run) -> None:
+        if name in skip:
+            report["parts"][name] = {"skipped": "--skip"}
+            return
+        started = time.perf_counter()
+        print(f"== {name}", flush=True)
+        report["parts"][name] = run()
+        report["parts"][name]["seconds"] = round(time.perf_counter() - started, 1)
+        write(report, args.out)
+
+    part("tests", lambda: tests(args.out, env))
+    part("benchmark", lambda: benchmark(args, env, real))
+    for dtype in args.dtypes.split(","):
+        part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))
+    part("transcribe", lambda: transcribe(args, env, real))
+    write(report, args.out)
+    failed = [name for name, result in report["parts"].items() if result.get("ok") is False]
+    print(f"wrote {args.out / 'gpu_check.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
+    sys.exit(1 if failed else 0)
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+             "CUDA": torch.version.cuda, "GPU": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        found["driver, memory"] = smi.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    for module in AUDIO_EXTRAS:
+        found[module] = "installed" if importlib.util.find_spec(module) else "missing"
+    return found
+
+
+def real_models_reason(dev: Path, missing: list[str]) -> str | None:
+    """Why the dev-set parts cannot run, or None."""
+    sys.path.insert(0, str(REPO))
+    from asr.models import packaged_directory
+
+    try:
+        packaged_directory("whisper-base")
+    except FileNotFoundError as error:
+        return f"skipped: {error}"
+    if missing:
+        return f"skipped: the audio extras are missing ({', '.join(missing)})"
+    if not (dev / "manifest.tsv").is_file():
+        return f"skipped: no dev set at {dev}"
+    return None
+
+
+def run(command: list[str], env: dict, log: Path, timeout: float = 1800) -> tuple[int, str]:
+    print("$ " + " ".join(command), flush=True)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
+    print(done.stdout[-2000:], done.stderr[-2000:] if done.returncode else "", flush=True)
+    return done.returncode, done.stdout + done.stderr
+
+
+def tests(out: Path, env: dict) -> dict:
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests/test_gpu_paths.py",
+               "tests/test_capture_safety.py"]
+    code, output = run(command, env, out / "tests.log")
+    lines = [line for line in output.splitlines() if re.search(r"passed|failed|SKIPPED|FAILED|error", line)]
+    return {"ok": code == 0, "command": " ".join(command[1:]), "summary": lines[-12:]}
+
+
+def benchmark(args: argparse.Namespace, env: dict, real: str | None) -> dict:
+    folder = args.out / "benchmark"
+    command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
+               args.batch_sizes, "--acceptance", "0.6,0.8,0.95", "--repeats", str(args.repeats), "--dev", str(args.dev),
+               "--out", str(folder)] + (["--no-real"] if real else [])
+    code, _ = run(command, env, args.out / "benchmark.log")
+    table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
+    return {"ok": code == 0, "command": " ".join(command[1:]), "table": table,
+            "note": f"section 2 (real weights) {real}" if real else ""}
+
+
+def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None) -> dict:
+    if real:
+        return {"skipped": real}
+    results = {}
+    ok = True
+    for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
+        folder = args.out / f"evaluate-{dtype}-{manifest.removesuffix('.tsv')}"
+        command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
+                   "--batch-size", "8", "--out", str(folder)]
+        code, _ = run(command, env, args.out / f"{folder.name}.log")
+        if code != 0 or not (folder / "report.json").is_file():
+            ok = False
+            results[manifest] = {"command": " ".join(command[1:]), "failed": True}
+            continue
+        report = json.loads((folder / "report.json").read_text())
+        target, speculative = report["systems"]["target"], report["systems"]["speculative"]
+        results[manifest] = {
+            "command": " ".join(command[1:]), "files": report["n_files"],
+            "identical": sum(bool(f.get("identical")) for f in report["per_file"]),
+            "wer_target": target["wer"], "wer_speculative": speculative["wer"], "wer_delta": report["wer_delta"],
+            "seconds_target": target["seconds"], "seconds_speculative": speculative["seconds"],
+            "speedup": report["speedup"], "decoder_speedup": report["decoder_speedup"],
+            "acceptance": speculative.get("acceptance_rate"), "tokens_per_pass": speculative.get("tokens_per_target_pass"),
+        }
+    return {"ok": ok, "runs": results}
+
+
+def transcribe(args: argparse.Namespace, env: dict, real: str | None) -> dict:
+    """`asr transcribe` of the English dev recordings with and without the draft, each in its
+    own process, in the order A B B A; the wall time excludes loading the models."""
+    if real:
+        return {"skipped": real}
+    inputs = [str(args.dev / "en_short"), str(args.dev / "en_long")]
+    runs = []
+    for name in ("speculative", "target-only", "target-only", "speculative"):
+        folder = args.out / f"transcribe-{name}-{len(runs)}"
+        command = [sys.executable, "-m", "asr.cli", "transcribe", *inputs, "--out-dir", str(folder), "--formats", "txt",
+                   "--language", "en", "--no-progress"] + (["--no-speculation"] if name == "target-only" else [])
+        code, output = run(command, env, args.out / f"{folder.name}.log")
+        found = SUMMARY.search(output)
+        runs.append({"system": name, "command": " ".join(command[1:]), "ok": code == 0 and found is not None,
+                     "seconds": float(found.group(4)) if found else None, "rtfx": float(found.group(5)) if found else None,
+                     "texts": {p.relative_to(folder).as_posix(): p.read_text() for p in sorted(folder.rglob("*.txt"))}})
+    by_system = {name: [r for r in runs if r["system"] == name] for name in ("speculative", "target-only")}
+    seconds = {name: sum(r["seconds"] or 0.0 for r in group) for name, group in by_system.items()}
+    texts_a, texts_b = by_system["speculative"][0]["texts"], by_system["target-only"][0]["texts"]
+    identical = sum(texts_a.get(name) == text for name, text in texts_b.items())
+    return {"ok": all(r["ok"] for r in runs), "runs": [{k: v for k, v in r.items() if k != "texts"} for r in runs],
+            "seconds": seconds, "speedup": seconds["target-only"] / seconds["speculative"] if seconds["speculative"] else None,
+            "files": len(texts_b), "identical": identical}
+
+
+def write(report: dict, out: Path) -> None:
+    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    lines = ["# GPU check", "", "| environment | |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in report["environment"].items()]
+    for name, result in report["parts"].items():
+        lines += ["", f"## {name}", ""]
+        if "skipped" in result:
+            lines.append(f"Skipped: {result['skipped']}")
+            continue
+        status = "passed" if result.get("ok") else "FAILED"
+        lines.append(f"{status} in {result.get('seconds', '?')} s" + (f": `{result['command']}`" if "command" in result else ""))
+        if name == "tests":
+            lines += ["", "```", *result["summary"], "```"]
+        elif name == "benchmark":
+            lines += ["", result["table"], result["note"]]
+        elif name.startswith("evaluate"):
+            lines += ["", "| manifest | files | identical | WER target | WER speculative | delta | target s | speculative s "
+                      "| speed-up | decoder speed-up | acceptance | tokens / pass |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+            for manifest, r in result["runs"].items():
+                if r.get("failed"):
+                    lines.append(f"| {manifest} | FAILED: `{r['command']}` | | | | | | | | | | |")
+                    continue
+                lines.append(
+                    f"| {manifest} | {r['files']} | {r['identical']}/{r['files']} | {100 * r['wer_target']:.2f}% "
+                    f"| {100 * r['wer_speculative']:.2f}% | {100 * r['wer_delta']:+.2f} | {r['seconds_target']:.2f} "
+                    f"| {r['seconds_speculative']:.2f} | {r['speedup']:.2f}x | {r['decoder_speedup']:.2f}x "
+                    f"| {100 * (r['acceptance'] or 0):.0f}% | {r['tokens_per_pass'] or 0:.2f} |")
+            lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
+        elif name == "transcribe":
+            lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]
+            lines += [f"| {i + 1} | {r['system']} | {r['seconds']} | {r['rtfx']} |" for i, r in enumerate(result["runs"])]
+            speedup = f"{result['speedup']:.2f}x" if result["speedup"] else "-"
+            lines += ["", f"Summed over both runs each: target-only {result['seconds']['target-only']:.2f} s, speculative "
+                      f"{result['seconds']['speculative']:.2f} s: {speedup}; {result['identical']}/{result['files']} "
+                      "transcripts (txt) identical.", "", "Commands: " +
+                      "; ".join(f"`{r['command']}`" for r in result["runs"][:2])]
+    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
