@@ -162,8 +162,12 @@ class DecoderRunner:
         attended = cache.capacity if window is None else window
         mask = None
         if window is None or batch > 1 or q > 1:
+            # Additive, in the model's dtype, made once for every layer (SDPA would convert a
+            # boolean mask in each call).
             keys = torch.arange(attended, device=tokens.device)
-            mask = (keys[None, None, :] <= positions[:, :, None])[:, None]
+            dtype = self.decoder.embed_tokens.weight.dtype
+            mask = torch.full((batch, 1, q, attended), float("-inf"), dtype=dtype, device=tokens.device)
+            mask.masked_fill_((keys[None, None, :] <= positions[:, :, None])[:, None], 0.0)
         where = torch.arange(batch, device=tokens.device) if rows is None else rows
         where = where[:, None].expand(batch, q)
 

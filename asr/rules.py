@@ -18,14 +18,19 @@ class Prefix:
     """What the rules need to know about the tokens before each predicted position."""
 
     generated: Tensor  # [N] tokens generated so far (after the prompt)
-    last: Tensor  # [N] previous token (meaningful when generated >= 1)
-    penultimate: Tensor  # [N] token before it (meaningful when generated >= 2)
-    last_timestamp: Tensor  # [N] last timestamp token generated, -1 if none
+    last: Tensor | None = None  # [N] previous token (meaningful when generated >= 1)
+    penultimate: Tensor | None = None  # [N] token before it (meaningful when generated >= 2)
+    last_timestamp: Tensor | None = None  # [N] last timestamp token generated, -1 if none
 
     @classmethod
-    def at(cls, tokens: Tensor, sample_begin: Tensor, positions: Tensor, timestamp_begin: int) -> "Prefix":
+    def at(cls, tokens: Tensor, sample_begin: Tensor, positions: Tensor, timestamp_begin: int,
+           timestamps: bool = True) -> "Prefix":
         """tokens [B, L] with proposals written in place; sample_begin [B]; positions [B, q]
-        are the indices being predicted. Returns one entry per (row, position), row-major."""
+        are the indices being predicted. Returns one entry per (row, position), row-major;
+        without timestamps only what the rules without them read."""
+        generated = (positions - sample_begin[:, None]).reshape(-1)
+        if not timestamps:
+            return cls(generated)
         columns = torch.arange(tokens.shape[1], device=tokens.device)
         generated_region = columns >= sample_begin[:, None]
         timestamps = torch.where(generated_region & (tokens >= timestamp_begin), tokens, -1)
@@ -33,7 +38,7 @@ class Prefix:
         last_timestamp = timestamps.cummax(dim=1).values
         before = (positions - 1).clamp(min=0)
         return cls(
-            generated=(positions - sample_begin[:, None]).reshape(-1),
+            generated=generated,
             last=tokens.gather(1, before).reshape(-1),
             penultimate=tokens.gather(1, (positions - 2).clamp(min=0)).reshape(-1),
             last_timestamp=last_timestamp.gather(1, before).reshape(-1),
@@ -64,6 +69,10 @@ class DecodingRules:
         self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
         self.begin_suppress = torch.tensor(sorted(set(begin_suppress)), dtype=torch.long, device=device)
         self._timestamp_offsets = torch.arange(vocab_size - self.timestamp_begin, device=device)
+
+    def prefix(self, tokens: Tensor, sample_begin: Tensor, positions: Tensor) -> Prefix:
+        """Prefix.at, with what these rules read."""
+        return Prefix.at(tokens, sample_begin, positions, self.timestamp_begin, self.timestamps)
 
     def apply(self, logits: Tensor, prefix: Prefix) -> Tensor:
         """Filters logits [N, V] in place and returns them."""

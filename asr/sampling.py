@@ -36,19 +36,26 @@ def choose(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tens
     return torch.where(temperature > 0, draw(probs, u), logits.argmax(-1)), probs
 
 
-def verify(logits: Tensor, proposals: Tensor, temperature: Tensor, draft_probs: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
+def verify(logits: Tensor, proposals: Tensor, temperature: Tensor, draft_probs: Tensor, u: Tensor,
+           proposed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Rejection sampling of proposals [B, k] against the target's logits [B, k+1, V]; the
-    draft's distributions draft_probs [B, k, V]; uniforms u [B, 2k+1]. Returns the accepted
-    count [B] and the token chosen at every position [B, k+1], of which index `accepted` is
-    the one kept. Rows at temperature 0 accept the proposals equal to the argmax."""
+    draft's distributions draft_probs [B, k, V]; uniforms u [B, 2k+1]; proposed [1, k]:
+    which of the k are proposals (the first ones; None: all), the rest stale. Returns the
+    accepted count [B] and the token chosen at every position [B, k+1], of which index
+    `accepted` is the one kept. Rows at temperature 0 accept the proposals equal to the argmax."""
     k = proposals.shape[1]
     greedy = logits.argmax(-1)
-    greedy_accepted = (proposals == greedy[:, :k]).long().cumprod(1).sum(1)
+    greedy_right = proposals == greedy[:, :k]
     p = probabilities(logits, temperature)
     index = proposals[:, :, None]
     right = u[:, :k] * draft_probs.gather(2, index)[:, :, 0] < p[:, :k].gather(2, index)[:, :, 0]
+    corrected = (p[:, :k] - draft_probs).clamp(min=0)
+    if proposed is not None:
+        greedy_right, right = greedy_right & proposed, right & proposed
+        corrected = torch.where(proposed[:, :, None], corrected, p[:, :k])  # past the proposals: the target's own
+    greedy_accepted = greedy_right.long().cumprod(1).sum(1)
     accepted = right.long().cumprod(1).sum(1)
-    residual = torch.cat([(p[:, :k] - draft_probs).clamp(min=0), p[:, k:]], 1)
+    residual = torch.cat([corrected, p[:, k:]], 1)
     # p == q exactly leaves no residual mass; then the target's own distribution is exact.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     chosen = draw(residual, u[:, k:])

@@ -30,7 +30,7 @@ from asr import hints, sampling
 from asr.cudagraphs import RoundClock, StepGraphs
 from asr.decoder import DecoderRunner, KVCache
 from asr.draft_length import DraftLength
-from asr.rules import DecodingRules, Prefix
+from asr.rules import DecodingRules
 
 IDLE_STATES = 8  # batch states (with their graphs) kept for reuse on a GPU
 
@@ -109,6 +109,7 @@ class _State:
     hint_shift: Tensor  # [R] (asr/hints.py)
     hint_on: Tensor  # [R] bool
     prefill_row: Tensor  # [1] the row a captured prefill reads
+    k: Tensor  # [1] the proposals a captured verification checks
     noise: Tensor  # [R, 3 * max_draft + 1] uniforms in (0, 1] for sampling
     out: Tensor  # [5, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text
     target: KVCache
@@ -157,8 +158,13 @@ class SpeculativeDecoder:
         self.fixed_shapes = self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
         self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda")
         self.max_positions = min(r.max_positions for r in (target, draft) if r is not None)
-        # Past the decoder's last position, room for proposals beyond a row's limit (never kept).
-        self.capacity = self.max_positions + max_draft_tokens + 1
+        # Past the decoder's last position, room for proposals beyond a row's limit (never
+        # kept); a multiple of 16, which attention kernels need of a mask's last dimension.
+        self.capacity = -(-(self.max_positions + max_draft_tokens + 1) // 16) * 16
+        # In fixed shapes every verification computes max_draft_tokens + 1 positions, whatever
+        # k is: one graph serves every k, and a position's logits never depend on how many
+        # the pass computes (so on a GPU, too, speculative output is the target-only output).
+        self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
         self._idle: OrderedDict[tuple, _State] = OrderedDict()
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
@@ -207,11 +213,12 @@ class SpeculativeDecoder:
             shared = self.shared_cross if draft_frames is None else None
             draft = self.draft.empty_cache(R, draft_frames or frames, C, self.dtype, device,
                                            cross_from=target if shared else None, cross_layers=shared)
-        return _State(key, tokens=zeros(R, C), length=zeros(R), sample_begin=zeros(R), limit=zeros(R),
+        # An empty slot is a row of one token: its (unused) steps then index nothing out of range.
+        return _State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), limit=zeros(R),
                       draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
                       temperature=zeros(R, dtype=torch.float32), sum_logprob=zeros(R, dtype=torch.float64),
                       no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
-                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1),
+                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), k=zeros(1),
                       noise=zeros(R, 3 * self.max_draft_tokens + 1, dtype=torch.float32), out=zeros(5, R),
                       target=target, draft=draft)
 
@@ -403,8 +410,13 @@ class Batch:
             elif sample:
                 noise = s.noise[:, e.max_draft_tokens:]
         self.clock.lap()
-        key = ("verify", k, sample, self.rules)
-        verify = lambda: self._verify(k, draft_probs, noise, rows)  # noqa: E731
+        width = e.verify_width if hinted is None and e.verify_width else k + 1
+        if width > k + 1:
+            s.k.fill_(k)
+            if sample:
+                draft_probs = s.draft_probs
+        key = ("verify", width, sample, self.rules)
+        verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731
         representative &= e.graphs.run(s.graphs, key, verify, s.rows_state() + [s.out], capture=hinted is None)
         self.clock.lap()
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
@@ -496,7 +508,7 @@ class Batch:
         for i in range(k):
             logits = e.draft.forward(feed, start, s.draft, logits_at=last, window=self._window(rows, i))[:, 0]
             position = (s.length + i)[:, None]
-            self.rules.apply(logits, Prefix.at(s.tokens, s.sample_begin, position, self.rules.timestamp_begin))
+            self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position))
             if sample:
                 proposal, probs = sampling.choose(logits, s.temperature, s.noise[:, i])
                 s.draft_probs[:, i].copy_(probs)
@@ -512,23 +524,29 @@ class Batch:
         s.draft_cached.copy_(s.length + proposed - 1)
         return proposed
 
-    def _verify(self, k: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[_Row]) -> None:
-        """The target's pass over k + 1 positions: each live row keeps its longest agreeing
+    def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[_Row]) -> None:
+        """The target's pass over `width` positions, the pending token and the proposals
+        after it (k = width - 1, or in fixed shapes the state's k, the rest of the width being
+        stale tokens whose results go unused): each live row keeps its longest agreeing
         prefix plus the target's own next token, cut at end-of-text and at its limit."""
         e, s, rules = self.engine, self.state, self.rules
-        steps = torch.arange(k + 1, device=e.device)
+        k = width - 1
+        steps = torch.arange(width, device=e.device)
         positions = s.length[:, None] + steps  # predicted indices
         logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=self._window(rows, k))
-        n, width, vocab = logits.shape
-        rules.apply(logits.view(n * width, vocab), Prefix.at(s.tokens, s.sample_begin, positions, rules.timestamp_begin))
+        n, _, vocab = logits.shape
+        rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])
+        proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
         if noise is not None:
             if draft_probs is None:  # no proposals: k = 0
                 draft_probs = logits.new_zeros(n, 0, vocab, dtype=torch.float32)
-            accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs, noise[:, : 2 * k + 1])
+            accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs[:, :k], noise[:, : 2 * k + 1],
+                                               proposed)
         else:
             chosen = logits.argmax(-1)
-            accepted = (proposals == chosen[:, :k]).long().cumprod(1).sum(1)
+            right = proposals == chosen[:, :k]
+            accepted = (right if proposed is None else right & proposed).long().cumprod(1).sum(1)
         s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
         # Keep accepted + 1 tokens, cut at end-of-text and at the length limit.

@@ -3,10 +3,12 @@ the packaged weights, the audio extras and the dev set are installed) the dev se
 `asr evaluate` and `asr transcribe` with and without the draft, all written to one report.
 
     python scripts/gpu_check.py --out gpu-check
+    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe
 
 Needs torch (CUDA) and transformers; nothing is downloaded. What needs more is skipped,
 and the report says why. Writes DIR/gpu_check.md (every figure, and the environment),
-DIR/gpu_check.json, and each part's own output under DIR."""
+DIR/gpu_check.json, and each part's own output under DIR. --only runs some parts and keeps
+the others' results already in DIR (a machine that allows only short runs)."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
+PARTS = "tests,benchmark,evaluate,transcribe"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -34,20 +37,20 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float16,bfloat16", help="dtypes of the dev-set runs")
     parser.add_argument("--batch-sizes", default="1,4,16", help="of the large-v3-geometry benchmark")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per benchmark row")
-    parser.add_argument("--skip", default="", help="comma-separated parts to leave out: tests, benchmark, evaluate, transcribe")
+    parser.add_argument("--only", default=PARTS, help=f"comma-separated parts to run, from {PARTS} (default: all)")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    skip = {part.strip() for part in args.skip.split(",") if part.strip()}
+    only = {part.strip() for part in args.only.split(",") if part.strip()}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    report: dict = {"environment": environment(), "parts": {}}
+    earlier = args.out / "gpu_check.json"
+    report: dict = {"environment": environment(), "parts": json.loads(earlier.read_text())["parts"] if earlier.is_file() else {}}
     missing = [m for m in AUDIO_EXTRAS if importlib.util.find_spec(m) is None]
     real = real_models_reason(args.dev, missing)
     report["environment"]["real weights and dev set"] = real or "present"
 
     def part(name: str, run) -> None:
-        if name in skip:
-            report["parts"][name] = {"skipped": "--skip"}
+        if name.split()[0] not in only:
             return
         started = time.perf_counter()
         print(f"== {name}", flush=True)

@@ -86,8 +86,8 @@ def meta_runners(geometry: str, own_cross: bool = True) -> tuple[DecoderRunner, 
 @torch.inference_mode()
 def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, draft_kind: str):
     """Every step the engine captures on a GPU: a row's prefill, the draft's proposals
-    (catch-up widths 1 and 2, greedy and sampling), the verification (k = 0 and k > 0,
-    greedy and sampling)."""
+    (catch-up widths 1 and 2, greedy and sampling), the verification (of a fixed width for
+    every k, greedy and sampling)."""
     target, draft = meta_runners(geometry, own_cross=draft_kind == "own-cross")
     engine = SpeculativeDecoder(target, draft, max_draft_tokens=8, fixed_shapes=True)
     rules = DecodingRules(vocab_size=target.vocab_size, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
@@ -105,8 +105,7 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
         for width in (1, 2):
             batch._propose(3, width, False, rows)
             batch._propose(3, width, True, rows)
-        batch._verify(0, None, None, rows)
-        batch._verify(3, None, None, rows)
-        batch._verify(0, None, noise, rows)
-        batch._verify(3, state.draft_probs[:, :3], noise, rows)
+        state.k.fill_(3)
+        batch._verify(engine.verify_width, None, None, rows)
+        batch._verify(engine.verify_width, state.draft_probs, noise, rows)
     assert state.tokens.shape == (4, engine.capacity) and state.out.shape == (5, 4)

@@ -236,7 +236,7 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
     assert "RANDOM weights" in done.stdout and "oracle" in done.stdout
     report = json.loads((out / "benchmark_gpu.json").read_text())
     sections = {row["section"] for row in report["rows"]}
-    assert len(sections) == 2 and len(report["rows"]) == 4 + 5
+    assert len(sections) == 2 and len(report["rows"]) == 5 + 5
     assert all(row["identical"] for row in report["rows"])
     assert all(row["floor_seconds"] > 0 for row in report["rows"])
     profiled = [row for row in report["rows"] if row["kernels_per_token"] is not None]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 from scipy.stats import chi2
 
@@ -48,14 +49,17 @@ def chi_square_p(counts: Counter, probs: torch.Tensor) -> float:
     return float(chi2.sf(statistic, len(observed) - 1))
 
 
-def test_rejection_sampling_keeps_the_target_distribution():
+@pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
+def test_rejection_sampling_keeps_the_target_distribution(fixed: bool):
+    """In fixed shapes (a GPU's), a verification checks k proposals among a fixed width of
+    positions, the rest stale: sampling must ignore those."""
     target = tiny_target(7, dtype=torch.float32)
     draft = decoder_only_draft(target, noise=0.05, seed=7)
     features = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
         encoded = target.model.encoder(features).last_hidden_state
     rows = 250
-    decoder = SpeculativeDecoder(runner(target), runner(draft))
+    decoder = SpeculativeDecoder(runner(target), runner(draft), fixed_shapes=fixed)
     generator = torch.Generator().manual_seed(0)
     samples, proposed, accepted = [], 0, 0
     for _ in range(6):
