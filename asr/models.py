@@ -220,9 +220,10 @@ DRAFT_WEIGHTS = "model.safetensors"
 
 def encoder_fingerprint(encoder: nn.Module) -> str:
     """Identifies the encoder a distilled draft was trained on (its first convolution,
-    rounded to float16 so any copy of the same weights matches)."""
-    weight = encoder.conv1.weight.detach().to("cpu", torch.float16).contiguous()
-    return hashlib.sha256(weight.numpy().tobytes()).hexdigest()[:16]
+    rounded to bfloat16 so that a copy of the same weights matches in any dtype: float32,
+    float16 or bfloat16)."""
+    weight = encoder.conv1.weight.detach().to("cpu", torch.bfloat16).contiguous()
+    return hashlib.sha256(weight.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
 
 
 def _load_distilled_draft(

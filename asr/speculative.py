@@ -109,6 +109,7 @@ class _State:
     hint_shift: Tensor  # [R] (asr/hints.py)
     hint_on: Tensor  # [R] bool
     prefill_row: Tensor  # [1] the row a captured prefill reads
+    step: Tensor  # [1] the draft step under way: a captured draft step reads (and advances) it
     k: Tensor  # [1] the proposals a captured verification checks
     noise: Tensor  # [R, 3 * max_draft + 1] uniforms in (0, 1] for sampling
     out: Tensor  # [5, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text
@@ -118,10 +119,14 @@ class _State:
     graphs: dict = field(default_factory=dict)
 
     def rows_state(self) -> list[Tensor]:
-        """The per-row tensors a row's move or a capture's warm-up must carry over."""
+        """The per-row tensors a row's move carries over."""
         return [self.tokens, self.length, self.sample_begin, self.limit, self.draft_cached, self.live, self.eot,
                 self.temperature, self.sum_logprob, self.no_speech, self.sot, self.hint, self.hint_length,
                 self.hint_shift, self.hint_on]
+
+    def changed(self) -> list[Tensor]:
+        """What a step may change besides the caches: put back after a capture's warm-up."""
+        return self.rows_state() + [self.step, self.out]
 
 
 @dataclass
@@ -218,7 +223,7 @@ class SpeculativeDecoder:
                       draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
                       temperature=zeros(R, dtype=torch.float32), sum_logprob=zeros(R, dtype=torch.float64),
                       no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
-                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), k=zeros(1),
+                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), step=zeros(1), k=zeros(1),
                       noise=zeros(R, 3 * self.max_draft_tokens + 1, dtype=torch.float32), out=zeros(5, R),
                       target=target, draft=draft)
 
@@ -337,7 +342,7 @@ class Batch:
         for slot, w in zip(slots, windows):
             width = min(max(8, 1 << (len(w.prompt) - 1).bit_length()), C)
             s.prefill_row.fill_(slot)
-            e.graphs.run(s.graphs, ("prefill", width), lambda: self._prefill(s.prefill_row, width), [s.no_speech])
+            e.graphs.run(s.graphs, ("prefill", width), lambda: self._prefill(s.prefill_row, width), s.changed())
 
     def _prefill(self, rows: Tensor | None, width: int) -> None:
         """Caches the first `width` tokens of these rows (all if None): the target's prompt
@@ -399,14 +404,7 @@ class Batch:
                 if sample and s.draft_probs is None:
                     s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
                 draft_probs, noise = (s.draft_probs[:, :k], s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
-                proposed = [k]  # fewer where drafting stopped early (fitted shapes only)
-
-                def propose() -> None:
-                    proposed[0] = self._propose(k, width, sample, rows)
-
-                key = ("propose", k, width, sample, self.rules)
-                representative = e.graphs.run(s.graphs, key, propose, s.rows_state(), capture=width <= 2)
-                k = proposed[0]
+                k, representative = self._propose(k, width, sample, rows)
             elif sample:
                 noise = s.noise[:, e.max_draft_tokens:]
         self.clock.lap()
@@ -417,7 +415,7 @@ class Batch:
                 draft_probs = s.draft_probs
         key = ("verify", width, sample, self.rules)
         verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731
-        representative &= e.graphs.run(s.graphs, key, verify, s.rows_state() + [s.out], capture=hinted is None)
+        representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=hinted is None)
         self.clock.lap()
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
         if self.use_draft and hinted is None and representative:
@@ -493,36 +491,51 @@ class Batch:
         noise = torch.rand(len(self.slots), 2 * k + 1, device=e.device, generator=self.generator).neg_().add_(1)
         return proposed, k, probs, noise
 
-    def _propose(self, k: int, width: int, sample: bool, rows: list[_Row]) -> int:
-        """The draft's k proposals, written to tokens[length : length + k]. It first feeds
-        the last `width` kept tokens, ending at the pending one (those it has not cached;
-        a row with fewer re-feeds cached ones, which rewrites the same keys and values).
-        In fitted shapes it stops once every row has proposed end-of-text. Returns how
-        many it proposed."""
+    def _propose(self, k: int, width: int, sample: bool, rows: list[_Row]) -> tuple[int, bool]:
+        """The draft's k proposals, written to tokens[length : length + k], one draft step
+        each: in fixed shapes one graph serves every step (and so every k), reading the step
+        from the state. In fitted shapes drafting stops once every row has proposed
+        end-of-text. Returns how many it proposed, and whether the steps' time is
+        representative (asr/cudagraphs.py)."""
         e, s = self.engine, self.state
-        start = (s.length - width).clamp(min=0)
-        feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
-        last = (s.length - 1 - start)[:, None]
+        s.step.zero_()
         ended = torch.zeros_like(s.live)
-        proposed = k
+        representative = True
         for i in range(k):
-            logits = e.draft.forward(feed, start, s.draft, logits_at=last, window=self._window(rows, i))[:, 0]
-            position = (s.length + i)[:, None]
-            self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position))
-            if sample:
-                proposal, probs = sampling.choose(logits, s.temperature, s.noise[:, i])
-                s.draft_probs[:, i].copy_(probs)
-            else:
-                proposal = logits.argmax(-1)
-            s.tokens.scatter_(1, position, proposal[:, None])
-            if not e.fixed_shapes:
-                ended |= proposal == self.rules.eot
-                if bool(ended.all()):
-                    proposed = i + 1
-                    break
-            start, feed, last = position[:, 0], proposal[:, None], torch.zeros_like(last)
-        s.draft_cached.copy_(s.length + proposed - 1)
-        return proposed
+            feed = width if i == 0 else 1
+            if e.fixed_shapes:
+                step = lambda: self._draft_step(feed, sample, rows, i)  # noqa: E731
+                representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed(),
+                                               capture=feed <= 2)
+                continue
+            ended |= self._draft_step(feed, sample, rows, i) == self.rules.eot
+            if bool(ended.all()):
+                return i + 1, representative
+        return k, representative
+
+    def _draft_step(self, width: int, sample: bool, rows: list[_Row], i: int) -> Tensor:
+        """One draft step: predicts index length + step of each row and advances the step.
+        It feeds the `width` tokens before that index: the last proposal, or at the first
+        step the kept tokens the draft has not cached, ending at the pending one (a row with
+        fewer re-feeds cached ones, which rewrites the same keys and values). i: the step
+        (for the window attended in fitted shapes). Returns the proposals [R]."""
+        e, s = self.engine, self.state
+        position = s.length + s.step  # [R] the index predicted
+        start = (position - width).clamp(min=0)
+        feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
+        logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None],
+                                 window=self._window(rows, i))[:, 0]
+        self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
+        if sample:
+            u = s.noise.gather(1, s.step.expand(len(position))[:, None])[:, 0]
+            proposal, probs = sampling.choose(logits, s.temperature, u)
+            s.draft_probs.index_copy_(1, s.step, probs[:, None])
+        else:
+            proposal = logits.argmax(-1)
+        s.tokens.scatter_(1, position[:, None], proposal[:, None])
+        s.step.add_(1)
+        s.draft_cached.copy_(s.length + s.step - 1)
+        return proposal
 
     def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[_Row]) -> None:
         """The target's pass over `width` positions, the pending token and the proposals

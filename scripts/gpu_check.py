@@ -55,7 +55,7 @@ def main() -> None:
         started = time.perf_counter()
         print(f"== {name}", flush=True)
         report["parts"][name] = run()
-        report["parts"][name]["seconds"] = round(time.perf_counter() - started, 1)
+        report["parts"][name]["part_seconds"] = round(time.perf_counter() - started, 1)
         write(report, args.out)
 
     part("tests", lambda: tests(args.out, env))
@@ -191,7 +191,7 @@ def write(report: dict, out: Path) -> None:
             lines.append(f"Skipped: {result['skipped']}")
             continue
         status = "passed" if result.get("ok") else "FAILED"
-        lines.append(f"{status} in {result.get('seconds', '?')} s" + (f": `{result['command']}`" if "command" in result else ""))
+        lines.append(f"{status} in {result.get('part_seconds', '?')} s" + (f": `{result['command']}`" if "command" in result else ""))
         if name == "tests":
             lines += ["", "```", *result["summary"], "```"]
         elif name == "benchmark":

@@ -85,9 +85,9 @@ def meta_runners(geometry: str, own_cross: bool = True) -> tuple[DecoderRunner, 
 @pytest.mark.parametrize("draft_kind", ["own-cross", "shared-cross"])
 @torch.inference_mode()
 def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, draft_kind: str):
-    """Every step the engine captures on a GPU: a row's prefill, the draft's proposals
-    (catch-up widths 1 and 2, greedy and sampling), the verification (of a fixed width for
-    every k, greedy and sampling)."""
+    """Every step the engine captures on a GPU: a row's prefill, a draft step (feeding one
+    token or two, greedy and sampling), the verification (of a fixed width for every k,
+    greedy and sampling)."""
     target, draft = meta_runners(geometry, own_cross=draft_kind == "own-cross")
     engine = SpeculativeDecoder(target, draft, max_draft_tokens=8, fixed_shapes=True)
     rules = DecodingRules(vocab_size=target.vocab_size, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
@@ -103,8 +103,9 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
     with capture_guard():
         batch._prefill(state.prefill_row, 8)
         for width in (1, 2):
-            batch._propose(3, width, False, rows)
-            batch._propose(3, width, True, rows)
+            for sample in (False, True):
+                state.step.zero_()
+                batch._draft_step(width, sample, rows, 0)
         state.k.fill_(3)
         batch._verify(engine.verify_width, None, None, rows)
         batch._verify(engine.verify_width, state.draft_probs, noise, rows)
