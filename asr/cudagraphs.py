@@ -1,4 +1,4 @@
-"""Running the engine's steps as CUDA graphs, and timing its rounds.
+"""Running the engine's steps as CUDA graphs.
 
 A step (a draft proposal, a verification, a prefill) is a function of fixed shapes over
 tensors that live as long as its batch's state, reading nothing back to the host: on a
@@ -8,7 +8,6 @@ so that shapes met once (an exploration of k, a rare catch-up width) cost no cap
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -64,30 +63,3 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             step()
         return graph
-
-
-class RoundClock:
-    """Seconds spent drafting and verifying in a round, read after the round's one host
-    read: CUDA events on a GPU (they add no synchronisation), wall time on a CPU."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-        self._marks: list = []
-
-    def start(self) -> None:
-        self._marks = []
-        self.lap()
-
-    def lap(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self._marks.append(event)
-        else:
-            self._marks.append(time.perf_counter())
-
-    def seconds(self) -> tuple[float, float]:
-        start, drafted, verified = self._marks
-        if self.cuda:
-            return start.elapsed_time(drafted) / 1000, drafted.elapsed_time(verified) / 1000
-        return drafted - start, verified - drafted

@@ -39,6 +39,17 @@ class KVCache:
     def rows(self) -> int:
         return self.self_k[0].shape[0]
 
+    def select(self, rows: Tensor, cross_from: "KVCache | None" = None) -> "KVCache":
+        """A cache of these rows only. One sharing another's cross-attention K/V takes them
+        from cross_from, that cache's selection."""
+        def pick(tensors: list[Tensor]) -> list[Tensor]:
+            return [t.index_select(0, rows) for t in tensors]
+
+        if self.cross_from is None:
+            return KVCache(pick(self.self_k), pick(self.self_v), pick(self.cross_k), pick(self.cross_v))
+        return KVCache(pick(self.self_k), pick(self.self_v), [cross_from.cross_k[i] for i in self.cross_layers],
+                       [cross_from.cross_v[i] for i in self.cross_layers], cross_from, self.cross_layers)
+
     def copy_rows(self, source: "KVCache", rows: Tensor, count: int) -> None:
         """Copies source's rows (indices [count]) into this cache's first `count` rows; a
         cache sharing another's cross-attention K/V gets them when that one is copied."""

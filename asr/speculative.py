@@ -21,13 +21,13 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from asr import hints, sampling
-from asr.cudagraphs import RoundClock, StepGraphs
+from asr.cudagraphs import StepGraphs
 from asr.decoder import DecoderRunner, KVCache
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
@@ -118,15 +118,13 @@ class _State:
     draft_probs: Tensor | None = None  # [R, max_draft, V] the draft's distributions, when sampling
     graphs: dict = field(default_factory=dict)
 
-    def rows_state(self) -> list[Tensor]:
-        """The per-row tensors a row's move carries over."""
-        return [self.tokens, self.length, self.sample_begin, self.limit, self.draft_cached, self.live, self.eot,
-                self.temperature, self.sum_logprob, self.no_speech, self.sot, self.hint, self.hint_length,
-                self.hint_shift, self.hint_on]
+    # The per-row tensors a row's move carries over.
+    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "eot", "temperature", "sum_logprob",
+               "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
 
     def changed(self) -> list[Tensor]:
         """What a step may change besides the caches: put back after a capture's warm-up."""
-        return self.rows_state() + [self.step, self.out]
+        return [getattr(self, name) for name in self.PER_ROW] + [self.step, self.out]
 
 
 @dataclass
@@ -251,7 +249,6 @@ class Batch:
             raise ValueError(f"this engine proposes at most {engine.max_draft_tokens} tokens a round, not {draft_length.maximum}")
         self.state: _State | None = None
         self.slots: list[_Row | None] = []
-        self.clock = RoundClock(engine.device)
         self._tags = 0
 
     @property
@@ -369,16 +366,23 @@ class Batch:
         """Moves the live rows into the first slots of a state of `rows` rows."""
         e, old = self.engine, self.state
         keep = [i for i, row in enumerate(self.slots) if row is not None]
-        new = e._state(rows, *old.key[1:])
         index = torch.tensor(keep, dtype=torch.long, device=e.device)
-        for mine, theirs in zip(new.rows_state(), old.rows_state()):
-            mine[: len(keep)].copy_(theirs.index_select(0, index))
-        new.live[len(keep):] = False
-        new.target.copy_rows(old.target, index, len(keep))
-        if new.draft is not None:
-            new.draft.copy_rows(old.draft, index, len(keep))
+        if rows == len(keep) and not e.fixed_shapes:  # finished rows dropped: a copy of the rest, once
+            target = old.target.select(index)
+            draft = None if old.draft is None else old.draft.select(index, cross_from=target)
+            picked = {name: getattr(old, name).index_select(0, index) for name in _State.PER_ROW}
+            new = replace(old, key=(rows, *old.key[1:]), target=target, draft=draft, noise=old.noise[:rows],
+                          out=old.out[:, :rows], draft_probs=None, graphs={}, **picked)
+        else:
+            new = e._state(rows, *old.key[1:])
+            for name in _State.PER_ROW:
+                getattr(new, name)[: len(keep)].copy_(getattr(old, name).index_select(0, index))
+            new.live[len(keep):] = False
+            new.target.copy_rows(old.target, index, len(keep))
+            if new.draft is not None:
+                new.draft.copy_rows(old.draft, index, len(keep))
+            e._release(old)
         self.slots = [self.slots[i] for i in keep] + [None] * (rows - len(keep))
-        e._release(old)
         self.state = new
 
     @torch.inference_mode()
@@ -393,37 +397,29 @@ class Batch:
         sample = any(row.temperature > 0 for row in rows)
         if sample:
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
+            if s.draft_probs is None:
+                s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
         started = time.perf_counter()
-        self.clock.start()
         hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
         representative = hinted is None
         if hinted is None:
             k = self.draft_length.next_round() if self.use_draft else 0
             if k > 0:
-                width = max(row.gap for row in rows)
-                if sample and s.draft_probs is None:
-                    s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
-                draft_probs, noise = (s.draft_probs[:, :k], s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
-                k, representative = self._propose(k, width, sample, rows)
-            elif sample:
-                noise = s.noise[:, e.max_draft_tokens:]
-        self.clock.lap()
+                k, representative = self._propose(k, max(row.gap for row in rows), sample, rows)
+            if sample:
+                draft_probs, noise = s.draft_probs, s.noise[:, e.max_draft_tokens:]
         width = e.verify_width if hinted is None and e.verify_width else k + 1
         if width > k + 1:
             s.k.fill_(k)
-            if sample:
-                draft_probs = s.draft_probs
         key = ("verify", width, sample, self.rules)
         verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731
         representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=hinted is None)
-        self.clock.lap()
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
+        seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
-            drafting, verifying = self.clock.seconds()
             live = [i for i, row in enumerate(self.slots) if row is not None]
-            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live),
-                                     drafting / max(k, 1), verifying)
-        share = (time.perf_counter() - started) / len(rows)
+            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live), seconds)
+        share = seconds / len(rows)
         done = []
         for i, row in enumerate(self.slots):
             if row is None:

@@ -10,7 +10,7 @@ last segment).
 
 Re-transcribing the buffer mostly repeats the previous hypothesis. So that repeat costs
 almost nothing, the previous hypothesis's tokens (timestamps shifted where the buffer was
-cut) are the first draft (SpeculativeDecoder.decode's hints): the target verifies them in
+cut) are the first draft (asr/hints.py): the target verifies them in
 one pass and keeps the agreeing prefix, the draft model takes over past it, and where the
 new hypothesis meets the old one again (a word or a timestamp changed, the rest did not),
 the rest of the old one is proposed again. Greedy output stays exactly the target's.

@@ -169,7 +169,7 @@ def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, p
     for _ in range(64):
         k = draft_length.next_round()
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
-        draft_length.update(k, accepted, int(accepted < k), draft_step, plain + k * per_proposal)
+        draft_length.update(k, accepted, int(accepted < k), plain + k * (draft_step + per_proposal))
         chosen.append(k)
     return chosen
 

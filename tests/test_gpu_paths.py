@@ -125,6 +125,27 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
     assert sum(s.stats.hint_accepted for s in result) > 0
 
 
+def test_sampling_in_fixed_shapes_without_proposals_and_beside_greedy_rows(pair):
+    """Temperature > 0 where no round proposes anything (target-only, as a temperature
+    fallback without a draft decodes) and where rounds without drafting alternate with
+    drafting ones; greedy rows in the same batch keep their greedy tokens."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    greedy = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
+    for decoder, draft_length in ((engine(target), None), (engine(target, draft), _Alternating())):
+        batch = decoder.batch(rules, rows=BATCH, draft_length=draft_length, generator=torch.Generator().manual_seed(0))
+        temperatures = [0.0, 0.8, 0.0, 1.0]
+        tags = batch.add([Window(encoded[r], prompt, max_new_tokens=MAX_NEW, temperature=t) for r, t in enumerate(temperatures)])
+        results = {}
+        while batch.live:
+            results.update(batch.step())
+        for row, (tag, temperature) in enumerate(zip(tags, temperatures)):
+            tokens = results[tag].tokens
+            assert all(0 <= t < 51865 for t in tokens)
+            if temperature == 0:
+                assert tokens == greedy[row].tokens
+
+
 @pytest.mark.parametrize("fixed", [True, False], ids=["fixed-shapes", "fitted-shapes"])
 def test_finished_rows_are_refilled_mid_decode(pair, fixed: bool):
     """A batch of two slots fed six windows: each new one joins as soon as a row finishes,
