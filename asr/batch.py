@@ -30,7 +30,7 @@ import torch
 from tqdm import tqdm
 
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
-from asr.models import load_pair
+from asr.models import choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, Transcriber, Transcript
 from asr.writers import FORMATS, RENDERERS, write_atomic
 
@@ -48,14 +48,15 @@ class PipelineSpec:
     draft: str | None
     draft_encoder: str = "auto"
     device: str = "auto"  # cuda when present
-    dtype: torch.dtype | None = None  # float16 on GPU, float32 on CPU
+    dtype: torch.dtype | None = None  # None: choose_dtypes' choice for the device
     options: TranscribeOptions = TranscribeOptions()
     batch_size: int = DEFAULT_BATCH_SIZE
 
     def build(self) -> Transcriber:
         device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
-        dtype = self.dtype or (torch.float16 if device.startswith("cuda") else torch.float32)
-        pair = load_pair(self.target, self.draft, draft_encoder=self.draft_encoder, device=device, dtype=dtype)
+        dtype, encoder_dtype = choose_dtypes(device, self.dtype)
+        pair = load_pair(self.target, self.draft, draft_encoder=self.draft_encoder, device=device, dtype=dtype,
+                         encoder_dtype=encoder_dtype)
         return Transcriber(pair, self.options, batch_size=max(1, self.batch_size))
 
 

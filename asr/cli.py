@@ -18,7 +18,7 @@ import torch
 from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
-from asr.models import DEFAULT_PRESET, PRESETS, load_pair
+from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import TranscribeOptions, Transcriber
@@ -60,10 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tab-separated, with a header and columns file (relative to the manifest's folder) and reference")
     e.add_argument("--out", type=Path, required=True, metavar="DIR", help="where report.json, report.md and the plots go")
     add_model_arguments(e)
-    e.add_argument("--batch-size", type=int, default=1, help="our engine's batch (the transformers peers use 1)")
+    e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+                   help="our engine's batch, as `asr transcribe`'s (default: %(default)s; the peers decode one file at a time)")
     e.add_argument("--limit", type=int, help="only the first N files of the manifest")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
-                   help="also run transformers' generate and its assisted generation with the same draft")
+                   help="also run transformers' generate and its assisted generation with the same draft (transformers), "
+                        "or faster-whisper on the same target weights (faster-whisper); repeat for both")
 
     s = commands.add_parser("stream", help="feed a file to the streaming transcriber as if it were a live microphone")
     s.add_argument("file", type=Path, metavar="FILE", help="an audio file")
@@ -100,14 +102,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-encoder", choices=["auto", "shared", "own"], default="auto",
                         help="shared: the draft reads the target's encoder output; own: a full Whisper draft runs its encoder")
     parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:1 ... (default: cuda when present)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), help="default: float16 on GPU, float32 on CPU")
+    parser.add_argument("--dtype", choices=["auto", *sorted(DTYPES)], default="auto",
+                        help="auto (default): float16 on a GPU; on a CPU float32 decoders with a bfloat16 encoder where the "
+                             "CPU computes in bfloat16 (avx512_bf16 / AMX), else float32")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on a GPU, run the decoder's steps eagerly rather than as CUDA graphs (slower; for debugging)")
 
 
-def device_and_dtype(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch.dtype]:
+    """The device, the decoders' dtype and the encoders' (choose_dtypes)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    return device, DTYPES[args.dtype] if args.dtype else (torch.float16 if device.startswith("cuda") else torch.float32)
+    return device, *choose_dtypes(device, DTYPES.get(args.dtype))
 
 
 def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:
@@ -143,7 +148,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         cuda_graphs=not args.no_cuda_graphs,
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
-                        DTYPES[args.dtype] if args.dtype else None, options, max(1, args.batch_size))
+                        DTYPES.get(args.dtype), options, max(1, args.batch_size))
     run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats), overwrite=args.overwrite,
                     progress=not args.no_progress and sys.stderr.isatty())
     if args.ray is None:
@@ -165,10 +170,11 @@ def evaluate_command(args: argparse.Namespace) -> int:
     if draft is None:
         print("asr: evaluation compares speculative with target-only decoding: give --draft with --target", file=sys.stderr)
         return 2
-    device, dtype = device_and_dtype(args)
+    device, dtype, encoder_dtype = device_and_dtypes(args)
     try:
         clips = read_manifest(args.manifest)[: args.limit]
-        pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype)
+        pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
+                         encoder_dtype=encoder_dtype)
     except (ValueError, OSError) as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
@@ -185,9 +191,10 @@ def evaluate_command(args: argparse.Namespace) -> int:
 
 def app_command(args: argparse.Namespace) -> int:
     target, draft = model_sources(args)
-    device, dtype = device_and_dtype(args)
+    device, dtype, encoder_dtype = device_and_dtypes(args)
     try:
-        pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype)
+        pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
+                         encoder_dtype=encoder_dtype)
     except (ValueError, OSError) as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
@@ -195,8 +202,8 @@ def app_command(args: argparse.Namespace) -> int:
     from app.ui import serve
 
     try:
-        serve(Engine(pair, f"Target {target} · draft {draft or 'none'} · {device}", cuda_graphs=not args.no_cuda_graphs),
-              args.host, args.port)
+        description = f"Target {target} · draft {draft or 'none'} · {device}, {pair.target.dtype_label}"
+        serve(Engine(pair, description, cuda_graphs=not args.no_cuda_graphs), args.host, args.port)
     except OSError as error:  # the port is taken, or the address is not this machine's
         print(f"asr: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
@@ -205,11 +212,11 @@ def app_command(args: argparse.Namespace) -> int:
 
 def stream_command(args: argparse.Namespace) -> int:
     target, draft = model_sources(args)
-    device, dtype = device_and_dtype(args)
+    device, dtype, encoder_dtype = device_and_dtypes(args)
     try:
         samples = load_audio(args.file)
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
-                         device=device, dtype=dtype)
+                         device=device, dtype=dtype, encoder_dtype=encoder_dtype)
         transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
                                                           cuda_graphs=not args.no_cuda_graphs))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,

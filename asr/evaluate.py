@@ -29,20 +29,22 @@ from transformers.generation.streamers import BaseStreamer
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
-from asr.models import ModelPair
+from asr.models import ModelPair, ctranslate2_directory
 from asr.speculative import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from asr.writers import write_atomic
 
 TARGET, SPECULATIVE = "target", "speculative"
 TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED = "transformers_target", "transformers_assisted"
-PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED)}
+FASTER_WHISPER = "faster_whisper"
+PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED), "faster-whisper": (FASTER_WHISPER,)}
 SPECULATIVE_SYSTEMS = (SPECULATIVE, TRANSFORMERS_ASSISTED)
 LABELS = {
     TARGET: "ours, target only",
     SPECULATIVE: "ours, speculative",
     TRANSFORMERS_TARGET: "transformers generate",
     TRANSFORMERS_ASSISTED: "transformers assisted",
+    FASTER_WHISPER: "faster-whisper",
 }
 PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time_split.png")
 NOTES = [
@@ -60,6 +62,10 @@ NOTES = [
     "every token with the shared (tied) embedding as its head.",
     "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
     "target passes (each pass keeps its accepted draft tokens plus one of its own).",
+    "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
+    "CPU and float16 on a GPU, greedy (beam_size=1, best_of=1), no VAD, with the same language, task, temperatures, "
+    "thresholds and previous-text conditioning as ours, on as many CPU threads as ours; it computes its own log-mel "
+    "features from the same samples; its time is end to end only (no encoder / decoder split).",
 ]
 
 
@@ -330,6 +336,46 @@ class TransformersSystem:
         )
 
 
+class FasterWhisperSystem:
+    """faster-whisper (CTranslate2) on the target's weights, one file at a time, greedy."""
+
+    def __init__(self, pair: ModelPair, options: TranscribeOptions):
+        try:
+            from faster_whisper import WhisperModel
+        except ImportError as error:
+            raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'") from error
+        self.target = pair.target
+        self.options = options
+        device = pair.target.device
+        self.model = WhisperModel(str(ctranslate2_directory(pair.target.name)), device=device.type,
+                                  device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
+                                  cpu_threads=torch.get_num_threads(), num_workers=1)
+
+    def run(self, items: list[AudioInput], language: str) -> list[Run]:
+        runs = []
+        for item in items:
+            try:
+                runs.append(self._one(item, language))
+            except Exception as error:
+                runs.append(Run(error=_describe(error)))
+        return runs
+
+    def _one(self, item: AudioInput, language: str) -> Run:
+        options, vocab = self.options, self.target.vocab
+        started = time.perf_counter()
+        segments, _ = self.model.transcribe(
+            item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1, best_of=1,
+            temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
+            log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
+            condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
+            vad_filter=False, word_timestamps=False)
+        segments = list(segments)  # the generator does the work
+        seconds = time.perf_counter() - started
+        tokens = [t for segment in segments for t in segment.tokens if t < vocab.eot]
+        return Run(text="".join(segment.text for segment in segments).strip(), tokens=tokens,
+                   segment_times=[(round(segment.start, 3), round(segment.end, 3)) for segment in segments], seconds=seconds)
+
+
 def system_names(peers: tuple[str, ...]) -> list[str]:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
@@ -348,10 +394,12 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
     read, or that a system fails on, is marked and the others go on."""
     if pair.draft is None:
         raise ValueError("evaluation compares speculative decoding with target-only decoding: it needs a draft")
-    systems: dict[str, OurSystem | TransformersSystem] = {}
+    systems: dict[str, OurSystem | TransformersSystem | FasterWhisperSystem] = {}
     for name in system_names(options.peers):
         if name in (TARGET, SPECULATIVE):
             systems[name] = OurSystem(pair, replace(options.transcribe, speculative=name == SPECULATIVE), options.batch_size)
+        elif name == FASTER_WHISPER:
+            systems[name] = FasterWhisperSystem(pair, options.transcribe)
         else:
             systems[name] = TransformersSystem(pair, options.transcribe, assisted=name == TRANSFORMERS_ASSISTED)
     names = list(systems)
@@ -397,7 +445,7 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
 def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
     return {
         "device": str(pair.target.device),
-        "dtype": str(pair.target.dtype).removeprefix("torch."),
+        "dtype": pair.target.dtype_label,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "preset": options.preset,
@@ -491,6 +539,9 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         if r.ok(TARGET) and r.ok(SPECULATIVE):
             entry["identical"] = _identical(r.runs[SPECULATIVE], r.runs[TARGET], with_times=True)
             entry["normalized"] = normalized[id(r)]
+            for system in systems:
+                if system not in (TARGET, SPECULATIVE) and r.ok(system):
+                    entry[f"{system}_identical_to_target"] = _identical(r.runs[system], r.runs[TARGET], with_times=False)
         per_file.append(entry)
 
     target, speculative = summary[TARGET], summary[SPECULATIVE]
@@ -553,6 +604,12 @@ def render_markdown(report: dict, title: str) -> str:
     if assisted.get("speedup_vs_transformers_target") is not None:
         lines.append(f"transformers assisted vs transformers generate: {_number(assisted['speedup_vs_transformers_target'], 'x')} "
                      "end to end.")
+    for system in report["systems"]:
+        differing = [f for f in report["per_file"] if f.get(f"{system}_identical_to_target") is False]
+        if differing:
+            lines += ["", f"Files where {LABELS[system]}'s text tokens differ from ours target-only ({len(differing)}):", ""]
+            lines += [f"- `{Path(f['file']).name}`: ours \"{f[f'{TARGET}_text']}\" / {LABELS[system]} \"{f[f'{system}_text']}\""
+                      for f in differing]
     if report["failures"]:
         lines += ["", f"Failures ({len(report['failures'])}):", ""]
         lines += [f"- `{f['file']}` ({f['system'] or 'audio'}): {f['reason']}" for f in report["failures"]]

@@ -7,6 +7,9 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -81,7 +84,19 @@ class WhisperModel:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The decoder's (and the output head's)."""
         return self.model.proj_out.weight.dtype
+
+    @property
+    def encoder_dtype(self) -> torch.dtype | None:
+        return None if self.encoder is None else self.encoder.conv1.weight.dtype
+
+    @property
+    def dtype_label(self) -> str:
+        """e.g. 'float32' or 'float32, encoder bfloat16', for reports."""
+        name = str(self.dtype).removeprefix("torch.")
+        encoder = self.encoder_dtype
+        return name if encoder in (None, self.dtype) else f"{name}, encoder {str(encoder).removeprefix('torch.')}"
 
     @cached_property
     def runner(self) -> DecoderRunner:
@@ -98,15 +113,16 @@ class WhisperModel:
     def encode(self, features: Tensor) -> Tensor:
         """features [B, mels, frames]: 30 s windows (3000 frames), or fewer frames (an even
         number), encoded as they are, at the first frames / 2 positions (whisper.cpp's
-        audio_ctx): far cheaper for short audio, but not what Whisper was trained on."""
-        features = features.to(self.device, self.dtype)
+        audio_ctx): far cheaper for short audio, but not what Whisper was trained on. The
+        output is in the decoder's dtype (the encoder may run in another: choose_dtypes)."""
+        features = features.to(self.device, self.encoder_dtype)
         if features.shape[-1] < self.encoder.config.max_source_positions * 2:
-            return self._encode_prefix(features)
+            return self._encode_prefix(features).to(self.dtype)
         # One window at a time. On a CPU a batch's activations overflow the caches (a batch of
         # 8 windows took 1.15-1.35x longer than 8 single ones, scripts/benchmark_encoder.py); on
         # a GPU a window's 1,500 frames already fill the matrix units, and a window's encoding
         # then never depends on the windows beside it.
-        return torch.cat([self.encoder(window[None]).last_hidden_state for window in features])
+        return torch.cat([self.encoder(window[None]).last_hidden_state for window in features]).to(self.dtype)
 
     def _encode_prefix(self, features: Tensor) -> Tensor:
         """The encoder's own layers over fewer positions (its forward insists on 3000 frames)."""
@@ -269,10 +285,21 @@ def load_pair(
     draft_encoder: str = "auto",
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    encoder_dtype: torch.dtype | None = None,
 ) -> ModelPair:
     """draft_encoder: 'shared' (the draft reads the target's encoder output; a draft that
     ships an encoder must ship the target's), 'own' (a full smaller Whisper runs its own
-    encoder once per window), or 'auto' (shared when possible)."""
+    encoder once per window), or 'auto' (shared when possible). encoder_dtype: the
+    encoders' dtype where it differs from the decoders' (choose_dtypes)."""
+    pair = _load_pair(target, draft, draft_encoder, device, dtype)
+    for model in (pair.target, pair.draft if pair.draft_has_own_encoder else None):
+        if model is not None and encoder_dtype is not None:
+            model.encoder.to(encoder_dtype)
+    return pair
+
+
+def _load_pair(target: str, draft: str | None, draft_encoder: str, device: str | torch.device,
+               dtype: torch.dtype) -> ModelPair:
     if draft_encoder not in ("auto", "shared", "own"):
         raise ValueError(f"draft_encoder must be auto, shared or own, not {draft_encoder!r}")
     target_model = load_model(target, device=device, dtype=dtype)
@@ -287,6 +314,65 @@ def load_pair(
     if not own and draft_model.encoder is not None:
         draft_model.model.model.encoder = None  # shared: the copy is never run, so free it
     return ModelPair(target_model, draft_model, draft_has_own_encoder=own)
+
+
+def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
+    """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a
+    GPU; on a CPU, float32 decoders (speculative output is then the float32 target's) and a
+    bfloat16 encoder where the CPU computes in bfloat16 natively (avx512_bf16, AMX): the
+    encoder is most of a CPU's time per window, and ran 3.4x faster so on this project's
+    CPU (README, Speed)."""
+    if dtype is not None:
+        return dtype, dtype
+    if torch.device(device).type == "cuda":
+        return torch.float16, torch.float16
+    return torch.float32, torch.bfloat16 if cpu_computes_bfloat16() else torch.float32
+
+
+def cpu_computes_bfloat16() -> bool:
+    """Whether this CPU has bfloat16 arithmetic (avx512_bf16 or AMX), where oneDNN runs
+    bfloat16 matrix products at full speed; elsewhere bfloat16 is emulated, and slower."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+CT2_CACHE = Path(os.environ.get("ASR_CACHE", Path.home() / ".cache" / "asr")) / "ctranslate2"
+
+
+def ctranslate2_directory(source: str) -> Path:
+    """A CTranslate2 (faster-whisper) directory with these weights: a CTranslate2 source
+    itself; packaged weights (model.bin split over two packages) assembled once under
+    CT2_CACHE; a transformers checkpoint converted once there by CTranslate2's converter."""
+    directory, parts = resolve_directory(source)
+    if parts is None and (directory / "model.bin").is_file():
+        return directory
+    out = CT2_CACHE / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
+    if (out / "model.bin").is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    building = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    try:
+        if parts is not None:
+            with open(building / "model.bin", "wb") as model_bin:
+                for part in parts:
+                    model_bin.write(part.read_bytes())
+            for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+                shutil.copy(directory / name, building / name)
+        else:
+            try:
+                from ctranslate2.converters import TransformersConverter
+            except ImportError as error:
+                raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
+            shutil.rmtree(building)
+            TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
+        os.replace(building, out)  # whole or not at all
+    except BaseException:
+        shutil.rmtree(building, ignore_errors=True)
+        raise
+    return out
 
 
 def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: str) -> bool:

@@ -68,6 +68,7 @@ class TranscriptionInfo:
     encoder_seconds: float = 0.0
     decoder_seconds: float = 0.0
     windows: int = 0
+    dtype: str = ""  # the models' dtypes, e.g. "float32, encoder bfloat16"
 
 
 @dataclass
@@ -244,6 +245,7 @@ class Transcriber:
             language_probability=1.0,
             duration=duration,
             speculative=self.speculative,
+            dtype=target.dtype_label,
         )
         return _Job(audio, mel, frames, info, language=info.language or None)
 

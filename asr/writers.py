@@ -59,6 +59,7 @@ def to_json(transcript: Transcript) -> str:
         ],
         "stats": {
             "speculative": info.speculative,
+            "dtype": info.dtype,
             "draft_tokens_proposed": stats.draft_proposed,
             "draft_tokens_accepted": stats.draft_accepted,
             "acceptance_rate": round(stats.acceptance_rate, 4),

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from asr.audio import SAMPLE_RATE, load_audio
-from asr.cli import add_model_arguments, device_and_dtype, model_sources
+from asr.cli import add_model_arguments, device_and_dtypes, model_sources
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, StreamSummary, feed_recording, replay, summarize
@@ -63,8 +63,9 @@ def main() -> int:
         torch.set_num_threads(1)
     timer = time.thread_time if args.cpu_time else time.perf_counter
     target, draft = model_sources(args)
-    device, dtype = device_and_dtype(args)
-    transcriber = Transcriber(load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype),
+    device, dtype, encoder_dtype = device_and_dtypes(args)
+    transcriber = Transcriber(load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
+                                        encoder_dtype=encoder_dtype),
                               TranscribeOptions(language=args.language))
     samples = load_audio(args.audio)
     references = {c.path.resolve(): c.reference for c in read_manifest(args.manifest)} if args.manifest.exists() else {}

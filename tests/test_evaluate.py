@@ -1,6 +1,6 @@
 """`asr evaluate` on a few short dev clips with the embedded models: the report and its
 files, WER against jiwer computed independently, exactness, a deliberately wrong
-reference, a file that fails; the transformers peers on one clip."""
+reference, a file that fails; the transformers peers on one clip, faster-whisper on two."""
 
 from __future__ import annotations
 
@@ -17,15 +17,18 @@ from whisper_normalizer.english import EnglishTextNormalizer
 from asr.audio import load_audio
 from asr.cli import main
 from asr.evaluate import (
+    FASTER_WHISPER,
     PLOTS,
     SPECULATIVE,
     TARGET,
     TRANSFORMERS_ASSISTED,
     TRANSFORMERS_TARGET,
     EvaluateOptions,
+    FasterWhisperSystem,
     TransformersSystem,
     build_report,
     describe_environment,
+    render_markdown,
     run_systems,
     system_names,
     transformers_assistant,
@@ -162,6 +165,27 @@ def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     assert "tokens_per_target_pass" not in plain
     histogram_matches_totals(assisted)
     assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
+
+
+def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated, tmp_path: Path, monkeypatch):
+    """faster-whisper reads the packaged weights assembled into a CTranslate2 directory
+    (once, in the cache); on a clip where its tokens differ from ours, the report lists both."""
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    results, environment, _ = evaluated
+    audio = [AudioInput(str(r.clip.path), load_audio(r.clip.path)) for r in results if r.error is None]
+    system = FasterWhisperSystem(embedded, TranscribeOptions())
+    runs = system.run(audio, "en")
+    assert all(run.error is None and run.text and run.seconds > 0 for run in runs)
+    scored = [r for r in results if r.error is None]
+    altered = [replace(r, runs={**r.runs, FASTER_WHISPER: run}) for r, run in zip(scored, runs)]
+    altered[1].runs[FASTER_WHISPER] = replace(runs[1], text="something else", tokens=[400, 500])
+    report = build_report(altered, system_names(("faster-whisper",)), environment)
+    entry = report["systems"][FASTER_WHISPER]
+    assert entry["files"] == 2 and entry["identical_to_target_fraction"] <= 0.5
+    assert [f.get(f"{FASTER_WHISPER}_identical_to_target") for f in report["per_file"]][1] is False
+    markdown = render_markdown(report, "t")
+    assert "faster-whisper's text tokens differ from ours target-only (1)" in markdown and '"something else"' in markdown
+    assert len(list((tmp_path / "cache").iterdir())) == 1  # assembled once
 
 
 def test_cli_writes_a_report_when_every_file_fails_and_exits_nonzero(tmp_path: Path):

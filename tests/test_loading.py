@@ -3,7 +3,6 @@ and load-time compatibility checks."""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +12,7 @@ import torch
 from asr.audio import load_audio
 from asr.ct2 import CT2FormatError
 from asr.features import WINDOW_FRAMES, log_mel
-from asr.models import IncompatibleModels, load_model, load_pair, packaged_directory
+from asr.models import IncompatibleModels, ctranslate2_directory, load_model, load_pair
 from conftest import DEV, decoder_only_draft, perturbed, save_tiny, tiny_target
 
 PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
@@ -87,14 +86,13 @@ def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path):
 
 @pytest.fixture(scope="module")
 def base_ct2_dir(tmp_path_factory) -> Path:
-    """The packaged whisper-base laid out as a plain faster-whisper directory."""
-    data, parts = packaged_directory("whisper-base")
-    directory = tmp_path_factory.mktemp("whisper-base-ct2")
-    with open(directory / "model.bin", "wb") as out:
-        for part in parts:
-            out.write(part.read_bytes())
-    for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
-        shutil.copy(data / name, directory / name)
+    """The packaged whisper-base laid out as a plain faster-whisper directory (what
+    `asr evaluate --peers faster-whisper` gives faster-whisper)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("asr.models.CT2_CACHE", tmp_path_factory.mktemp("cache"))
+        directory = ctranslate2_directory("packaged:whisper-base")
+    assert {p.name for p in directory.iterdir()} == {"model.bin", "config.json", "tokenizer.json", "vocabulary.txt"}
+    assert ctranslate2_directory(str(directory)) == directory  # a CTranslate2 directory is its own
     return directory
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.metrics import read_manifest, word_error_rate
@@ -49,6 +50,26 @@ def test_speculative_equals_target_only_on_every_dev_clip(base_pair, dev_set):
     assert wer <= 0.05, f"normalised WER {wer:.1%} on the short dev clips"
     long = [c for c in clips if c.duration > 30]
     assert word_error_rate([c.reference for c in long], [plain[str(c.path)].text for c in long]) <= 0.15
+
+
+def test_a_bfloat16_encoder_keeps_speculative_exact_and_the_wer(dev_set):
+    """The CPU default where the CPU computes in bfloat16 (choose_dtypes): encoders in
+    bfloat16, decoders in float32. The shipped draft's transcripts equal the target's alone
+    in those dtypes, the dtype is reported, and the short clips' WER stays under the
+    float32 test's floor."""
+    clips, audio = dev_set
+    short = [(c, a) for c, a in zip(clips, audio) if c.duration <= 30]
+    pair = load_pair("packaged:whisper-base", "bundled:whisper-base-2l", dtype=torch.float32, encoder_dtype=torch.bfloat16)
+    assert pair.target.encoder_dtype == torch.bfloat16 and pair.target.dtype == torch.float32
+    transcripts = {}
+    for speculative in (False, True):
+        transcriber = Transcriber(pair, TranscribeOptions(language="en", speculative=speculative), batch_size=8)
+        transcripts[speculative] = {t.source: t for t in transcriber.transcribe_many(a for _, a in short)}
+    for name, plain in transcripts[False].items():
+        assert tokens_of(transcripts[True][name]) == tokens_of(plain), name
+        assert plain.info.dtype == "float32, encoder bfloat16"
+    wer = word_error_rate([c.reference for c, _ in short], [transcripts[False][a.name].text for _, a in short])
+    assert wer <= 0.05, f"normalised WER {wer:.1%} on the short dev clips with a bfloat16 encoder"
 
 
 def test_long_recording_is_cut_into_timed_segments(base_pair, dev_set):
