@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from dataclasses import dataclass, field
 
@@ -10,7 +11,7 @@ from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from asr.audio import SAMPLE_RATE
 from asr.models import ModelPair
-from asr.transcribe import TranscribeOptions, Transcriber
+from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 
 AUTO = "auto"
 
@@ -35,15 +36,22 @@ class Engine:
     models: ModelPair
     description: str  # what the page says it runs, e.g. the target and draft names
     cuda_graphs: bool = True  # on a GPU, the decoder's steps run as CUDA graphs
-    # One model computation at a time: on a CPU, concurrent runs would only fight over the
-    # same cores, and taking turns keeps each visitor's latency predictable.
+    # Every visitor's uploads and live windows decode together in the scheduler's batches;
+    # None: requests take turns on the models, one at a time (the lock).
+    scheduler: Scheduler | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transcriber(self, settings: Settings) -> Transcriber:
         """A Transcriber per request (cheap: it holds only options and the adaptive draft
         length's measurements) over the shared models and their engines; ValueError for
         settings the target refuses."""
-        return Transcriber(self.models, settings.options(self.cuda_graphs))
+        return Transcriber(self.models, settings.options(self.cuda_graphs), scheduler=self.scheduler)
+
+    def turn(self) -> contextlib.AbstractContextManager:
+        """What a request holds while it decodes: nothing when the scheduler batches requests
+        (it takes them all at once), else the lock (one request at a time: on a CPU,
+        concurrent runs would only fight over the same cores)."""
+        return contextlib.nullcontext() if self.scheduler is not None else self.lock
 
     def warm_up(self) -> None:
         """One second of silence through both models, so the first visitor does not wait for

@@ -96,7 +96,7 @@ class LiveSession:
                     self._streamer.insert_audio(chunk)
             if stopping and self._started is None:
                 return  # nothing was heard
-            with self._engine.lock:
+            with self._engine.turn():
                 update = self._streamer.finish() if stopping else self._streamer.process()
             self.updates.append(update)
             if stopping:

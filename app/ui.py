@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+import shutil
 import tempfile
 import time
 import uuid
@@ -13,15 +14,18 @@ import numpy as np
 
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
-from app.views import PLACEHOLDER, error_html, figures_html, live_figures, live_html, transcript_html, upload_figures
+from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, server_figures, transcript_html,
+                       upload_figures)
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.writers import FORMATS, write_transcript
 
 MAX_DRAFT_LENGTH = 8
 # Each live recording holds a queue slot for as long as it lasts, so this is how many
-# people can speak at once; model work itself still takes turns (Engine.lock).
+# people can speak at once; their windows decode in the scheduler's batches.
 LIVE_SESSIONS = 8
-UPLOADS = 4  # transcriptions accepted at once; they too take turns on the models
+# Transcriptions accepted at once: their audio is read in parallel, then they decode together
+# (up to the scheduler's rows; the rest wait there for a row), or take turns without batching.
+UPLOADS = 16
 QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
 LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
 MAX_UPLOAD = "1gb"
@@ -55,9 +59,12 @@ FONTS = ["ui-sans-serif", "system-ui", "Segoe UI", "Helvetica", "Arial", "sans-s
 MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"]
 
 
-def build(engine: Engine, downloads_dir: Path) -> gr.Blocks:
-    """The page over the shared models; transcripts to download are written under downloads_dir."""
-    with gr.Blocks(title="asr: speculative Whisper", analytics_enabled=False) as demo:
+def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> gr.Blocks:
+    """The page over the shared models; transcripts to download are written under
+    downloads_dir and removed keep_seconds later, as are uploads (Gradio's cache)."""
+    sweep_every = int(max(60.0, min(keep_seconds / 4, 600.0)))
+    with gr.Blocks(title="asr: speculative Whisper", analytics_enabled=False,
+                   delete_cache=(sweep_every, int(keep_seconds))) as demo:
         gr.HTML(
             '<div class="asr-header"><h1>Speculative Whisper transcription</h1>'
             f"<p>{html.escape(engine.description)}. The draft proposes tokens, the target verifies them in one pass: "
@@ -77,16 +84,39 @@ def build(engine: Engine, downloads_dir: Path) -> gr.Blocks:
                     info="Adaptive tunes it to the measured acceptance and cost.",
                 )
                 gr.Markdown("Settings apply to the next file or recording.")
+                server_panel(engine)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, language, task, draft_length)
+                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length)
                     with gr.Tab("Microphone", id="microphone"):
                         microphone_tab(engine, language, task, draft_length)
     return demo
 
 
-def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:
+def server_panel(engine: Engine) -> None:
+    """The server's live numbers, for whoever runs it: refreshed every few seconds."""
+    if engine.scheduler is None:
+        gr.Markdown("Requests take turns on the models, one at a time.")
+        return
+    with gr.Accordion("Server", open=False):
+        figures = gr.HTML(elem_id="server-figures")
+    gr.Timer(5.0).tick(lambda: figures_html(server_figures(engine.scheduler.load())), None, figures,
+                       show_progress="hidden", queue=False)
+
+
+def sweep(directory: Path, max_age: float) -> None:
+    """Removes the download folders (one per transcript) older than max_age seconds."""
+    cutoff = time.time() - max_age
+    for folder in directory.iterdir():
+        try:
+            if folder.stat().st_mtime < cutoff:
+                shutil.rmtree(folder, ignore_errors=True)
+        except FileNotFoundError:  # another request swept it first
+            continue
+
+
+def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settings: gr.components.Component) -> None:
     audio = gr.File(label="Audio or video file", file_types=sorted(AUDIO_EXTENSIONS), type="filepath",
                     elem_id="upload-file")
     run = gr.Button("Transcribe", variant="primary", elem_id="upload-run")
@@ -109,12 +139,14 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
         except ValueError as error:
             return failed(str(error))
         try:
-            with engine.lock:
+            audio = transcriber.read(path, name)
+            with engine.turn():
                 started = time.perf_counter()
-                result = transcriber.transcribe(path, name=name)
+                result = transcriber.transcribe(audio)
                 seconds = time.perf_counter() - started
         except AudioError as error:
             return failed(str(error).replace(path, name))
+        sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS))
         stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
         return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
@@ -172,11 +204,11 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
                               show_progress="hidden")
 
 
-def serve(engine: Engine, host: str, port: int) -> None:
+def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) -> None:
     """Blocks until interrupted."""
     engine.warm_up()
     with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
-        demo = build(engine, Path(downloads))
+        demo = build(engine, Path(downloads), keep_seconds)
         demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
         demo.launch(
             server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],

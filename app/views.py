@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass
 
 from asr.streaming import StreamSummary
-from asr.transcribe import Transcript
+from asr.transcribe import SchedulerLoad, Transcript
 
 PLACEHOLDER = '<div class="asr-empty">{}</div>'
 
@@ -114,4 +114,15 @@ def live_figures(summary: StreamSummary, recorded_seconds: float, final: bool) -
         # Each re-decode proposes the previous hypothesis first; what the target keeps costs no new pass.
         Figure("Reused hypothesis", f"{summary.hypothesis_tokens_accepted} / {summary.hypothesis_tokens_proposed}",
                f"tokens kept · {summary.draft_tokens_accepted} more from the draft"),
+    ]
+
+
+def server_figures(load: SchedulerLoad) -> list[Figure]:
+    return [
+        Figure("In progress", f"{load.recordings + load.windows}",
+               f"{load.recordings} files · {load.windows} live updates · {load.queued} waiting"),
+        Figure("Batch", f"{load.rows} rows", "decoding together now"),
+        Figure("Audio served", f"{load.audio_seconds_served / 3600:.2f} h", f"{load.recordings_served} files"),
+        Figure("Live updates", f"{load.windows_served}", "microphone windows decoded"),
+        Figure("Failures", f"{load.failures}", "decoding errors (bad files are refused before)"),
     ]

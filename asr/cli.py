@@ -21,7 +21,7 @@ from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
-from asr.transcribe import TranscribeOptions, Transcriber
+from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 from asr.writers import FORMATS
 
 LOCAL_RAY = "local"  # --ray without an address
@@ -90,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 opens it to the network)")
     a.add_argument("--port", type=int, default=7860, help="(default: %(default)s)")
+    a.add_argument("--batch-rows", type=int, default=4,
+                   help="recordings from different visitors decoded together; more rows serve more at once but "
+                        "stretch a long recording's wait (default: %(default)s)")
+    a.add_argument("--no-batching", action="store_true",
+                   help="one request at a time on the models (the pre-batching server, for comparison)")
+    a.add_argument("--keep-files-minutes", type=float, default=60.0,
+                   help="uploads and transcripts to download are removed after this long (default: %(default)s)")
     add_model_arguments(a)
     return parser
 
@@ -203,7 +210,9 @@ def app_command(args: argparse.Namespace) -> int:
 
     try:
         description = f"Target {target} · draft {draft or 'none'} · {device}, {pair.target.dtype_label}"
-        serve(Engine(pair, description, cuda_graphs=not args.no_cuda_graphs), args.host, args.port)
+        scheduler = None if args.no_batching else Scheduler(rows=max(1, args.batch_rows))
+        engine = Engine(pair, description, cuda_graphs=not args.no_cuda_graphs, scheduler=scheduler)
+        serve(engine, args.host, args.port, keep_seconds=args.keep_files_minutes * 60)
     except OSError as error:  # the port is taken, or the address is not this machine's
         print(f"asr: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2

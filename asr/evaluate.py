@@ -549,6 +549,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         "n_files": len(scored),
         "audio_seconds": sum(r.duration for r in scored),
         "systems": summary,
+        "by_length": _by_length(scored, systems),
         "identical_fraction": speculative["identical_to_target_fraction"],
         "wer_delta": speculative["wer"] - target["wer"] if scored else None,
         "speedup": _ratio(target["seconds"], speculative["seconds"]),
@@ -557,6 +558,21 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         "failures": failures,
         "environment": environment,
     }
+
+
+def _by_length(scored: list[FileResult], systems: list[str]) -> dict:
+    """Seconds and RTFx per system for files of one window (up to 30 s) and longer ones:
+    short files pay a whole window's encoder for little audio, long ones are mostly decoding."""
+    groups = {}
+    for name, files in (("up to 30 s", [r for r in scored if r.duration <= 30]),
+                        ("over 30 s", [r for r in scored if r.duration > 30])):
+        done = {system: [r for r in files if r.ok(system)] for system in systems}
+        if files:
+            groups[name] = {"files": len(files), "audio_seconds": sum(r.duration for r in files), "systems": {
+                system: {"files": len(rs), "seconds": sum(r.runs[system].seconds for r in rs),
+                         "rtfx": _ratio(sum(r.duration for r in rs), sum(r.runs[system].seconds for r in rs))}
+                for system, rs in done.items() if rs}}
+    return groups
 
 
 def _percent(value: float | None, digits: int = 2) -> str:
@@ -600,6 +616,14 @@ def render_markdown(report: dict, title: str) -> str:
             f"{100 * report['wer_delta']:+.2f} points, {_number(report['speedup'], 'x')} faster end to end, "
             f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
+    if len(report["by_length"]) > 1:
+        systems = list(report["systems"])
+        lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",
+                  "|---|---|" + "---|" * len(systems)]
+        for name, group in report["by_length"].items():
+            cells = [f"{_number(g['seconds'])} ({_number(g['rtfx'], digits=1)})" if (g := group["systems"].get(s)) else "-"
+                     for s in systems]
+            lines.append(f"| {group['files']} {name} | {group['audio_seconds']:.1f} | " + " | ".join(cells) + " |")
     assisted = report["systems"].get(TRANSFORMERS_ASSISTED, {})
     if assisted.get("speedup_vs_transformers_target") is not None:
         lines.append(f"transformers assisted vs transformers generate: {_number(assisted['speedup_vs_transformers_target'], 'x')} "

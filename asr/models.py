@@ -151,8 +151,9 @@ class ModelPair:
         key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs)
         if key not in self._engines:
             draft = self.draft.runner if key[0] else None
-            self._engines[key] = SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
-                                                    cuda_graphs=cuda_graphs)
+            # setdefault: two threads creating the same engine at once end up sharing one
+            self._engines.setdefault(key, SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
+                                                             cuda_graphs=cuda_graphs))
         return self._engines[key]
 
 

@@ -285,7 +285,8 @@ class Batch:
             raise ValueError(f"windows of {key[0]} frames cannot join a batch of windows of {self.state.key[1]}")
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(free) < len(windows):
-            self._resize(e.rows_for(self.live + len(windows)))
+            # Room for the rows wanted at once, so the next windows fill slots without copying the batch.
+            self._resize(e.rows_for(max(self.rows_wanted, self.live + len(windows))))
             free = [i for i, row in enumerate(self.slots) if row is None]
         slots = free[: len(windows)]
         started = time.perf_counter()
@@ -389,8 +390,10 @@ class Batch:
     def step(self) -> list[tuple[int, Sequence]]:
         """One round for every live row; returns (tag, result) for each row that finished."""
         e = self.engine
-        if not e.fixed_shapes and self.live < len(self.slots):
-            self._resize(self.live)  # on a CPU, finished rows stop costing work
+        if not e.fixed_shapes and 2 * self.live <= len(self.slots) and self.live < len(self.slots):
+            # On a CPU, finished rows stop costing work once they are half the batch: dropping
+            # them copies every live row's caches (tens of MB each), which a refill would undo.
+            self._resize(self.live)
         s, rows = self.state, [row for row in self.slots if row is not None]
         if not rows:
             return []

@@ -124,7 +124,8 @@ class StreamingTranscriber:
     ):
         if buffer_trim_seconds >= WINDOW_SECONDS:
             raise ValueError(f"buffer_trim_seconds must be below the {WINDOW_SECONDS} s window")
-        self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)))
+        self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)),
+                                       scheduler=transcriber.scheduler)
         self.hypothesis_draft = hypothesis_draft
         self.buffer_trim_seconds = buffer_trim_seconds
         self.encoder_padding_seconds = encoder_padding_seconds

@@ -5,11 +5,14 @@ window's start depends on where the previous one's last segment ended."""
 
 from __future__ import annotations
 
+import threading
 import time
 import zlib
+from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import numpy as np
 import torch
@@ -101,8 +104,10 @@ class AudioInput:
 
 @dataclass
 class _Job:
-    """A recording being transcribed: its features and how far the seek has got."""
+    """A recording being transcribed (or one window of it, for transcribe_window): its
+    features, how far the seek has got, and the Transcriber whose options it follows."""
 
+    transcriber: Transcriber
     audio: AudioInput
     mel: Tensor | StreamedMel
     frames: int
@@ -115,20 +120,34 @@ class _Job:
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
+    max_new_tokens: int | None = None  # a lower limit than the options'
+    window_only: bool = False  # one window decoded, not the recording's seek loop
+    result: WindowResult | None = None  # a window_only job's, once decoded
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
             return self.mel.window(self.seek)
         return window_at(self.mel, self.seek)
 
+    @property
+    def done(self) -> bool:
+        return self.result is not None if self.window_only else self.seek >= self.frames
+
+    def transcript(self) -> Transcript:
+        return Transcript(self.audio.name, self.segments, self.info)
+
 
 class Transcriber:
     """The typed Python API: `Transcriber(load_pair(...)).transcribe("talk.flac")`."""
 
-    def __init__(self, models: ModelPair, options: TranscribeOptions = TranscribeOptions(), batch_size: int = 1):
+    def __init__(self, models: ModelPair, options: TranscribeOptions = TranscribeOptions(), batch_size: int = 1,
+                 scheduler: Scheduler | None = None):
+        """scheduler: decode in its shared batches (many threads' work together) rather than
+        in this thread."""
         self.models = models
         self.options = options
         self.batch_size = batch_size
+        self.scheduler = scheduler
         target = models.target
         self.vocab = target.vocab
         self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
@@ -146,6 +165,12 @@ class Transcriber:
     def speculative(self) -> bool:
         return self.options.speculative and self.models.draft is not None
 
+    @property
+    def batch_key(self) -> tuple:
+        """Transcribers with equal keys can decode in one batch: same engine, rules and draft length."""
+        o = self.options
+        return id(self.engine), o.without_timestamps, o.num_draft_tokens, o.max_draft_tokens
+
     def rules(self, timestamps: bool) -> DecodingRules:
         """Whisper's decoding rules for this target (one instance per setting: graphs captured
         on a GPU hold its tensors)."""
@@ -162,8 +187,13 @@ class Transcriber:
             )
         return self._rules[timestamps]
 
-    def transcribe(self, audio: str | Path | np.ndarray, name: str | None = None) -> Transcript:
-        item = AudioInput(name or "audio", audio) if isinstance(audio, np.ndarray) else self.read(audio, name)
+    def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
+        if isinstance(audio, AudioInput):
+            item = audio
+        else:
+            item = AudioInput(name or "audio", audio) if isinstance(audio, np.ndarray) else self.read(audio, name)
+        if self.scheduler is not None:
+            return self.scheduler.run(self._start(item)).transcript()
         return next(iter(self.transcribe_many([item])))
 
     def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
@@ -182,23 +212,16 @@ class Transcriber:
         takes the recording's next window, or the next recording, at once."""
         pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
         decoding = _Decoding(self, self.batch_size)
-        active, ready = 0, []
         try:
             while True:
-                while active < self.batch_size and (item := next(pending, None)) is not None:
-                    ready.append(self._start(item))
-                    active += 1
-                decoding.submit(ready)
+                new = []
+                while decoding.recordings + len(new) < self.batch_size and (item := next(pending, None)) is not None:
+                    new.append(self._start(item))
+                decoding.submit(new)
                 if not decoding.busy:
                     return
-                ready = []
-                for job, sequence, temperature in decoding.step():
-                    self._advance(job, sequence, temperature)
-                    if job.seek < job.frames:
-                        ready.append(job)
-                        continue
-                    active -= 1
-                    yield Transcript(job.audio.name, job.segments, job.info)
+                for job in decoding.step():
+                    yield job.transcript()
         finally:
             decoding.close()
 
@@ -223,15 +246,17 @@ class Transcriber:
         if language is not None:
             job.language = job.info.language = language
         job.context, job.hint = list(context), list(hint or [])
-        decoding = _Decoding(self, 1, encoder_frames, max_new_tokens)
+        job.max_new_tokens, job.window_only = max_new_tokens, True
+        if self.scheduler is not None:
+            return self.scheduler.run(job, encoder_frames).result
+        decoding = _Decoding(self, 1, encoder_frames)
         try:
             decoding.submit([job])
-            while decoding.busy:
-                for _, sequence, temperature in decoding.step():
-                    return WindowResult(sequence.tokens, job.info.language, temperature, self._silent(sequence), job.info)
+            while not job.done:
+                decoding.step()
         finally:
             decoding.close()
-        raise RuntimeError("the window was not decoded")  # unreachable: a submitted row always finishes
+        return job.result
 
     def _start(self, audio: AudioInput) -> _Job:
         target = self.models.target
@@ -247,7 +272,7 @@ class Transcriber:
             speculative=self.speculative,
             dtype=target.dtype_label,
         )
-        return _Job(audio, mel, frames, info, language=info.language or None)
+        return _Job(self, audio, mel, frames, info, language=info.language or None)
 
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> list[tuple[str, float]]:
@@ -351,43 +376,51 @@ class Transcriber:
 
 class _Decoding:
     """The windows being decoded: the current window of each job is a row of one engine
-    batch. A decoded row is judged as Whisper judges it (temperature fallback): decoded again,
-    at the next temperature, or handed back."""
+    batch. A decoded row is judged as Whisper judges it (temperature fallback): decoded
+    again at the next temperature, or done; a recording then moves its seek and waits for
+    the next submit() to encode its next window. Jobs may follow different Transcribers'
+    options (language, task, thresholds) as long as they share the owner's engine, rules
+    and draft length (Transcriber.batch_key)."""
 
-    def __init__(self, transcriber: Transcriber, rows: int, encoder_frames: int | None = None,
-                 max_new_tokens: int | None = None):
-        self.transcriber = transcriber
-        options, target = transcriber.options, transcriber.models.target
-        generator = torch.Generator(device=target.device).manual_seed(options.seed)
-        self.batch = transcriber.engine.batch(
-            transcriber.rules(timestamps=not options.without_timestamps), rows=rows,
-            no_speech_token=transcriber.vocab.no_speech, draft_length=transcriber._draft_length, generator=generator)
+    def __init__(self, owner: Transcriber, rows: int, encoder_frames: int | None = None):
+        self.owner = owner
+        generator = torch.Generator(device=owner.models.target.device).manual_seed(owner.options.seed)
+        self.batch = owner.engine.batch(
+            owner.rules(timestamps=not owner.options.without_timestamps), rows=rows,
+            no_speech_token=owner.vocab.no_speech, draft_length=owner._draft_length, generator=generator)
         self.encoder_frames = encoder_frames
-        self.max_new_tokens = min(max_new_tokens or options.max_new_tokens, options.max_new_tokens)
         self.jobs: dict[int, _Job] = {}  # by the batch's row tag
+        self.waiting: list[_Job] = []  # recordings whose next window is still to be encoded
 
     @property
     def busy(self) -> bool:
-        return bool(self.jobs)
+        return bool(self.jobs or self.waiting)
+
+    @property
+    def recordings(self) -> int:
+        """Recordings in progress (single windows not counted)."""
+        return sum(not job.window_only for job in [*self.jobs.values(), *self.waiting])
 
     def close(self) -> None:
         self.batch.close()
 
     def submit(self, jobs: list[_Job]) -> None:
-        """Encodes the current window of each job and starts decoding it, at the first temperature."""
+        """Encodes the current window of each job (and of the recordings waiting for their
+        next one) and starts decoding it, at the first temperature."""
+        jobs, self.waiting = self.waiting + jobs, []
         if not jobs:
             return
-        t = self.transcriber
-        target, draft = t.models.target, t.models.draft
+        o = self.owner
+        target, draft = o.models.target, o.models.draft
         features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
         started = time.perf_counter()
         encoded = target.encode(features)
-        draft_encoded = draft.encode(features) if t.speculative and t.models.draft_has_own_encoder else None
+        draft_encoded = draft.encode(features) if o.speculative and o.models.draft_has_own_encoder else None
         encoder_seconds = (time.perf_counter() - started) / len(jobs)
         started = time.perf_counter()
         undetected = [i for i, job in enumerate(jobs) if job.language is None]
         if undetected:
-            for i, (language, probability) in zip(undetected, t.detect_language(encoded[undetected])):
+            for i, (language, probability) in zip(undetected, o.detect_language(encoded[undetected])):
                 jobs[i].language = jobs[i].info.language = language
                 jobs[i].info.language_probability = probability
         detection_seconds = (time.perf_counter() - started) / len(jobs)
@@ -400,23 +433,24 @@ class _Decoding:
         self._add(jobs)
 
     def _add(self, jobs: list[_Job]) -> None:
-        t = self.transcriber
         windows = []
         for job in jobs:
+            t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
             prompt, sot_index = t._prompt(job, temperature)
-            max_new = min(self.max_new_tokens, t.engine.max_positions - 1 - len(prompt))
+            limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)
+            max_new = min(limit, self.owner.engine.max_positions - 1 - len(prompt))
             windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, job.hint, job.draft_encoded))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 
-    def step(self) -> list[tuple[_Job, Sequence, float]]:
-        """One round; returns each window that is done: its job, result and temperature."""
-        t = self.transcriber
-        temperatures = t.options.temperatures
+    def step(self) -> list[_Job]:
+        """One round; returns the jobs that are done (a recording's last window decoded, or
+        a single window)."""
         done, again = [], []
         for tag, sequence in self.batch.step():
             job = self.jobs.pop(tag)
+            t, temperatures = job.transcriber, job.transcriber.options.temperatures
             job.info.decoder_seconds += sequence.seconds
             job.info.stats.add(sequence.stats)  # every attempt's
             if job.attempt + 1 < len(temperatures) and t._needs_fallback(sequence):
@@ -424,10 +458,136 @@ class _Decoding:
                 again.append(job)
                 continue
             job.info.windows += 1
-            done.append((job, sequence, temperatures[job.attempt]))
+            temperature = temperatures[job.attempt]
+            if job.window_only:
+                job.result = WindowResult(sequence.tokens, job.info.language, temperature, t._silent(sequence), job.info)
+            else:
+                t._advance(job, sequence, temperature)
+            (done if job.done else self.waiting).append(job)
         if again:
             self._add(again)
         return done
+
+
+@dataclass(frozen=True)
+class SchedulerLoad:
+    """What a Scheduler is doing now and has done (its counters)."""
+
+    queued: int  # jobs waiting for a row
+    recordings: int  # recordings in progress
+    windows: int  # single windows (live updates) in progress
+    rows: int  # rows in the engine batches now
+    recordings_served: int
+    windows_served: int
+    audio_seconds_served: float  # of recordings served
+    failures: int
+
+
+class Scheduler:
+    """One worker thread decodes the work that any thread hands it, together: uploads and
+    live microphone windows from many visitors share engine batches, as transcribe_many's
+    recordings do (a row whose window is done takes the next one at once), rather than
+    taking turns on the models. One batch per Transcriber.batch_key. Recordings take at most
+    `rows` rows of their batch; single windows (a live stream's updates, which a speaker
+    waits for) join at once, ahead of queued recordings."""
+
+    def __init__(self, rows: int = 8):
+        self.rows = rows
+        self._wake = threading.Condition()
+        self._queue: deque[tuple[_Job, int | None]] = deque()
+        self._futures: dict[int, Future] = {}  # by id(job), for every job queued or decoding
+        self._decodings: dict[tuple, _Decoding] = {}
+        self._served = [0, 0, 0.0, 0]  # recordings, windows, audio seconds, failures
+        self._closed = False
+        self._measure()
+        self._worker = threading.Thread(target=self._run, name="asr-scheduler", daemon=True)
+        self._worker.start()
+
+    def run(self, job: _Job, encoder_frames: int | None = None) -> _Job:
+        """Decodes the job (Transcriber.transcribe and transcribe_window hand theirs here) and
+        returns it done; raises what decoding raised."""
+        future: Future = Future()
+        with self._wake:
+            if self._closed:
+                raise RuntimeError("the scheduler is closed")
+            self._futures[id(job)] = future
+            self._queue.append((job, encoder_frames))
+            self._wake.notify()
+        return future.result()
+
+    def load(self) -> SchedulerLoad:
+        """As of the worker's last round."""
+        return self._load
+
+    def _measure(self) -> None:
+        jobs = [job for d in self._decodings.values() for job in (*d.jobs.values(), *d.waiting)]
+        with self._wake:
+            self._load = SchedulerLoad(
+                len(self._queue), sum(not j.window_only for j in jobs), sum(j.window_only for j in jobs),
+                sum(len(d.jobs) for d in self._decodings.values()), *self._served)
+
+    def close(self) -> None:
+        """Stops the worker; work not done fails with RuntimeError."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        self._worker.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._closed and not self._queue and not any(d.busy for d in self._decodings.values()):
+                    self._wake.wait()
+                if self._closed:
+                    break
+                admitted = self._admit()
+            for key, decoding in list(self._decodings.items()):
+                self._guarded(key, decoding.submit, admitted.get(key, []))
+                if key in self._decodings and decoding.busy:
+                    self._guarded(key, decoding.step)
+            self._measure()
+        with self._wake:
+            for future in self._futures.values():
+                future.set_exception(RuntimeError("the scheduler was closed before this was decoded"))
+            for decoding in self._decodings.values():
+                decoding.close()
+
+    def _admit(self) -> dict[tuple, list[_Job]]:
+        """Moves queued jobs that have room into their batches (windows first)."""
+        admitted: dict[tuple, list[_Job]] = {}
+        kept: deque[tuple[_Job, int | None]] = deque()
+        for job, frames in sorted(self._queue, key=lambda entry: not entry[0].window_only):
+            key = (*job.transcriber.batch_key, frames)
+            if key not in self._decodings:
+                self._decodings[key] = _Decoding(job.transcriber, self.rows, frames)
+            jobs = admitted.setdefault(key, [])
+            if job.window_only or self._decodings[key].recordings + len(jobs) < self.rows:
+                jobs.append(job)
+            else:
+                kept.append((job, frames))
+        self._queue = kept
+        return admitted
+
+    def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
+        """Runs a batch's submit or step and hands out what it finished; if it raises, every
+        job of that batch fails with the error, and the batch starts afresh."""
+        decoding = self._decodings[key]
+        members = [*decoding.jobs.values(), *decoding.waiting, *(args[0] if args else [])]
+        try:
+            done = work(*args) or []
+        except Exception as error:
+            with self._wake:
+                del self._decodings[key]
+                self._served[3] += len(members)
+                for job in members:
+                    self._futures.pop(id(job)).set_exception(error)
+            decoding.close()
+            return
+        with self._wake:
+            for job in done:
+                self._served[1 if job.window_only else 0] += 1
+                self._served[2] += 0.0 if job.window_only else job.info.duration
+                self._futures.pop(id(job)).set_result(job)
 
 
 def compression_ratio(text: str) -> float:

@@ -1,0 +1,120 @@
+"""The Scheduler (the web app's model worker): recordings and live windows handed over by
+many threads decode together in shared batches, each with its caller's own options, into
+the transcripts each would get alone; a failure costs only the batch it happened in."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import pytest
+
+from app.ui import sweep
+from asr.audio import SAMPLE_RATE, load_audio
+from asr.models import DEFAULT_PRESET, PRESETS, load_pair
+from asr.transcribe import AudioInput, Scheduler, TranscribeOptions, Transcriber, _Decoding
+from conftest import SAMPLES
+
+# (file, options): English detected or chosen, German detected, German translated.
+REQUESTS = [
+    ("jfk.flac", TranscribeOptions()),
+    ("1089-134691-0001.flac", TranscribeOptions(language="en")),
+    ("picovoice_test_de.wav", TranscribeOptions()),
+    ("picovoice_test_de.wav", TranscribeOptions(language="de", task="translate")),
+    ("sense_and_sensibility_01_austen_64kb-0870.wav", TranscribeOptions(language="en")),
+]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return load_pair(*PRESETS[DEFAULT_PRESET])
+
+
+def tokens_of(transcript) -> list[int]:
+    return [t for segment in transcript.segments for t in segment.tokens]
+
+
+def in_threads(work, count: int) -> list:
+    results: list = [None] * count
+
+    def run(i: int) -> None:
+        try:
+            results[i] = work(i)
+        except Exception as error:  # handed back to the test thread
+            results[i] = error
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=600)
+    return results
+
+
+def test_threads_decoding_together_get_what_each_would_alone(pair):
+    audio = {name: load_audio(SAMPLES / name) for name, _ in REQUESTS}
+    alone = [Transcriber(pair, options).transcribe(AudioInput(name, audio[name])) for name, options in REQUESTS]
+    live = Transcriber(pair, TranscribeOptions(language="en", temperatures=(0.0,)))
+    window = audio["jfk.flac"][: 6 * SAMPLE_RATE]
+    live_alone = live.transcribe_window(window, context=[], max_new_tokens=60)
+
+    scheduler = Scheduler(rows=2)  # fewer rows than recordings: some wait for a row
+    try:
+        def request(i: int):
+            if i == len(REQUESTS):  # a live microphone update among the uploads
+                return Transcriber(pair, live.options, scheduler=scheduler).transcribe_window(
+                    window, context=[], max_new_tokens=60)
+            name, options = REQUESTS[i]
+            return Transcriber(pair, options, scheduler=scheduler).transcribe(AudioInput(name, audio[name]))
+
+        together = in_threads(request, len(REQUESTS) + 1)
+        load = scheduler.load()
+    finally:
+        scheduler.close()
+
+    for (name, options), mine, reference in zip(REQUESTS, together, alone):
+        assert not isinstance(mine, Exception), mine
+        assert tokens_of(mine) == tokens_of(reference), (name, options)
+        assert [(s.start, s.end) for s in mine.segments] == [(s.start, s.end) for s in reference.segments]
+        assert mine.info.language == reference.info.language
+    assert together[2].info.language == "de" and "ask not" in together[0].text.lower()
+    assert together[-1].tokens == live_alone.tokens and together[-1].language == "en"
+    assert (load.recordings_served, load.windows_served, load.failures) == (len(REQUESTS), 1, 0)
+    assert (load.recordings, load.windows, load.rows, load.queued) == (0, 0, 0, 0)
+    assert load.audio_seconds_served == pytest.approx(sum(len(audio[n]) / SAMPLE_RATE for n, _ in REQUESTS), abs=0.01)
+
+
+def test_a_failing_batch_fails_its_own_jobs_and_the_worker_goes_on(pair, monkeypatch):
+    clip = load_audio(SAMPLES / "jfk.flac")
+    submit = _Decoding.submit
+
+    def failing_submit(self, jobs):
+        if any(job.audio.name == "poison" for job in jobs):
+            raise RuntimeError("kernel exploded")
+        return submit(self, jobs)
+
+    monkeypatch.setattr(_Decoding, "submit", failing_submit)
+    scheduler = Scheduler(rows=4)
+    try:
+        english = Transcriber(pair, TranscribeOptions(language="en"), scheduler=scheduler)
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            english.transcribe(AudioInput("poison", clip))
+        # The batch started afresh: the next recording decodes.
+        assert "ask not" in english.transcribe(AudioInput("fine", clip)).text.lower()
+        assert scheduler.load().failures == 1
+    finally:
+        scheduler.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        english.transcribe(AudioInput("late", clip))
+
+
+def test_old_downloads_are_swept(tmp_path):
+    old, new = tmp_path / "old", tmp_path / "new"
+    for folder in (old, new):
+        folder.mkdir()
+        (folder / "talk.txt").write_text("text")
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    sweep(tmp_path, max_age=3600)
+    assert not old.exists() and (new / "talk.txt").read_text() == "text"
