@@ -321,7 +321,7 @@ def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) 
     """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a
     GPU; on a CPU, float32 decoders (speculative output is then the float32 target's) and a
     bfloat16 encoder where the CPU computes in bfloat16 natively (avx512_bf16, AMX): the
-    encoder is most of a CPU's time per window, and ran 3.4x faster so on this project's
+    encoder is most of a CPU's time per window, and ran about 3x faster so on this project's
     CPU (README, Speed)."""
     if dtype is not None:
         return dtype, dtype

@@ -1,7 +1,8 @@
 """Encoder cost per window: one batch of N windows against N windows one at a time, in
-turns in one process (why WhisperModel.encode splits a batch on CPU).
+turns in one process (why WhisperModel.encode splits a batch on CPU), in each dtype given
+(float32 against bfloat16: what `--dtype auto` gains on a CPU with bf16 arithmetic).
 
-    python scripts/benchmark_encoder.py [--preset embedded] [--windows 8] [--repeats 3]
+    python scripts/benchmark_encoder.py [--preset embedded] [--windows 8] [--repeats 3] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -19,13 +20,23 @@ def main() -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtypes", default="float32", help="comma-separated, e.g. float32,bfloat16")
     args = parser.parse_args()
     model = load_model(PRESETS[args.preset][0])
-    features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions)
     print(f"{model.name} encoder, {args.windows} windows, {torch.get_num_threads()} threads, device {model.device}")
+    for dtype in args.dtypes.split(","):
+        model.encoder.to(getattr(torch, dtype))
+        features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions,
+                               dtype=getattr(torch, dtype))
+        print(dtype)
+        time_encoder(model, features, args.repeats)
+
+
+def time_encoder(model, features: torch.Tensor, repeats: int) -> None:
+    windows = len(features)
     with torch.inference_mode():
         model.encoder(features[:1])  # first-call costs out of the timings
-        for _ in range(args.repeats):
+        for _ in range(repeats):
             started = time.perf_counter()
             for window in features:
                 model.encoder(window[None])
@@ -33,7 +44,7 @@ def main() -> None:
             started = time.perf_counter()
             model.encoder(features)
             batched = time.perf_counter() - started
-            print(f"one at a time {single / args.windows:.3f} s/window, batched {batched / args.windows:.3f} s/window "
+            print(f"one at a time {single / windows:.3f} s/window, batched {batched / windows:.3f} s/window "
                   f"(batched / one at a time: {batched / single:.2f})")
 
 
