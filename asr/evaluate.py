@@ -244,7 +244,23 @@ def transformers_assistant(pair: ModelPair) -> nn.Module:
     return view.eval()
 
 
-class TransformersSystem:
+class _OneFileAtATime:
+    """A peer that decodes file by file: a file it fails on is marked, and it goes on."""
+
+    def run(self, items: list[AudioInput], language: str) -> list[Run]:
+        runs = []
+        for item in items:
+            try:
+                runs.append(self._one(item, language))
+            except Exception as error:
+                runs.append(Run(error=_describe(error)))
+        return runs
+
+    def _one(self, item: AudioInput, language: str) -> Run:
+        raise NotImplementedError
+
+
+class TransformersSystem(_OneFileAtATime):
     """transformers' own Whisper `generate` on the target's weights, alone or with our draft
     as `assistant_model`, one file at a time, given our log-mel features."""
 
@@ -270,15 +286,6 @@ class TransformersSystem:
             is_multilingual=vocab.multilingual,
             max_length=self.target.config.max_target_positions,
         )
-
-    def run(self, items: list[AudioInput], language: str) -> list[Run]:
-        runs = []
-        for item in items:
-            try:
-                runs.append(self._one(item, language))
-            except Exception as error:
-                runs.append(Run(error=_describe(error)))
-        return runs
 
     def _one(self, item: AudioInput, language: str) -> Run:
         target, options, vocab = self.target, self.options, self.target.vocab
@@ -336,7 +343,7 @@ class TransformersSystem:
         )
 
 
-class FasterWhisperSystem:
+class FasterWhisperSystem(_OneFileAtATime):
     """faster-whisper (CTranslate2) on the target's weights, one file at a time, greedy."""
 
     def __init__(self, pair: ModelPair, options: TranscribeOptions):
@@ -350,15 +357,6 @@ class FasterWhisperSystem:
         self.model = WhisperModel(str(ctranslate2_directory(pair.target.name)), device=device.type,
                                   device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
                                   cpu_threads=torch.get_num_threads(), num_workers=1)
-
-    def run(self, items: list[AudioInput], language: str) -> list[Run]:
-        runs = []
-        for item in items:
-            try:
-                runs.append(self._one(item, language))
-            except Exception as error:
-                runs.append(Run(error=_describe(error)))
-        return runs
 
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
