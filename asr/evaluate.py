@@ -295,7 +295,8 @@ class TransformersSystem(_OneFileAtATime):
         draft_decoder = self.assistant.model.decoder if self.assistant is not None else None
         started = time.perf_counter()
         mel = log_mel(item.samples, target.config.num_mel_bins, device=target.device)
-        # Up to 30 s: one window, padded as ours is; longer: transformers' long-form loop.
+        # Up to 30 s: one window, the audio padded with silence as transformers' feature
+        # extractor pads it (what its users get); longer: transformers' long-form loop.
         features = mel[:, : max(content_frames(item.samples), WINDOW_FRAMES)][None].to(target.dtype)
         _sync(target.device)
         featured = time.perf_counter()

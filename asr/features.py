@@ -64,8 +64,19 @@ def content_frames(audio: np.ndarray) -> int:
     return len(audio) // HOP_LENGTH
 
 
-def window_at(mel: Tensor, seek: int) -> Tensor:
-    return mel[:, seek : seek + WINDOW_FRAMES]
+def window_at(mel: Tensor, seek: int, frames: int) -> Tensor:
+    """The 3000 frames from `seek`, those past the audio's `frames` set to zero: Whisper's
+    transcribe (and faster-whisper) cut a window's log-mel at the end of the audio and pad
+    it with zeros, not with the log-mel of silence, and the model was trained on that."""
+    return _zero_past(mel[:, seek : seek + WINDOW_FRAMES], frames - seek)
+
+
+def _zero_past(window: Tensor, content: int) -> Tensor:
+    if content >= window.shape[1]:
+        return window
+    window = window.clone()
+    window[:, max(content, 0) :] = 0.0
+    return window
 
 
 class StreamedMel:
@@ -77,7 +88,7 @@ class StreamedMel:
     both; windows are then computed on demand as the seek moves forward (it never moves
     back), each from the samples its frames see, with the same STFT framing and centre
     padding as the whole-recording path, so `window(seek)` equals
-    `window_at(log_mel(samples), seek)` up to floating-point summation order. The price is
+    `window_at(log_mel(samples), seek, frames)` up to floating-point summation order. The price is
     reading (decoding and resampling) the file twice.
     """
 
@@ -111,7 +122,8 @@ class StreamedMel:
     def window(self, seek: int) -> Tensor:
         if self._stream is None:
             self._stream = _SampleStream(self._open())
-        return _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)
+        window = _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)
+        return _zero_past(window, self.frames - seek)
 
     def _log10_frames(self, stream: "_SampleStream", first: int, end: int) -> Tensor:
         """Frames [first, end): frame f is centred on sample f * HOP_LENGTH."""

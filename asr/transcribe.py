@@ -115,11 +115,12 @@ class _Job:
     language: str | None
     seek: int = 0
     segments: list[Segment] = field(default_factory=list)
-    context: list[int] = field(default_factory=list)  # text tokens that condition the next window
+    context: list[int] = field(default_factory=list)  # tokens that condition the next window
     hint: list[int] = field(default_factory=list)  # tokens the window is expected to give: its first draft
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
+    rejected: list[int] = field(default_factory=list)  # the window's last attempt's tokens, if it fell back
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
@@ -127,7 +128,7 @@ class _Job:
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
             return self.mel.window(self.seek)
-        return window_at(self.mel, self.seek)
+        return window_at(self.mel, self.seek, self.frames)
 
     @property
     def done(self) -> bool:
@@ -290,12 +291,14 @@ class Transcriber:
 
     def _needs_fallback(self, sequence: Sequence) -> bool:
         options = self.options
-        if options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold:
-            return False  # silence: nothing to retry
+        low_logprob = options.log_prob_threshold is not None and sequence.avg_logprob < options.log_prob_threshold
+        no_speech = options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
+        if no_speech and low_logprob:
+            return False  # silence: nothing to retry (a confident text is retried if repetitive)
         ratio = compression_ratio(self.vocab.decode(sequence.tokens))
         if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
             return True
-        return options.log_prob_threshold is not None and sequence.avg_logprob < options.log_prob_threshold
+        return low_logprob
 
     def _prompt(self, job: _Job, temperature: float) -> tuple[list[int], int]:
         """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
@@ -353,10 +356,12 @@ class Transcriber:
             job.seek += segment_frames
 
         ratio = compression_ratio(self.vocab.decode(tokens))
+        kept: list[int] = []
         for start, end, piece in pieces:
             text = self.vocab.decode(piece)
-            if not text.strip():
+            if start == end or not text.strip():  # Whisper drops instantaneous and empty segments
                 continue
+            kept += piece
             job.segments.append(
                 Segment(
                     id=len(job.segments),
@@ -370,8 +375,8 @@ class Transcriber:
                     temperature=temperature,
                 )
             )
-        text_tokens = [t for t in tokens if t < self.vocab.eot]
-        job.context = [] if temperature > 0.5 else job.context + text_tokens
+        # Whisper conditions the next window on the kept segments' tokens, timestamps included.
+        job.context = [] if temperature > 0.5 else job.context + kept
 
 
 class _Decoding:
@@ -429,7 +434,7 @@ class _Decoding:
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
-            job.attempt = 0
+            job.attempt, job.rejected = 0, []
         self._add(jobs)
 
     def _add(self, jobs: list[_Job]) -> None:
@@ -440,7 +445,11 @@ class _Decoding:
             prompt, sot_index = t._prompt(job, temperature)
             limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)
             max_new = min(limit, self.owner.engine.max_positions - 1 - len(prompt))
-            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, job.hint, job.draft_encoded))
+            # A retry at a higher temperature mostly repeats the failed attempt (a repetition
+            # loop), so that attempt is its hint: a hint's proposals keep only what the target
+            # would sample, and a loop is then verified in a few passes instead of one per token.
+            hint = job.rejected or job.hint
+            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 
@@ -454,7 +463,7 @@ class _Decoding:
             job.info.decoder_seconds += sequence.seconds
             job.info.stats.add(sequence.stats)  # every attempt's
             if job.attempt + 1 < len(temperatures) and t._needs_fallback(sequence):
-                job.attempt += 1
+                job.attempt, job.rejected = job.attempt + 1, sequence.tokens
                 again.append(job)
                 continue
             job.info.windows += 1
