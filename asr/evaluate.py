@@ -198,6 +198,22 @@ def _timed(module: nn.Module, device: torch.device) -> Iterator[list[float]]:
 
 
 @contextmanager
+def _encoder_output_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
+    """An encoder in another dtype than the decoder (--dtype auto on a bf16 CPU) hands
+    transformers' decoder its output in the decoder's dtype, as ours does."""
+
+    def cast(_module, _inputs, output):
+        output.last_hidden_state = output.last_hidden_state.to(dtype)
+        return output
+
+    handle = module.register_forward_hook(cast)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@contextmanager
 def _quiet_transformers() -> Iterator[None]:
     """Whisper's generate warns on every call about arguments it passes itself."""
     level = transformers.logging.get_verbosity()
@@ -297,12 +313,13 @@ class TransformersSystem(_OneFileAtATime):
         mel = log_mel(item.samples, target.config.num_mel_bins, device=target.device)
         # Up to 30 s: one window, the audio padded with silence as transformers' feature
         # extractor pads it (what its users get); longer: transformers' long-form loop.
-        features = mel[:, : max(content_frames(item.samples), WINDOW_FRAMES)][None].to(target.dtype)
+        features = mel[:, : max(content_frames(item.samples), WINDOW_FRAMES)][None].to(target.encoder_dtype)
         _sync(target.device)
         featured = time.perf_counter()
         torch.manual_seed(options.seed)  # its temperature fallback samples from torch's global generator: reruns agree
         with (
             _timed(target.encoder, target.device) as encoder,
+            _encoder_output_as(target.encoder, target.dtype),
             _counted(draft_decoder) as draft_passes,
             _quiet_transformers(),
             torch.inference_mode(),

@@ -167,6 +167,17 @@ def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
 
 
+def test_the_transformers_peers_run_with_a_bfloat16_encoder():
+    """--dtype auto on a bf16 CPU: transformers' generate gets the same mixed dtypes as ours
+    (its features in the encoder's dtype, the encoder's output in the decoder's); it failed
+    on every file before."""
+    pair = load_pair(*PRESETS["embedded"], encoder_dtype=torch.bfloat16)
+    path = DEV / "en_short" / CLIPS[0]
+    for assisted in (False, True):
+        run = TransformersSystem(pair, TranscribeOptions(), assisted=assisted).run([AudioInput(str(path), load_audio(path))], "en")[0]
+        assert run.error is None and run.text and run.tokens, run.error
+
+
 def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated, tmp_path: Path, monkeypatch):
     """faster-whisper reads the packaged weights assembled into a CTranslate2 directory
     (once, in the cache) and gives our target-only tokens (a window's log-mel is zero-padded
