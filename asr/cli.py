@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--buffer-trim-seconds", type=float, default=15.0,
                    help="cut the buffer at a committed segment once it is longer (default: %(default)s)")
     s.add_argument("--encoder-padding-seconds", type=float, metavar="S",
-                   help="encode only the buffer plus S seconds of silence: cheaper updates, less accurate "
+                   help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
     s.add_argument("--language", help="e.g. en, de (default: detect)")
     s.add_argument("--prompt", default="", help="text said before the stream (names and spellings to expect)")

@@ -16,7 +16,7 @@ new hypothesis meets the old one again (a word or a timestamp changed, the rest 
 the rest of the old one is proposed again. Greedy output stays exactly the target's.
 
 The encoder reads Whisper's whole 30 s window by default. It can read only the buffer plus
-a little silence (encoder_padding_seconds), which makes early updates several times cheaper
+a little padding (encoder_padding_seconds), which makes early updates several times cheaper
 but less accurate.
 
 Each buffer is decoded greedily (no temperature fallback: sampled hypotheses would rarely
@@ -97,9 +97,9 @@ class StreamingTranscriber:
     prompt: text before the stream (what was said before, names and spelling to expect),
     the first prompt (whisper_streaming's init_prompt); later the committed text follows it.
 
-    encoder_padding_seconds: the encoder reads the buffer plus this much silence (in whole
+    encoder_padding_seconds: the encoder reads the buffer plus this much padding (in whole
     seconds), not Whisper's 30 s window (None), which makes an update several times cheaper
-    while the buffer is short. Whisper was trained on 30 s windows: with no silence after
+    while the buffer is short. Whisper was trained on 30 s windows: with no padding after
     the audio it repeats itself, with 2 s the dev clips' WER went from 0.5 % to 1.1 %.
 
     clock: seconds since the stream's first sample, read when a call ends, to measure commit

@@ -52,7 +52,7 @@ def main() -> int:
     parser.add_argument("--buffer-trim-seconds", type=float, default=15.0)
     parser.add_argument("--language", default="en")
     parser.add_argument("--encoder-padding-seconds", type=float, metavar="S",
-                        help="encode only the buffer plus S seconds of silence (default: the whole 30 s window)")
+                        help="encode only the buffer plus S seconds of padding (default: the whole 30 s window)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="on a machine shared with other work: torch on one thread, and an update's compute time "
                              "is this thread's CPU time, which others' load does not inflate")
