@@ -142,6 +142,13 @@ class DecoderRunner:
             k.index_copy_(0, rows, self._heads(layer.encoder_attn.k_proj(encoder_output)))
             v.index_copy_(0, rows, self._heads(layer.encoder_attn.v_proj(encoder_output)))
 
+    def copy_cross(self, cache: KVCache, rows: Tensor, cross: list[tuple[list[Tensor], list[Tensor]]]) -> None:
+        """Writes cross-attention K/V computed elsewhere (per row: K and V per layer) into
+        the cache's rows [n]."""
+        for layer, (k, v) in enumerate(zip(cache.cross_k, cache.cross_v)):
+            k.index_copy_(0, rows, torch.stack([keys[layer] for keys, _ in cross]))
+            v.index_copy_(0, rows, torch.stack([values[layer] for _, values in cross]))
+
     def new_cache(
         self, encoder_output: Tensor, capacity: int, cross_from: KVCache | None = None, cross_layers: list[int] | None = None
     ) -> KVCache:

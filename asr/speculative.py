@@ -85,6 +85,9 @@ class Window:
     temperature: float = 0.0
     hint: list[int] = field(default_factory=list)  # tokens the row is expected to generate (asr/hints.py)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
+    # The target's cross-attention K/V of `encoded` per layer ([heads, frames, head width]),
+    # where already computed (language detection): taken over instead of computed again.
+    cross: tuple[list[Tensor], list[Tensor]] | None = None
 
 
 @dataclass
@@ -329,7 +332,12 @@ class Batch:
         groups = [[i] for i in range(n)] if e.fixed_shapes else [list(range(n))]
         for group in groups:
             rows = index[group]
-            e.target.fill_cross(s.target, rows, encoded[group])
+            known = [i for i in group if windows[i].cross is not None]
+            fresh = [i for i in group if windows[i].cross is None]
+            if known:
+                e.target.copy_cross(s.target, index[known], [windows[i].cross for i in known])
+            if fresh:
+                e.target.fill_cross(s.target, index[fresh], encoded[fresh])
             if s.draft is not None and s.draft.cross_from is None:
                 own = encoded if windows[0].draft_encoded is None else torch.stack([w.draft_encoded for w in windows])
                 e.draft.fill_cross(s.draft, rows, own[group].to(e.dtype))

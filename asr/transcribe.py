@@ -20,6 +20,7 @@ from torch import Tensor
 
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
+from asr.decoder import KVCache
 from asr.draft_length import DraftLength
 from asr.models import ModelPair
 from asr.rules import DecodingRules
@@ -276,9 +277,10 @@ class Transcriber:
         return _Job(self, audio, mel, frames, info, language=info.language or None)
 
     @torch.inference_mode()
-    def detect_language(self, encoded: Tensor) -> list[tuple[str, float]]:
+    def detect_language(self, encoded: Tensor) -> tuple[list[tuple[str, float]], KVCache]:
         """Whisper's language guess: the target's distribution over language tokens after
-        <|startoftranscript|>."""
+        <|startoftranscript|>; with the cache it used, whose cross-attention K/V the windows'
+        decoding can take over rather than compute again."""
         runner = self.models.target.runner
         cache = runner.new_cache(encoded, capacity=1)
         sot = torch.full((encoded.shape[0], 1), self.vocab.sot, device=encoded.device)
@@ -287,7 +289,7 @@ class Transcriber:
         ids = torch.tensor([self.vocab.languages[c] for c in codes], device=encoded.device)
         probs = logits[:, ids].float().softmax(-1)
         best = probs.argmax(-1).tolist()
-        return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)]
+        return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)], cache
 
     def _needs_fallback(self, sequence: Sequence) -> bool:
         options = self.options
@@ -424,10 +426,15 @@ class _Decoding:
         encoder_seconds = (time.perf_counter() - started) / len(jobs)
         started = time.perf_counter()
         undetected = [i for i, job in enumerate(jobs) if job.language is None]
+        cross: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         if undetected:
-            for i, (language, probability) in zip(undetected, o.detect_language(encoded[undetected])):
+            guesses, cache = o.detect_language(encoded[undetected])
+            for row, (i, (language, probability)) in enumerate(zip(undetected, guesses)):
                 jobs[i].language = jobs[i].info.language = language
                 jobs[i].info.language_probability = probability
+                # In fixed shapes a row's K/V are computed alone (Batch._write_rows), not batched as here.
+                if not o.engine.fixed_shapes:
+                    cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])
         detection_seconds = (time.perf_counter() - started) / len(jobs)
         for i, job in enumerate(jobs):
             job.info.encoder_seconds += encoder_seconds
@@ -435,11 +442,12 @@ class _Decoding:
             job.encoded = encoded[i]
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
             job.attempt, job.rejected = 0, []
-        self._add(jobs)
+        self._add(jobs, [cross.get(i) for i in range(len(jobs))])
 
-    def _add(self, jobs: list[_Job]) -> None:
+    def _add(self, jobs: list[_Job], cross: list[tuple[list[Tensor], list[Tensor]] | None] | None = None) -> None:
+        """cross: each job's target cross-attention K/V where language detection computed them."""
         windows = []
-        for job in jobs:
+        for job, known in zip(jobs, cross or [None] * len(jobs)):
             t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
             prompt, sot_index = t._prompt(job, temperature)
@@ -449,7 +457,7 @@ class _Decoding:
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
             # would sample, and a loop is then verified in a few passes instead of one per token.
             hint = job.rejected or job.hint
-            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded))
+            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 

@@ -87,6 +87,10 @@ def test_language_detection_and_forced_language(base_pair):
     german = load_audio(DEV / "multilingual" / "picovoice_test_de.wav")
     detected = Transcriber(base_pair).transcribe(german)
     assert detected.info.language == "de" and detected.info.language_probability > 0.5
+    # Detection's cross-attention K/V are taken over by the decoding (not computed again):
+    # the same tokens as with the language given, whose K/V the batch computes itself.
+    forced = Transcriber(base_pair, TranscribeOptions(language="de")).transcribe(german)
+    assert [s.tokens for s in forced.segments] == [s.tokens for s in detected.segments]
     translated = Transcriber(base_pair, TranscribeOptions(language="de", task="translate")).transcribe(german)
     assert translated.info.language == "de"
     assert translated.text and translated.text != detected.text
