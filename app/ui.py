@@ -12,7 +12,7 @@ from pathlib import Path
 import gradio as gr
 import numpy as np
 
-from app.engine import AUTO, Engine, Settings
+from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
 from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, server_figures, transcript_html,
                        upload_figures)
@@ -207,6 +207,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
 def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) -> None:
     """Blocks until interrupted."""
     engine.warm_up()
+    release_freed_memory()
     with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
         demo = build(engine, Path(downloads), keep_seconds)
         demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 opens it to the network)")
     a.add_argument("--port", type=int, default=7860, help="(default: %(default)s)")
-    a.add_argument("--batch-rows", type=int, default=3,
+    a.add_argument("--batch-rows", type=int, default=4,
                    help="recordings from different visitors decoded together; more rows serve more at once but "
                         "stretch a long recording's wait (default: %(default)s)")
     a.add_argument("--no-batching", action="store_true",
