@@ -39,6 +39,7 @@ from asr.audio import SAMPLE_RATE, load_audio  # noqa: E402
 DEV = REPO.parent / "shared" / "eval" / "dev"
 MODES = {"batched": [], "lock": ["--no-batching"]}
 STARTUP_S = 600
+PEAK_WINDOW_S = 120.0  # memory: the peak of the measured period's first and last 2 minutes
 
 
 @dataclass
@@ -204,6 +205,12 @@ def summarize(result: ModeResult) -> dict:
         after = [mb for at, mb in result.memory if at >= t]
         return after[0] if after else None
 
+    def peak(start: float, end: float) -> float | None:
+        """The highest sample in [start, end): the server hands freed memory back every
+        minute, so single samples saw-tooth and peaks show the trend."""
+        inside = [mb for at, mb in result.memory if start <= at < end]
+        return max(inside) if inside else None
+
     outcomes = {name: sum(r.outcome == name for r in window) for name in ("transcript", "clear-error", "wrong", "exception")}
     seconds = result.measure_to - result.measure_from
     memory_start, memory_end = memory_at(result.measure_from), result.memory[-1][1] if result.memory else None
@@ -220,11 +227,30 @@ def summarize(result: ModeResult) -> dict:
         "rss_mb_at_measure_start": memory_start,
         "rss_mb_at_end": memory_end,
         "rss_growth": round(memory_end / memory_start - 1, 3) if memory_start and memory_end else None,
+        "rss_mb_peak_first": (first := peak(result.measure_from, result.measure_from + PEAK_WINDOW_S)),
+        "rss_mb_peak_last": (last := peak(result.measure_to - PEAK_WINDOW_S, result.measure_to + 1)),
+        "rss_peak_growth": round(last / first - 1, 3) if first and last else None,
         "rss_mb_max": max(mb for _, mb in result.memory) if result.memory else None,
         "temp_mb_max": max(mb for _, mb in result.disk) if result.disk else None,
         "temp_mb_at_end": result.disk[-1][1] if result.disk else None,
         "problems": sorted({f"{r.clip}: {r.outcome}: {r.detail}" for r in window if r.outcome in ("wrong", "exception")})[:10],
     }
+
+
+def tables(summaries: list[dict]) -> str:
+    lines = ["| server | requests | transcripts | clear errors | wrong | exceptions | audio s / wall s | "
+             "p50 s | p95 s | RSS MB at start -> end (growth) | RSS MB peak, first -> last 2 min (growth) | "
+             "temp dir MB max / end |", "|" + "---|" * 12]
+    for s in summaries:
+        lines.append(f"| {s['mode']} | {s['requests']} | {s['transcript']} | {s['clear-error']} | {s['wrong']} | "
+                     f"{s['exception']} | {s['throughput']:.2f} | {s['latency_p50']} | {s['latency_p95']} | "
+                     f"{s['rss_mb_at_measure_start']} -> {s['rss_mb_at_end']} ({s['rss_growth']:+.1%}) | "
+                     f"{s['rss_mb_peak_first']} -> {s['rss_mb_peak_last']} ({s['rss_peak_growth']:+.1%}) | "
+                     f"{s['temp_mb_max']} / {s['temp_mb_at_end']} |")
+    by_mode = {s["mode"]: s for s in summaries}
+    if "batched" in by_mode and "lock" in by_mode and by_mode["lock"]["throughput"]:
+        lines.append(f"\nthroughput batched / lock: {by_mode['batched']['throughput'] / by_mode['lock']['throughput']:.2f}x")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -242,7 +268,14 @@ def main() -> int:
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between memory samples")
     parser.add_argument("--server-args", nargs=argparse.REMAINDER, default=[], help="passed on to `python -m app`")
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmark-app")
+    parser.add_argument("--summarize", type=Path, metavar="REPORT_JSON",
+                        help="print the tables of an earlier run's report.json again (current summary rules)")
     args = parser.parse_args()
+    if args.summarize:
+        runs = json.loads(args.summarize.read_text())["runs"]
+        results = [ModeResult(**{**run, "requests": [Request(**r) for r in run["requests"]]}) for run in runs]
+        print(tables([summarize(r) for r in results]))
+        return 0
 
     audio = [p for p in args.audio if p.suffix.lower() in (".flac", ".wav", ".mp3", ".ogg", ".m4a")]
     if not audio:
@@ -261,17 +294,7 @@ def main() -> int:
         summaries.append(summarize(result))
         print(json.dumps(summaries[-1]), flush=True)
 
-    lines = ["| server | requests | transcripts | clear errors | wrong | exceptions | audio s / wall s | "
-             "p50 s | p95 s | RSS MB at start -> end (growth) | temp dir MB max / end |", "|" + "---|" * 11]
-    for s in summaries:
-        lines.append(f"| {s['mode']} | {s['requests']} | {s['transcript']} | {s['clear-error']} | {s['wrong']} | "
-                     f"{s['exception']} | {s['throughput']:.2f} | {s['latency_p50']} | {s['latency_p95']} | "
-                     f"{s['rss_mb_at_measure_start']} -> {s['rss_mb_at_end']} ({s['rss_growth']:+.1%}) | "
-                     f"{s['temp_mb_max']} / {s['temp_mb_at_end']} |")
-    by_mode = {s["mode"]: s for s in summaries}
-    if "batched" in by_mode and "lock" in by_mode and by_mode["lock"]["throughput"]:
-        lines.append(f"\nthroughput batched / lock: {by_mode['batched']['throughput'] / by_mode['lock']['throughput']:.2f}x")
-    report = "\n".join(lines)
+    report = tables(summaries)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "report.md").write_text(" ".join(sys.argv) + "\n\n" + report + "\n")
