@@ -8,7 +8,6 @@ from __future__ import annotations
 import threading
 import time
 import zlib
-from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,9 @@ from asr.speculative import DecodeStats, Sequence, Window
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
 STREAM_ABOVE_SECONDS = 600.0  # Transcriber.read streams longer files block by block instead of loading them
+# The Scheduler admits a queued recording as if it had arrived this many seconds earlier per
+# second of audio: a long one, which needs the most rounds, starts first (see Scheduler._admit).
+HEAD_START_PER_AUDIO_SECOND = 0.1
 
 
 @dataclass(frozen=True)
@@ -511,7 +513,7 @@ class Scheduler:
     def __init__(self, rows: int = 8):
         self.rows = rows
         self._wake = threading.Condition()
-        self._queue: deque[tuple[_Job, int | None]] = deque()
+        self._queue: list[tuple[_Job, int | None, float]] = []  # (job, encoder frames, arrival)
         self._futures: dict[int, Future] = {}  # by id(job), for every job queued or decoding
         self._decodings: dict[tuple, _Decoding] = {}
         self._served = [0, 0, 0.0, 0]  # recordings, windows, audio seconds, failures
@@ -528,7 +530,7 @@ class Scheduler:
             if self._closed:
                 raise RuntimeError("the scheduler is closed")
             self._futures[id(job)] = future
-            self._queue.append((job, encoder_frames))
+            self._queue.append((job, encoder_frames, time.monotonic()))
             self._wake.notify()
         return future.result()
 
@@ -570,18 +572,28 @@ class Scheduler:
                 decoding.close()
 
     def _admit(self) -> dict[tuple, list[_Job]]:
-        """Moves queued jobs that have room into their batches (windows first)."""
+        """Moves queued jobs that have room into their batches: single windows first (a
+        speaker is waiting on each), then recordings, each as if it had arrived
+        HEAD_START_PER_AUDIO_SECOND earlier per second of audio. A recording's time in a
+        batch grows with its length while a short one's wait for a row is short, so starting
+        long ones first evens out finishing times (the latency tail is long recordings); the
+        head start is bounded, so no recording waits behind later ones for ever."""
+        def order(entry: tuple[_Job, int | None, float]) -> tuple[bool, float]:
+            job, _, arrived = entry
+            return not job.window_only, arrived - HEAD_START_PER_AUDIO_SECOND * job.info.duration
+
         admitted: dict[tuple, list[_Job]] = {}
-        kept: deque[tuple[_Job, int | None]] = deque()
-        for job, frames in sorted(self._queue, key=lambda entry: not entry[0].window_only):
+        kept = []
+        for job, frames, arrived in sorted(self._queue, key=order):
             key = (*job.transcriber.batch_key, frames)
             if key not in self._decodings:
                 self._decodings[key] = _Decoding(job.transcriber, self.rows, frames)
             jobs = admitted.setdefault(key, [])
-            if job.window_only or self._decodings[key].recordings + len(jobs) < self.rows:
+            recordings = self._decodings[key].recordings + sum(not j.window_only for j in jobs)
+            if job.window_only or recordings < self.rows:
                 jobs.append(job)
             else:
-                kept.append((job, frames))
+                kept.append((job, frames, arrived))
         self._queue = kept
         return admitted
 

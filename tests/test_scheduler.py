@@ -120,3 +120,33 @@ def test_old_downloads_are_swept(tmp_path):
     os.utime(old, (two_hours_ago, two_hours_ago))
     sweep(tmp_path, max_age=3600)
     assert not old.exists() and (new / "talk.txt").read_text() == "text"
+
+
+def test_long_recordings_are_admitted_first_within_a_bounded_head_start(pair):
+    """Live windows first; then a recording counts as having arrived earlier by a tenth of a
+    second per second of audio (HEAD_START_PER_AUDIO_SECOND), so a long one queued a little
+    after short ones takes a row before them, but not before one queued long before it."""
+    transcriber = Transcriber(pair, TranscribeOptions(language="en"))
+    clip = load_audio(SAMPLES / "jfk.flac")  # 11 s
+
+    def job(name: str, seconds: float, window_only: bool = False):
+        made = transcriber._start(AudioInput(name, clip[: int(seconds * SAMPLE_RATE)]))
+        made.window_only = window_only
+        return made
+
+    scheduler = Scheduler(rows=2)
+    scheduler.close()  # the worker is gone: _admit is called here, by hand
+    now = time.monotonic()
+    scheduler._queue = [(job("early short", 1.0), None, now - 5.0),
+                        (job("short", 1.0), None, now - 1.0),
+                        (job("long", 11.0), None, now - 0.2),  # 11 s of audio: a 1.1 s head start
+                        (job("late short", 1.0), None, now),
+                        (job("live", 2.0, window_only=True), None, now)]
+    try:
+        admitted = scheduler._admit()
+        names = [j.audio.name for jobs in admitted.values() for j in jobs]
+        assert sorted(names) == ["early short", "live", "long"]
+        assert [j.audio.name for j, _, _ in scheduler._queue] == ["short", "late short"]
+    finally:
+        for decoding in scheduler._decodings.values():
+            decoding.close()
