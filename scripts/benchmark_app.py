@@ -192,6 +192,13 @@ def run_mode(mode: str, args: argparse.Namespace, clips: list[tuple[Path, float]
     return result
 
 
+def by_clip(requests: list[Request]) -> dict[str, list[float]]:
+    latencies: dict[str, list[float]] = {}
+    for r in requests:
+        latencies.setdefault(f"{r.clip} ({r.seconds:.1f} s)", []).append(r.ended - r.started)
+    return latencies
+
+
 def summarize(result: ModeResult) -> dict:
     """Over the requests that ended in the measured period."""
     window = [r for r in result.requests if result.measure_from <= r.ended < result.measure_to]
@@ -233,6 +240,8 @@ def summarize(result: ModeResult) -> dict:
         "rss_mb_max": max(mb for _, mb in result.memory) if result.memory else None,
         "temp_mb_max": max(mb for _, mb in result.disk) if result.disk else None,
         "temp_mb_at_end": result.disk[-1][1] if result.disk else None,
+        "latency_by_clip": {clip: [round(float(np.mean(ls)), 2), round(max(ls), 2), len(ls)] for clip, ls in sorted(
+            by_clip(good).items())},  # mean s, max s, count: which recordings make the tail
         "problems": sorted({f"{r.clip}: {r.outcome}: {r.detail}" for r in window if r.outcome in ("wrong", "exception")})[:10],
     }
 
@@ -247,6 +256,14 @@ def tables(summaries: list[dict]) -> str:
                      f"{s['rss_mb_at_measure_start']} -> {s['rss_mb_at_end']} ({s['rss_growth']:+.1%}) | "
                      f"{s['rss_mb_peak_first']} -> {s['rss_mb_peak_last']} ({s['rss_peak_growth']:+.1%}) | "
                      f"{s['temp_mb_max']} / {s['temp_mb_at_end']} |")
+    clips = sorted({c for s in summaries for c in s.get("latency_by_clip", {})},
+                   key=lambda c: -float(c.rsplit("(", 1)[1].split()[0]))
+    if clips:
+        lines += ["", "| clip (longest first) | " + " | ".join(f"{s['mode']} mean / max s (n)" for s in summaries) + " |",
+                  "|" + "---|" * (len(summaries) + 1)]
+        for clip in clips:
+            cells = [s.get("latency_by_clip", {}).get(clip) for s in summaries]
+            lines.append(f"| {clip} | " + " | ".join(f"{c[0]} / {c[1]} ({c[2]})" if c else "" for c in cells) + " |")
     by_mode = {s["mode"]: s for s in summaries}
     if "batched" in by_mode and "lock" in by_mode and by_mode["lock"]["throughput"]:
         lines.append(f"\nthroughput batched / lock: {by_mode['batched']['throughput'] / by_mode['lock']['throughput']:.2f}x")
