@@ -507,8 +507,8 @@ class Scheduler:
     live microphone windows from many visitors share engine batches, as transcribe_many's
     recordings do (a row whose window is done takes the next one at once), rather than
     taking turns on the models. One batch per Transcriber.batch_key. Recordings take at most
-    `rows` rows of their batch; single windows (a live stream's updates, which a speaker
-    waits for) join at once, ahead of queued recordings."""
+    `rows` rows of their batch, queued ones long-first (_admit); single windows (a live
+    stream's updates, which a speaker waits for) join at once, ahead of queued recordings."""
 
     def __init__(self, rows: int = 8):
         self.rows = rows
