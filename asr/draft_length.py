@@ -15,12 +15,15 @@ class DraftLength:
     round's cost is not always its kernels: on a GPU, a small model's round is mostly the
     host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
-    passes, or with a small target on a GPU. Every EXPLORE-th round goes the other way, so
+    passes, or with a small target on a GPU. Now and then a round goes the other way, so
     that both stay measured: a plain round, or where no drafting wins, a round of one
-    proposal (the cheapest). k is the best drafting length (>= 1); next_round() says what a
+    proposal (the cheapest). Such a round comes every EXPLORE rounds, and half as often
+    each time it confirms the choice (down to one in MAX_EXPLORE), since each costs what
+    the losing way loses. k is the best drafting length (>= 1); next_round() says what a
     round does."""
 
     EXPLORE = 16
+    MAX_EXPLORE = 64
 
     def __init__(self, fixed: int | None = None, maximum: int = 8, initial: int = 4):
         self.fixed = fixed
@@ -32,16 +35,20 @@ class DraftLength:
         self._drafting: float | None = None  # seconds of a drafting round, of _proposals proposals on average
         self._proposals: float | None = None
         self._plain_wins = False
-        self._rounds = 0
+        self._interval = self.EXPLORE  # rounds between two that go the other way
+        self._until_explore = self.EXPLORE
+        self._exploring = False
 
     def next_round(self) -> int:
         if self.fixed is not None:
             return self.fixed
-        self._rounds += 1
-        explore = self._rounds % self.EXPLORE == 0 or (self._plain is None and self._drafting is not None)
+        self._until_explore -= 1
+        self._exploring = self._until_explore <= 0 or (self._plain is None and self._drafting is not None)
+        if self._until_explore <= 0:
+            self._until_explore = self._interval
         if self._plain_wins:
-            return 1 if explore else 0
-        return 0 if explore else self.k
+            return 1 if self._exploring else 0
+        return 0 if self._exploring else self.k
 
     def update(self, k: int, accepted: int, rejected: int, seconds: float) -> None:
         """A round's outcome: k proposed per row, accepted in all, rows that rejected one, and
@@ -66,7 +73,12 @@ class DraftLength:
             return expected / (self._plain + k * per_proposal)
 
         self.k = max(range(1, self.maximum + 1), key=tokens_per_second)
-        self._plain_wins = tokens_per_second(0) > tokens_per_second(self.k)
+        plain_wins = tokens_per_second(0) > tokens_per_second(self.k)
+        if self._exploring:
+            confirmed = plain_wins == self._plain_wins
+            self._interval = min(2 * self._interval, self.MAX_EXPLORE) if confirmed else self.EXPLORE
+            self._until_explore = min(self._until_explore, self._interval)
+        self._plain_wins = plain_wins
 
 
 def _average(mean: float | None, value: float) -> float:

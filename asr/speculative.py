@@ -501,19 +501,21 @@ class Batch:
     def _propose(self, k: int, width: int, sample: bool, rows: list[_Row]) -> tuple[int, bool]:
         """The draft's k proposals, written to tokens[length : length + k], one draft step
         each: in fixed shapes one graph serves every step (and so every k), reading the step
-        from the state. In fitted shapes drafting stops once every row has proposed
-        end-of-text. Returns how many it proposed, and whether the steps' time is
-        representative (asr/cudagraphs.py)."""
+        from the state, and the first step's catch-up width is rounded up to a power of two,
+        so that catching up after rounds without drafting is one of a few graphs too. In
+        fitted shapes drafting stops once every row has proposed end-of-text. Returns how
+        many it proposed, and whether the steps' time is representative (asr/cudagraphs.py)."""
         e, s = self.engine, self.state
         s.step.zero_()
         ended = torch.zeros_like(s.live)
         representative = True
+        if e.fixed_shapes:
+            width = min(1 << (width - 1).bit_length(), e.capacity)
         for i in range(k):
             feed = width if i == 0 else 1
             if e.fixed_shapes:
                 step = lambda: self._draft_step(feed, sample, rows, i)  # noqa: E731
-                representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed(),
-                                               capture=feed <= 2)
+                representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed())
                 continue
             ended |= self._draft_step(feed, sample, rows, i) == self.rules.eot
             if bool(ended.all()):
@@ -523,9 +525,11 @@ class Batch:
     def _draft_step(self, width: int, sample: bool, rows: list[_Row], i: int) -> Tensor:
         """One draft step: predicts index length + step of each row and advances the step.
         It feeds the `width` tokens before that index: the last proposal, or at the first
-        step the kept tokens the draft has not cached, ending at the pending one (a row with
-        fewer re-feeds cached ones, which rewrites the same keys and values). i: the step
-        (for the window attended in fitted shapes). Returns the proposals [R]."""
+        step the kept tokens the draft has not cached, ending at the pending one. A row with
+        fewer re-feeds cached ones, which rewrites their keys and values; one with fewer
+        tokens than `width` also feeds tokens past the index, whose entries are rewritten
+        before anything attends to them. i: the step (for the window attended in fitted
+        shapes). Returns the proposals [R]."""
         e, s = self.engine, self.state
         position = s.length + s.step  # [R] the index predicted
         start = (position - width).clamp(min=0)

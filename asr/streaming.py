@@ -50,6 +50,8 @@ LOOP_WORDS = 5  # a run of this many words twice in a row (or a shorter one four
 TOKENS_PER_SECOND = 15  # a buffer's hypothesis stops at 20 tokens + this many per second (more is a loop, not speech)
 PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
+UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
+SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's loudest
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
@@ -183,6 +185,9 @@ class StreamingTranscriber:
             window = self._transcribe(self._context)
             if self._context and self._hallucinated(window):
                 window = self._transcribe([])
+            elif self._context and self._stops_short(window):
+                retry = self._transcribe([])
+                window = retry if (self._heard_until(retry) or 0.0) > self._heard_until(window) else window
             self._decoded_until = self._received
             committed = self._agree(window)
         if final:
@@ -229,6 +234,27 @@ class StreamingTranscriber:
         prompt, keys = _keys(self._context_text), _keys(text)[len(self._in_buffer) :]  # past the committed words
         echoes = {tuple(prompt[i : i + PROMPT_ECHO_WORDS]) for i in range(len(prompt) - PROMPT_ECHO_WORDS + 1)}
         return any(tuple(keys[i : i + PROMPT_ECHO_WORDS]) in echoes for i in range(len(keys) - PROMPT_ECHO_WORDS + 1))
+
+    def _stops_short(self, window: WindowResult) -> bool:
+        """Whether a hypothesis ends UNHEARD_SECONDS or more before the buffer does while the
+        audio after its end holds speech. Given a prompt, Whisper sometimes ends its
+        transcript a sentence early; offline the next window starts there, but a stream's
+        buffer keeps its start, so the same prompt and audio would lose that sentence in
+        every update, and at the end for good. Such a buffer is decoded again without the
+        prompt, and the hypothesis that hears further is kept."""
+        heard = self._heard_until(window)
+        if window.silent or heard is None or len(self._buffer) / SAMPLE_RATE - heard < UNHEARD_SECONDS:
+            return False
+        quarter = SAMPLE_RATE // 4
+        quarters = len(self._buffer) // quarter
+        power = (self._buffer[: quarters * quarter].reshape(quarters, quarter).astype(np.float64) ** 2).mean(1)
+        after = power[math.ceil(heard * 4) :]
+        return len(after) > 0 and after.max() >= power.max() * 10 ** (-SPEECH_DB / 10)
+
+    def _heard_until(self, window: WindowResult) -> float | None:
+        """The hypothesis's last timestamp, in seconds into the buffer (None without timestamps)."""
+        times = [t - self._vocab.timestamp_begin for t in window.tokens if t >= self._vocab.timestamp_begin]
+        return max(times) * TIMESTAMP_SECONDS if times else None
 
     def _encoder_frames(self, samples: int) -> int | None:
         if self.encoder_padding_seconds is None:

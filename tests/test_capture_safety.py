@@ -86,8 +86,8 @@ def meta_runners(geometry: str, own_cross: bool = True) -> tuple[DecoderRunner, 
 @torch.inference_mode()
 def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, draft_kind: str):
     """Every step the engine captures on a GPU: a row's prefill, a draft step (feeding one
-    token or two, greedy and sampling), the verification (of a fixed width for every k,
-    greedy and sampling)."""
+    token, two, or a catch-up width up to the whole cache; greedy and sampling), the
+    verification (of a fixed width for every k, greedy and sampling)."""
     target, draft = meta_runners(geometry, own_cross=draft_kind == "own-cross")
     engine = SpeculativeDecoder(target, draft, max_draft_tokens=8, fixed_shapes=True)
     rules = DecodingRules(vocab_size=target.vocab_size, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
@@ -102,7 +102,7 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
     noise = state.noise[:, 8:]
     with capture_guard():
         batch._prefill(state.prefill_row, 8)
-        for width in (1, 2):
+        for width in (1, 2, 16, engine.capacity):
             for sample in (False, True):
                 state.step.zero_()
                 batch._draft_step(width, sample, rows, 0)

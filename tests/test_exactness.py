@@ -162,11 +162,12 @@ def test_rounds_without_drafting_keep_output_exact():
     assert 0 < sum(s.stats.draft_proposed for s in result) < sum(s.stats.target_passes for s in result) * 3
 
 
-def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, plain: float, per_proposal: float) -> list[int]:
-    """64 rounds of a simulated decoder with these costs (seconds), each proposal kept with
+def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, plain: float, per_proposal: float,
+              rounds: int = 64) -> list[int]:
+    """Rounds of a simulated decoder with these costs (seconds), each proposal kept with
     probability `acceptance` while the ones before it were."""
     chosen, rng = [], random.Random(0)
-    for _ in range(64):
+    for _ in range(rounds):
         k = draft_length.next_round()
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
         draft_length.update(k, accepted, int(accepted < k), plain + k * (draft_step + per_proposal))
@@ -174,13 +175,36 @@ def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, p
     return chosen
 
 
+# A large CPU batch: each proposal costs the target pass nearly a plain pass, and few are kept.
+LARGE_BATCH = dict(acceptance=0.5, draft_step=0.004, plain=0.020, per_proposal=0.015)
+# Batch 1: proposals are nearly free to verify and mostly right.
+ONE_ROW = dict(acceptance=0.9, draft_step=0.003, plain=0.020, per_proposal=0.001)
+
+
 def test_draft_length_stops_drafting_where_it_does_not_pay():
-    # A large CPU batch: each proposal costs the target pass nearly a plain pass, and few are kept.
-    chosen = rounds_of(DraftLength(), acceptance=0.5, draft_step=0.004, plain=0.020, per_proposal=0.015)
+    chosen = rounds_of(DraftLength(), **LARGE_BATCH)
     assert chosen[-32:].count(0) >= 28 and any(chosen[-32:])  # still tried now and then
-    # Batch 1: proposals are nearly free to verify and mostly right.
-    chosen = rounds_of(DraftLength(), acceptance=0.9, draft_step=0.003, plain=0.020, per_proposal=0.001)
+    chosen = rounds_of(DraftLength(), **ONE_ROW)
     assert chosen[-32:].count(0) <= 4 and max(chosen[-32:]) >= 4
+
+
+def test_draft_length_tries_the_losing_way_less_often_while_it_keeps_losing():
+    """Each round that goes the other way costs what that way loses: they come half as often
+    each time they confirm the choice, down to one in MAX_EXPLORE rounds, and never stop."""
+    for costs, other in ((LARGE_BATCH, lambda k: k > 0), (ONE_ROW, lambda k: k == 0)):
+        chosen = rounds_of(DraftLength(), rounds=512, **costs)
+        tried = [i for i, k in enumerate(chosen) if other(k)]
+        gaps = [b - a for a, b in zip(tried[1:], tried[2:])]
+        assert gaps == sorted(gaps) and gaps[0] < DraftLength.MAX_EXPLORE and gaps[-1] == DraftLength.MAX_EXPLORE
+        assert len([i for i in tried if i >= 256]) == 256 // DraftLength.MAX_EXPLORE
+
+
+def test_draft_length_drafts_again_once_drafting_pays():
+    # A batch's rows finish until one is left: proposals become cheap to verify and mostly right.
+    draft_length = DraftLength()
+    assert rounds_of(draft_length, rounds=300, **LARGE_BATCH)[-64:].count(0) >= 62
+    chosen = rounds_of(draft_length, rounds=300, **ONE_ROW)
+    assert chosen[-100:].count(0) <= 4
 
 
 def test_identical_draft_accepts_every_proposal():

@@ -11,10 +11,12 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 
 import pytest
 import torch
 
+from asr.cudagraphs import StepGraphs
 from asr.draft_length import DraftLength
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, expected_tokens_per_pass, oracle_proposals, oracle_table
 from asr.rules import DecodingRules
@@ -123,6 +125,52 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
     result = fixed.decode(encoded, prompts, rules, hints=hints, draft_length=DraftLength(fixed=3), **options)
     assert [s.tokens for s in result] == [s.tokens for s in fitted]
     assert sum(s.stats.hint_accepted for s in result) > 0
+
+
+class _Bursts(DraftLength):
+    """Drafts one round in five: the draft then catches up on the tokens of four plain rounds."""
+
+    def next_round(self) -> int:
+        self.rounds = getattr(self, "rounds", 0) + 1
+        return 3 if self.rounds % 5 == 0 else 0
+
+
+class _EagerGraphs(StepGraphs):
+    """StepGraphs' decisions on a CPU: a 'captured' step replays by running eagerly; counts
+    the eager runs (first uses and captures) and replays of each kind of step."""
+
+    def __init__(self):
+        super().__init__(enabled=True)
+        self.eager, self.replays = Counter(), Counter()
+
+    def run(self, graphs, key, step, state, capture=True):
+        if capture and graphs.get(key) == "captured":
+            self.replays[key[0]] += 1
+            step()
+            return True
+        if capture:
+            graphs[key] = "captured" if key in graphs else "seen"
+        self.eager[key[0]] += 1
+        step()
+        return False
+
+
+def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
+    """In fixed shapes the draft's first step after rounds without drafting (as the adaptive
+    length takes where the draft does not pay, e.g. a small target on a GPU, with a drafting
+    round now and then) feeds a power of two of tokens, so every catch-up is one of a few
+    graphs, replayed; the tokens are those of fitted shapes."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    fixed = engine(target, draft)
+    fixed.graphs = graphs = _EagerGraphs()
+    for _ in range(4):  # the engine keeps the batch state, and its graphs, between decodes
+        assert_same(fixed.decode(encoded, [prompt] * BATCH, rules, draft_length=_Bursts(), **options), fitted)
+    draft_keys = [key for key in fixed._idle[(BATCH, encoded.shape[1], None)].graphs if key[0] == "draft"]
+    assert sorted(key[1] for key in draft_keys) == [1, 8]  # catch-ups of 5 tokens (4 plain rounds + 1) feed 8
+    assert graphs.eager["draft"] == 2 * len(draft_keys) and graphs.replays["draft"] >= graphs.eager["draft"]
 
 
 def test_sampling_in_fixed_shapes_without_proposals_and_beside_greedy_rows(pair):

