@@ -19,11 +19,11 @@ from torch import Tensor, nn
 
 @dataclass
 class KVCache:
-    """Per layer: self-attention K/V [B, H, capacity, Dh]; cross-attention K/V
-    [B, H, frames, Dh], computed once per window from the encoder output."""
+    """Per layer: self-attention K and V in one tensor [2, B, H, capacity, Dh] (a step
+    writes both in one operation); cross-attention K/V [B, H, frames, Dh], computed once
+    per window from the encoder output."""
 
-    self_k: list[Tensor]
-    self_v: list[Tensor]
+    self_kv: list[Tensor]
     cross_k: list[Tensor]
     cross_v: list[Tensor]
     # Where cross_k/cross_v are another cache's (DecoderRunner.new_cache's cross_from): that
@@ -33,30 +33,30 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.self_k[0].shape[2]
+        return self.self_kv[0].shape[3]
 
     @property
     def rows(self) -> int:
-        return self.self_k[0].shape[0]
+        return self.self_kv[0].shape[1]
 
     def select(self, rows: Tensor, cross_from: "KVCache | None" = None) -> "KVCache":
         """A cache of these rows only. One sharing another's cross-attention K/V takes them
         from cross_from, that cache's selection."""
-        def pick(tensors: list[Tensor]) -> list[Tensor]:
-            return [t.index_select(0, rows) for t in tensors]
+        def pick(tensors: list[Tensor], dim: int = 0) -> list[Tensor]:
+            return [t.index_select(dim, rows) for t in tensors]
 
         if self.cross_from is None:
-            return KVCache(pick(self.self_k), pick(self.self_v), pick(self.cross_k), pick(self.cross_v))
-        return KVCache(pick(self.self_k), pick(self.self_v), [cross_from.cross_k[i] for i in self.cross_layers],
+            return KVCache(pick(self.self_kv, 1), pick(self.cross_k), pick(self.cross_v))
+        return KVCache(pick(self.self_kv, 1), [cross_from.cross_k[i] for i in self.cross_layers],
                        [cross_from.cross_v[i] for i in self.cross_layers], cross_from, self.cross_layers)
 
     def copy_rows(self, source: "KVCache", rows: Tensor, count: int) -> None:
         """Copies source's rows (indices [count]) into this cache's first `count` rows; a
         cache sharing another's cross-attention K/V gets them when that one is copied."""
-        owned = (self.self_k, self.self_v) if self.cross_from is not None else (self.self_k, self.self_v, self.cross_k, self.cross_v)
-        theirs = (source.self_k, source.self_v, source.cross_k, source.cross_v)
-        for mine, other in zip(owned, theirs):
-            for a, b in zip(mine, other):
+        for a, b in zip(self.self_kv, source.self_kv):
+            a[:, :count].copy_(b.index_select(1, rows))
+        if self.cross_from is None:
+            for a, b in zip(self.cross_k + self.cross_v, source.cross_k + source.cross_v):
                 a[:count].copy_(b.index_select(0, rows))
 
 
@@ -116,7 +116,7 @@ class DecoderRunner:
         (fill_cross). cross_from: the cache of a runner sharing cross-attention K/V
         projections with this one (cross_layers: the layer of it each of ours shares,
         cross_layers_shared_with), whose cross-attention K/V serve this one too."""
-        shape = (rows, self.num_heads, capacity, self.head_dim)
+        shape = (2, rows, self.num_heads, capacity, self.head_dim)
         if cross_from is not None:
             if cross_layers is None:
                 raise ValueError("sharing another cache's cross-attention K/V needs the layers it comes from")
@@ -126,8 +126,7 @@ class DecoderRunner:
             cross_k = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
             cross_v = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
         return KVCache(
-            self_k=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
-            self_v=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
+            self_kv=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             cross_k=cross_k,
             cross_v=cross_v,
             cross_from=cross_from,
@@ -197,12 +196,14 @@ class DecoderRunner:
         width = self.num_heads * self.head_dim
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
             h = layer.self_attn_layer_norm(x)
-            query, k_new, v_new = project.qkv(h).split(width, dim=-1)
-            # [n, q, H, Dh] written at (row, position) of the cache seen as [B, capacity, H, Dh]
-            cache.self_k[i].transpose(1, 2).index_put_((where, positions), k_new.view(batch, q, self.num_heads, self.head_dim))
-            cache.self_v[i].transpose(1, 2).index_put_((where, positions), v_new.view(batch, q, self.num_heads, self.head_dim))
-            keys = rows_of(cache.self_k[i][:, :, :attended])
-            values = rows_of(cache.self_v[i][:, :, :attended])
+            qkv = project.qkv(h)
+            query = qkv[..., :width]
+            # K and V [2, n, q, H, Dh], written at (row, position) of the cache seen as
+            # [2, B, capacity, H, Dh]: one operation, no copy of K and V beforehand
+            new = qkv[..., width:].view(batch, q, 2, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4)
+            cache.self_kv[i].transpose(2, 3)[:, where, positions] = new
+            keys = rows_of(cache.self_kv[i][0, :, :, :attended])
+            values = rows_of(cache.self_kv[i][1, :, :, :attended])
             out = F.scaled_dot_product_attention(self._heads(query), keys, values, attn_mask=mask)
             x = x + project.out(out.transpose(1, 2).reshape(batch, q, -1))
 
