@@ -414,7 +414,7 @@ class Batch:
         hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
         representative = hinted is None
         if hinted is None:
-            k = self.draft_length.next_round() if self.use_draft else 0
+            k = self.draft_length.next_round(len(self.slots)) if self.use_draft else 0
             if k > 0:
                 k, representative = self._propose(k, max(row.gap for row in rows), sample, rows)
             if sample:
@@ -429,7 +429,8 @@ class Batch:
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
             live = [i for i, row in enumerate(self.slots) if row is not None]
-            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live), seconds)
+            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live), seconds,
+                                     len(self.slots))
         share = seconds / len(rows)
         done = []
         for i, row in enumerate(self.slots):

@@ -145,7 +145,7 @@ def test_adaptive_k_is_exact_too():
 class _Alternating(DraftLength):
     """Drafts every other round: the draft catches up on the tokens of the plain rounds."""
 
-    def next_round(self) -> int:
+    def next_round(self, rows: int = 1) -> int:
         self.rounds = getattr(self, "rounds", 0) + 1
         return 3 * (self.rounds % 2)
 
@@ -163,14 +163,14 @@ def test_rounds_without_drafting_keep_output_exact():
 
 
 def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, plain: float, per_proposal: float,
-              rounds: int = 64) -> list[int]:
+              rounds: int = 64, rows: int = 1, rng: random.Random | None = None) -> list[int]:
     """Rounds of a simulated decoder with these costs (seconds), each proposal kept with
     probability `acceptance` while the ones before it were."""
-    chosen, rng = [], random.Random(0)
+    chosen, rng = [], rng or random.Random(0)
     for _ in range(rounds):
-        k = draft_length.next_round()
+        k = draft_length.next_round(rows)
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
-        draft_length.update(k, accepted, int(accepted < k), plain + k * (draft_step + per_proposal))
+        draft_length.update(k, accepted, int(accepted < k), plain + k * (draft_step + per_proposal), rows)
         chosen.append(k)
     return chosen
 
@@ -197,6 +197,19 @@ def test_draft_length_tries_the_losing_way_less_often_while_it_keeps_losing():
         gaps = [b - a for a, b in zip(tried[1:], tried[2:])]
         assert gaps == sorted(gaps) and gaps[0] < DraftLength.MAX_EXPLORE and gaps[-1] == DraftLength.MAX_EXPLORE
         assert len([i for i in tried if i >= 256]) == 256 // DraftLength.MAX_EXPLORE
+
+
+def test_draft_length_keeps_costs_per_batch_size():
+    """Rounds of a batch of 8, where drafting does not pay, alternate with rounds of one row,
+    where it does (a server's batch growing and draining): each size gets its own choice."""
+    draft_length, rng = DraftLength(), random.Random(0)
+    large = dict(LARGE_BATCH, acceptance=0.9)  # the same draft: the acceptance does not depend on the batch
+    eight, one = [], []
+    for _ in range(40):
+        eight += rounds_of(draft_length, rounds=4, rows=8, rng=rng, **large)
+        one += rounds_of(draft_length, rounds=4, rows=1, rng=rng, **ONE_ROW)
+    assert eight[-64:].count(0) >= 58 and one[-64:].count(0) <= 4 and max(one[-64:]) >= 4
+    assert rounds_of(draft_length, rounds=1, rows=5, rng=rng, **large) == [0]  # 5 to 8 rows: the size of 8
 
 
 def test_draft_length_drafts_again_once_drafting_pays():
