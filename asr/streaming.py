@@ -249,7 +249,7 @@ class StreamingTranscriber:
         quarters = len(self._buffer) // quarter
         power = (self._buffer[: quarters * quarter].reshape(quarters, quarter).astype(np.float64) ** 2).mean(1)
         after = power[math.ceil(heard * 4) :]
-        return len(after) > 0 and after.max() >= power.max() * 10 ** (-SPEECH_DB / 10)
+        return len(after) > 0 and after.max() > power.max() * 10 ** (-SPEECH_DB / 10)
 
     def _heard_until(self, window: WindowResult) -> float | None:
         """The hypothesis's last timestamp, in seconds into the buffer (None without timestamps)."""
