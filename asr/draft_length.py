@@ -33,11 +33,11 @@ class DraftLength:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
     passes, or with a small target on a GPU. Costs, and so k, are kept per batch size (the
     rows a round computes, up to a power of two): a batch that grows or drains gets the k
-    of its size, while the acceptance is the draft's, shared. Now and then a round goes the other way, so that
-    both stay measured: a plain round, or where no drafting wins, a round of one proposal
-    (the cheapest). Such a round comes every EXPLORE rounds, and half as often each time it
-    confirms the choice (down to one in MAX_EXPLORE), since each costs what the losing way
-    loses. next_round() says what a round does."""
+    of its size, while the acceptance is the draft's, shared. Now and then a round goes
+    the other way, so that both stay measured: a plain round, or where no drafting wins, a
+    round of one proposal (the cheapest). Such a round comes every EXPLORE rounds, and half
+    as often each time it confirms the choice (down to one in MAX_EXPLORE), since each
+    costs what the losing way loses. next_round() says what a round does."""
 
     EXPLORE = 16
     MAX_EXPLORE = 64
