@@ -30,7 +30,7 @@ from asr.audio import SAMPLE_RATE, load_audio
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
-from asr.speculative import DecodeStats
+from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from asr.writers import write_atomic
 

@@ -23,7 +23,7 @@ from asr.decoder import KVCache
 from asr.draft_length import DraftLength
 from asr.models import ModelPair
 from asr.rules import DecodingRules
-from asr.speculative import DecodeStats, Sequence, Window
+from asr.slots import DecodeStats, Sequence, Window
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -434,7 +434,7 @@ class _Decoding:
             for row, (i, (language, probability)) in enumerate(zip(undetected, guesses)):
                 jobs[i].language = jobs[i].info.language = language
                 jobs[i].info.language_probability = probability
-                # In fixed shapes a row's K/V are computed alone (Batch._write_rows), not batched as here.
+                # In fixed shapes a row's K/V are computed alone (Slots._write_rows), not batched as here.
                 if not o.engine.fixed_shapes:
                     cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])
         detection_seconds = (time.perf_counter() - started) / len(jobs)

@@ -32,7 +32,8 @@ from asr.features import WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest
 from asr.models import PRESETS, WhisperModel, load_pair
 from asr.draft_length import DraftLength
-from asr.speculative import DecodeStats, SpeculativeDecoder
+from asr.slots import DecodeStats
+from asr.speculative import SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
 
 DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "eval" / "dev"

@@ -61,7 +61,8 @@ from asr.decoder import DecoderRunner  # noqa: E402
 from asr.draft_length import DraftLength  # noqa: E402
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_proposals, oracle_table  # noqa: E402
 from asr.rules import DecodingRules  # noqa: E402
-from asr.speculative import DecodeStats, Sequence, SpeculativeDecoder  # noqa: E402
+from asr.slots import DecodeStats, Sequence  # noqa: E402
+from asr.speculative import SpeculativeDecoder  # noqa: E402
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 H100_SXM_GBS = 3350.0

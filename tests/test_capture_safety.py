@@ -14,7 +14,8 @@ from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditiona
 
 from asr.decoder import DecoderRunner
 from asr.rules import DecodingRules
-from asr.speculative import SpeculativeDecoder, Window
+from asr.slots import Window
+from asr.speculative import SpeculativeDecoder
 from capture_guard import CaptureViolation, capture_guard
 from conftest import BEGIN_SUPPRESS, EOT, NO_TIMESTAMPS, SOT, SUPPRESS
 

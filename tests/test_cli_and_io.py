@@ -13,7 +13,7 @@ import soundfile
 from asr import writers
 from asr.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from asr.cli import main, temperatures
-from asr.speculative import DecodeStats
+from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
 from conftest import DEV, SAMPLES
 

@@ -20,7 +20,8 @@ from asr.cudagraphs import StepGraphs
 from asr.draft_length import DraftLength
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, expected_tokens_per_pass, oracle_proposals, oracle_table
 from asr.rules import DecodingRules
-from asr.speculative import DecodeStats, SpeculativeDecoder, Window
+from asr.slots import DecodeStats, Window
+from asr.speculative import SpeculativeDecoder
 from conftest import (
     BEGIN_SUPPRESS, EOT, MAX_TARGET_POSITIONS, NO_TIMESTAMPS, REPO, SOT, SUPPRESS, decoder_only_draft, packaged_weights,
     perturbed, save_tiny, tiny_target,
@@ -95,7 +96,7 @@ def test_fixed_shapes_give_the_fitted_shapes_tokens(pair, timestamps: bool):
         proposed += sum(s.stats.draft_proposed for s in result)
         accepted += sum(s.stats.draft_accepted for s in result)
     assert 0.1 < accepted / proposed < 0.95  # acceptance and rollback both exercised
-    assert {key[0] for key in fixed._idle} == {4, 1, 2}  # states kept for reuse, one per padded size
+    assert {key[0] for key in fixed.states.idle} == {4, 1, 2}  # states kept for reuse, one per padded size
 
     result = engine(target, own).decode(encoded, [prompt] * BATCH, rules, draft_encoder_output=own_encoded,
                                         draft_length=DraftLength(fixed=3), **options)
@@ -168,7 +169,7 @@ def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
     fixed.graphs = graphs = _EagerGraphs()
     for _ in range(4):  # the engine keeps the batch state, and its graphs, between decodes
         assert_same(fixed.decode(encoded, [prompt] * BATCH, rules, draft_length=_Bursts(), **options), fitted)
-    draft_keys = [key for key in fixed._idle[(BATCH, encoded.shape[1], None)].graphs if key[0] == "draft"]
+    draft_keys = [key for key in fixed.states.idle[(BATCH, encoded.shape[1], None)].graphs if key[0] == "draft"]
     assert sorted(key[1] for key in draft_keys) == [1, 8]  # catch-ups of 5 tokens (4 plain rounds + 1) feed 8
     assert graphs.eager["draft"] == 2 * len(draft_keys) and graphs.replays["draft"] >= graphs.eager["draft"]
 
@@ -233,7 +234,7 @@ def test_states_follow_the_encoders_frame_count(pair):
         window = encoded[2:, :frames].contiguous()
         fitted = engine(target, fixed=False).decode(window, prompt, rules, max_new_tokens=MAX_NEW)
         assert_same(fixed.decode(window, prompt, rules, max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=2)), fitted)
-    assert {key for key in fixed._idle} == {(2, encoded.shape[1], None), (2, 12, None)}
+    assert {key for key in fixed.states.idle} == {(2, encoded.shape[1], None), (2, 12, None)}
 
 
 def test_the_engine_refuses_what_it_cannot_do(pair):
@@ -337,7 +338,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool):
         result = graphed.decode(encoded[rows], [prompt] * batch, rules, max_new_tokens=MAX_NEW,
                                 draft_length=DraftLength(fixed=k))
         assert [s.tokens for s in result] == [fitted[r].tokens for r in rows], f"k={k} batch={batch}"
-    captured = [graph for state in graphed._idle.values() for graph in state.graphs.values() if graph != "seen"]
+    captured = [graph for state in graphed.states.idle.values() for graph in state.graphs.values() if graph != "seen"]
     assert captured
 
 
