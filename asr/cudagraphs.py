@@ -1,17 +1,30 @@
-"""Running the engine's steps as CUDA graphs.
-
-A step (a draft proposal, a verification, a prefill) is a function of fixed shapes over
-tensors that live as long as its batch's state, reading nothing back to the host: on a
-GPU it is captured once as a CUDA graph and then replayed, one launch instead of
-hundreds. A step runs eagerly the first time it is met and is captured the second time,
-so that shapes met once (an exploration of k, a rare catch-up width) cost no capture."""
-
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, fields
 from typing import Callable
 
 import torch
 from torch import Tensor
+
+
+@dataclass
+class GraphCounts:
+    """What running the steps as graphs cost besides the replays: each step's first use
+    runs eagerly, and its capture runs it twice more (a warm-up, then the capture). Counted
+    where graphs are on; the seconds are the host's."""
+
+    eager: int = 0  # first uses, and steps never captured (a hinted round's verification)
+    captures: int = 0
+    replays: int = 0
+    eager_seconds: float = 0.0
+    capture_seconds: float = 0.0  # warm-up and capture
+
+    def __add__(self, other: GraphCounts) -> GraphCounts:
+        return GraphCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+    def __sub__(self, other: GraphCounts) -> GraphCounts:
+        return GraphCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
 
 
 class StepGraphs:
@@ -21,6 +34,7 @@ class StepGraphs:
 
     def __init__(self, enabled: bool):
         self.enabled = enabled
+        self.counts = GraphCounts()
         self._pool = None
         self._stream = None
 
@@ -32,20 +46,24 @@ class StepGraphs:
         if not self.enabled:
             step()
             return True
-        if not capture:
-            step()
-            return False
-        graph = graphs.get(key)
-        if graph is None:
-            graphs[key] = "seen"
-            step()
-            return False
-        if graph == "seen":
-            graph = graphs[key] = self._capture(step, state)
+        graph = graphs.get(key) if capture else None
+        if graph is not None and graph != "seen":
+            self.counts.replays += 1
             graph.replay()
+            return True
+        started = time.perf_counter()
+        if graph is None:
+            if capture:
+                graphs[key] = "seen"
+            step()
+            self.counts.eager += 1
+            self.counts.eager_seconds += time.perf_counter() - started
             return False
+        graph = graphs[key] = self._capture(step, state)
         graph.replay()
-        return True
+        self.counts.captures += 1
+        self.counts.capture_seconds += time.perf_counter() - started
+        return False
 
     def _capture(self, step: Callable[[], object], state: list[Tensor]) -> "torch.cuda.CUDAGraph":
         """Warms the step up on a side stream (library handles and workspaces are created

@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -27,6 +27,7 @@ from transformers import GenerationConfig, WhisperForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from asr.audio import SAMPLE_RATE, load_audio
+from asr.cudagraphs import GraphCounts
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
@@ -89,6 +90,9 @@ class Run:
     encoder_seconds: float = 0.0
     decoder_seconds: float = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
+    # Ours on a GPU: the graph work (first uses, captures, replays) of the batch the file was
+    # decoded in, on the batch's first file and zero on the others, so that runs add up.
+    graphs: GraphCounts = field(default_factory=GraphCounts)
     error: str | None = None
 
 
@@ -126,10 +130,13 @@ class OurSystem:
         try:
             if language not in self._transcribers:
                 self._transcribers[language] = Transcriber(self.pair, replace(self.options, language=language), self.batch_size)
+            transcriber = self._transcribers[language]
+            graphs = copy.copy(transcriber.engine.graphs.counts)
             started = time.perf_counter()
-            transcripts = {t.source: t for t in self._transcribers[language].transcribe_many(items)}
+            transcripts = {t.source: t for t in transcriber.transcribe_many(items)}
             _sync(self.pair.target.device)
             wall = time.perf_counter() - started
+            graphs = transcriber.engine.graphs.counts - graphs
         except Exception as error:  # the batch fails for this system; the evaluation goes on
             return [Run(error=_describe(error)) for _ in items]
         infos = [transcripts[item.name].info for item in items]
@@ -146,6 +153,7 @@ class OurSystem:
                 encoder_seconds=info.encoder_seconds,
                 decoder_seconds=info.decoder_seconds,
                 stats=info.stats,
+                graphs=graphs if not runs else GraphCounts(),
             ))
         return runs
 
@@ -512,6 +520,8 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             "decoder_seconds": sum(run.decoder_seconds for run in runs),
             "speedup_vs_target": _ratio(sum(r.runs[TARGET].seconds for r, _ in done), seconds),
         }
+        if system in (TARGET, SPECULATIVE) and environment.get("cuda_graphs"):
+            entry["cuda_graphs"] = asdict(sum((run.graphs for run in runs), GraphCounts()))
         if system in SPECULATIVE_SYSTEMS:
             entry["acceptance_rate"] = stats.acceptance_rate
             entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
@@ -632,6 +642,11 @@ def render_markdown(report: dict, title: str) -> str:
             f"{100 * report['wer_delta']:+.2f} points, {_number(report['speedup'], 'x')} faster end to end, "
             f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
+    graphed = [(system, s["cuda_graphs"]) for system, s in report["systems"].items() if "cuda_graphs" in s]
+    if graphed:
+        lines += ["", "CUDA graphs in the timed runs (host seconds): " + "; ".join(
+            f"{LABELS[system]}: {g['eager']} steps run eagerly ({g['eager_seconds']:.2f} s), {g['captures']} captured "
+            f"({g['capture_seconds']:.2f} s), {g['replays']} replays" for system, g in graphed) + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",

@@ -152,6 +152,7 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None) 
             "seconds_target": target["seconds"], "seconds_speculative": speculative["seconds"],
             "speedup": report["speedup"], "decoder_speedup": report["decoder_speedup"],
             "acceptance": speculative.get("acceptance_rate"), "tokens_per_pass": speculative.get("tokens_per_target_pass"),
+            "graphs": {"target-only": target.get("cuda_graphs"), "speculative": speculative.get("cuda_graphs")},
         }
     return {"ok": ok, "runs": results}
 
@@ -208,6 +209,12 @@ def write(report: dict, out: Path) -> None:
                     f"| {100 * r['wer_speculative']:.2f}% | {100 * r['wer_delta']:+.2f} | {r['seconds_target']:.2f} "
                     f"| {r['seconds_speculative']:.2f} | {r['speedup']:.2f}x | {r['decoder_speedup']:.2f}x "
                     f"| {100 * (r['acceptance'] or 0):.0f}% | {r['tokens_per_pass'] or 0:.2f} |")
+            lines += ["", "CUDA graphs in the timed runs (host seconds of first uses and of captures):", ""]
+            for manifest, r in result["runs"].items():
+                for system, g in (r.get("graphs") or {}).items():
+                    if g:
+                        lines.append(f"- {manifest}, {system}: {g['eager']} eager ({g['eager_seconds']:.2f} s), "
+                                     f"{g['captures']} captures ({g['capture_seconds']:.2f} s), {g['replays']} replays")
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -137,23 +138,22 @@ class _Bursts(DraftLength):
 
 
 class _EagerGraphs(StepGraphs):
-    """StepGraphs' decisions on a CPU: a 'captured' step replays by running eagerly; counts
-    the eager runs (first uses and captures) and replays of each kind of step."""
+    """StepGraphs' own decisions on a CPU: a 'captured' step replays by running the step at
+    hand eagerly; counts each kind of step's eager runs (first uses and captures) and replays."""
 
     def __init__(self):
         super().__init__(enabled=True)
         self.eager, self.replays = Counter(), Counter()
+        self._step = None
 
     def run(self, graphs, key, step, state, capture=True):
-        if capture and graphs.get(key) == "captured":
-            self.replays[key[0]] += 1
-            step()
-            return True
-        if capture:
-            graphs[key] = "captured" if key in graphs else "seen"
-        self.eager[key[0]] += 1
-        step()
-        return False
+        replays, self._step = self.counts.replays, step
+        representative = super().run(graphs, key, step, state, capture)
+        (self.replays if self.counts.replays > replays else self.eager)[key[0]] += 1
+        return representative
+
+    def _capture(self, step, state):
+        return SimpleNamespace(replay=lambda: self._step())
 
 
 def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
@@ -172,6 +172,11 @@ def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
     draft_keys = [key for key in fixed.states.idle[(BATCH, encoded.shape[1], None)].graphs if key[0] == "draft"]
     assert sorted(key[1] for key in draft_keys) == [1, 8]  # catch-ups of 5 tokens (4 plain rounds + 1) feed 8
     assert graphs.eager["draft"] == 2 * len(draft_keys) and graphs.replays["draft"] >= graphs.eager["draft"]
+    # The counts `asr evaluate` reports on a GPU: every step once, first uses and captures apart.
+    captured = [g for state in fixed.states.idle.values() for g in state.graphs.values() if g != "seen"]
+    counts = graphs.counts
+    assert counts.captures == len(captured) and counts.eager == sum(graphs.eager.values()) - counts.captures
+    assert counts.replays == sum(graphs.replays.values()) and counts.eager_seconds > 0 and counts.capture_seconds > 0
 
 
 def test_sampling_in_fixed_shapes_without_proposals_and_beside_greedy_rows(pair):
