@@ -44,9 +44,9 @@ class Engine:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def transcriber(self, settings: Settings) -> Transcriber:
-        """A Transcriber per request (cheap: it holds only options and the adaptive draft
-        length's measurements) over the shared models and their engines; ValueError for
-        settings the target refuses."""
+        """A Transcriber per request (cheap: it holds only options) over the shared models and
+        their engines, whose adaptive draft length it shares; ValueError for settings the
+        target refuses."""
         return Transcriber(self.models, settings.options(self.cuda_graphs), scheduler=self.scheduler)
 
     def turn(self) -> contextlib.AbstractContextManager:

@@ -59,6 +59,13 @@ class SpeculativeDecoder:
         # the pass computes (so on a GPU, too, speculative output is the target-only output).
         self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
         self.states = States(self)
+        self._draft_lengths: dict[int | None, DraftLength] = {}
+
+    def draft_length(self, fixed: int | None = None) -> DraftLength:
+        """The adaptive draft length over this engine (or a fixed one), one for all who ask:
+        what one request measured (round costs, acceptance) serves the next, which would
+        otherwise start from a guess (the web page makes a Transcriber per request)."""
+        return self._draft_lengths.setdefault(fixed, DraftLength(fixed, maximum=self.max_draft_tokens))
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
               draft_length: DraftLength | None = None, generator: torch.Generator | None = None) -> "Batch":

@@ -20,7 +20,6 @@ from torch import Tensor
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.decoder import KVCache
-from asr.draft_length import DraftLength
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
@@ -154,9 +153,11 @@ class Transcriber:
         self.scheduler = scheduler
         target = models.target
         self.vocab = target.vocab
-        self._draft_length = DraftLength(fixed=options.num_draft_tokens, maximum=options.max_draft_tokens)
-        # One engine per model pair and configuration: its batch states and CUDA graphs outlive this Transcriber.
-        self.engine = models.engine(self.speculative, self._draft_length.maximum, options.cuda_graphs)
+        # One engine per model pair and configuration: its batch states, CUDA graphs and draft
+        # length's measurements outlive this Transcriber.
+        maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
+        self.engine = models.engine(self.speculative, maximum, options.cuda_graphs)
+        self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         self._rules: dict[bool, DecodingRules] = {}
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")

@@ -96,6 +96,20 @@ def test_language_detection_and_forced_language(base_pair):
     assert translated.text and translated.text != detected.text
 
 
+def test_transcribers_over_one_pair_share_the_adaptive_draft_length(base_pair, dev_set):
+    """The web page makes a Transcriber per request: each starts from the round costs and
+    acceptance that earlier ones measured (their engine's draft length), not from a guess;
+    a fixed k is a draft length of its own."""
+    _, audio = dev_set
+    first = Transcriber(base_pair, TranscribeOptions(language="en"))
+    first.transcribe(audio[0])
+    later = Transcriber(base_pair, TranscribeOptions(language="de"))
+    assert later._draft_length is first._draft_length and first._draft_length._by_rows
+    fixed = Transcriber(base_pair, TranscribeOptions(num_draft_tokens=3))
+    assert fixed._draft_length.fixed == 3 and fixed._draft_length is fixed.engine.draft_length(3)
+    assert fixed.engine.max_draft_tokens == 3
+
+
 def test_silence_gives_no_segments(base_pair):
     quiet = np.random.default_rng(0).normal(0, 1e-4, 5 * SAMPLE_RATE).astype(np.float32)
     transcript = Transcriber(base_pair).transcribe(quiet)
