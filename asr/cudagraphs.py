@@ -1,3 +1,12 @@
+"""Running the engine's steps as CUDA graphs.
+
+A step (a draft proposal, a verification, a prefill) is a function of fixed shapes over
+tensors that live as long as its batch's state, reading nothing back to the host: on a
+GPU it is captured once as a CUDA graph and then replayed, one launch instead of
+hundreds. A step runs eagerly the first time it is met and is captured the second time,
+so that shapes met once (an exploration of k, a rare catch-up width) cost no capture.
+GraphCounts says what first uses and captures cost (`asr evaluate` reports it)."""
+
 from __future__ import annotations
 
 import time
