@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
 
 
 @dataclass
@@ -17,6 +18,7 @@ class _Costs:
     proposals: float | None = None
     plain_wins: bool = False
     exploring: bool = False
+    languages: list[str | None] = field(default_factory=list)  # the live rows' of the round under way
 
 
 class DraftLength:
@@ -33,11 +35,13 @@ class DraftLength:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
     passes, or with a small target on a GPU. Costs, and so k, are kept per batch size (the
     rows a round computes, up to a power of two): a batch that grows or drains gets the k
-    of its size, while the acceptance is the draft's, shared. Now and then a round goes
-    the other way, so that both stay measured: a plain round, or where no drafting wins, a
-    round of one proposal (the cheapest). Such a round comes every EXPLORE rounds, and half
-    as often each time it confirms the choice (down to one in MAX_EXPLORE), since each
-    costs what the losing way loses. next_round() says what a round does."""
+    of its size. The acceptance is the draft's on a language (an English-only draft is
+    rarely right on German), kept per language and averaged over a round's rows. Now and
+    then a round goes the other way, so that both stay measured: a plain round, or where
+    no drafting wins, a round of one proposal (the cheapest). Such a round comes every
+    EXPLORE rounds, and half as often each time it confirms the choice (down to one in
+    MAX_EXPLORE), since each costs what the losing way loses. next_round() says what a
+    round does."""
 
     EXPLORE = 16
     MAX_EXPLORE = 64
@@ -46,9 +50,12 @@ class DraftLength:
         self.fixed = fixed
         self.maximum = fixed if fixed is not None else maximum
         self.initial = fixed if fixed is not None else min(initial, maximum)
-        self._accepted = 1.0  # decayed counts, starting from a mild prior
-        self._rejected = 1.0
+        self._acceptance: dict[str | None, tuple[float, float]] = {}  # decayed (accepted, rejected) per language
         self._by_rows: dict[int, _Costs] = {}
+
+    def acceptance(self, language: str | None = None) -> float:
+        accepted, rejected = self._acceptance.get(language, (1.0, 1.0))  # a mild prior
+        return accepted / (accepted + rejected)
 
     def _costs(self, rows: int) -> _Costs:
         size = 1 << (rows - 1).bit_length()  # sizes up to a power of two share their costs
@@ -56,10 +63,13 @@ class DraftLength:
             self._by_rows[size] = _Costs(self.initial, self.EXPLORE, self.EXPLORE)
         return self._by_rows[size]
 
-    def next_round(self, rows: int = 1) -> int:
+    def next_round(self, rows: int = 1, languages: Iterable[str | None] = (None,)) -> int:
+        """k for a round of a batch of `rows` rows; languages: its live rows'."""
         if self.fixed is not None:
             return self.fixed
         c = self._costs(rows)
+        c.languages = list(languages)
+        self._choose(c)
         c.until_explore -= 1
         c.exploring = c.until_explore <= 0 or (c.plain is None and c.drafting is not None)
         if c.until_explore <= 0:
@@ -68,9 +78,10 @@ class DraftLength:
             return 1 if c.exploring else 0
         return 0 if c.exploring else c.k
 
-    def update(self, k: int, accepted: int, rejected: int, seconds: float, rows: int = 1) -> None:
-        """A round's outcome: k proposed per row, accepted in all, rows that rejected one, the
-        round's wall time, and the rows it computed."""
+    def update(self, k: int, seconds: float, rows: int = 1,
+               outcomes: Mapping[str | None, tuple[int, int]] | None = None) -> None:
+        """A round's outcome: k proposed per row, the round's wall time, the rows it computed,
+        and per language its rows' (proposals accepted in all, rows that rejected one)."""
         if self.fixed is not None:
             return
         c = self._costs(rows)
@@ -78,13 +89,24 @@ class DraftLength:
             c.plain = _average(c.plain, seconds)
         else:
             decay = 0.9
-            self._accepted = decay * self._accepted + accepted
-            self._rejected = decay * self._rejected + rejected
+            for language, (accepted, rejected) in (outcomes or {}).items():
+                before = self._acceptance.get(language, (1.0, 1.0))
+                self._acceptance[language] = (decay * before[0] + accepted, decay * before[1] + rejected)
             c.drafting = _average(c.drafting, seconds)
             c.proposals = _average(c.proposals, float(k))
+        chosen = c.plain_wins
+        if self._choose(c) and c.exploring:
+            confirmed = c.plain_wins == chosen
+            c.interval = min(2 * c.interval, self.MAX_EXPLORE) if confirmed else self.EXPLORE
+            c.until_explore = min(c.until_explore, c.interval)
+
+    def _choose(self, c: _Costs) -> bool:
+        """Sets c.k and c.plain_wins from the measured costs and the acceptance of the round's
+        languages; False while a cost is still unmeasured."""
         if c.plain is None or c.drafting is None:
-            return
-        alpha = self._accepted / (self._accepted + self._rejected)
+            return False
+        languages = c.languages or [None]
+        alpha = sum(self.acceptance(language) for language in languages) / len(languages)
         per_proposal = max(c.drafting - c.plain, 0.0) / c.proposals
 
         def tokens_per_second(k: int) -> float:
@@ -92,12 +114,8 @@ class DraftLength:
             return expected / (c.plain + k * per_proposal)
 
         c.k = max(range(1, self.maximum + 1), key=tokens_per_second)
-        plain_wins = tokens_per_second(0) > tokens_per_second(c.k)
-        if c.exploring:
-            confirmed = plain_wins == c.plain_wins
-            c.interval = min(2 * c.interval, self.MAX_EXPLORE) if confirmed else self.EXPLORE
-            c.until_explore = min(c.until_explore, c.interval)
-        c.plain_wins = plain_wins
+        c.plain_wins = tokens_per_second(0) > tokens_per_second(c.k)
+        return True
 
 
 def _average(mean: float | None, value: float) -> float:

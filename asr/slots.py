@@ -79,6 +79,7 @@ class Window:
     # The target's cross-attention K/V of `encoded` per layer ([heads, frames, head width]),
     # where already computed (language detection): taken over instead of computed again.
     cross: tuple[list[Tensor], list[Tensor]] | None = None
+    language: str | None = None  # the draft's acceptance is kept per language (asr/draft_length.py)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class Row:
     sample_begin: int
     temperature: float
     hinted: bool
+    language: str | None
     gap: int = 1  # kept tokens the draft has not cached yet
     stats: DecodeStats = field(default_factory=DecodeStats)
     seconds: float = 0.0
@@ -231,7 +233,8 @@ class Slots:
         tags = []
         for slot, w in zip(slots, windows):
             length = len(w.prompt)
-            self.slots[slot] = Row(self._tags, length, length + w.max_new_tokens, length, w.temperature, bool(w.hint))
+            self.slots[slot] = Row(self._tags, length, length + w.max_new_tokens, length, w.temperature, bool(w.hint),
+                                   w.language)
             tags.append(self._tags)
             self._tags += 1
         seconds = (time.perf_counter() - started) / len(windows)

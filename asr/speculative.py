@@ -129,7 +129,7 @@ class Batch(Slots):
         hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
         representative = hinted is None
         if hinted is None:
-            k = self.draft_length.next_round(len(self.slots)) if self.use_draft else 0
+            k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0
             if k > 0:
                 k, representative = self._propose(k, max(row.gap for row in rows), sample, rows)
             if sample:
@@ -143,9 +143,12 @@ class Batch(Slots):
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
-            live = [i for i, row in enumerate(self.slots) if row is not None]
-            self.draft_length.update(k, sum(accepted[i] for i in live), sum(accepted[i] < k for i in live), seconds,
-                                     len(self.slots))
+            outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
+            for i, row in enumerate(self.slots):
+                if row is not None:
+                    before = outcomes.get(row.language, (0, 0))
+                    outcomes[row.language] = (before[0] + accepted[i], before[1] + (accepted[i] < k))
+            self.draft_length.update(k, seconds, len(self.slots), outcomes)
         share = seconds / len(rows)
         done = []
         for i, row in enumerate(self.slots):

@@ -460,7 +460,8 @@ class _Decoding:
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
             # would sample, and a loop is then verified in a few passes instead of one per token.
             hint = job.rejected or job.hint
-            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known))
+            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known,
+                                  job.language))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 

@@ -145,7 +145,7 @@ def test_adaptive_k_is_exact_too():
 class _Alternating(DraftLength):
     """Drafts every other round: the draft catches up on the tokens of the plain rounds."""
 
-    def next_round(self, rows: int = 1) -> int:
+    def next_round(self, rows: int = 1, languages=(None,)) -> int:
         self.rounds = getattr(self, "rounds", 0) + 1
         return 3 * (self.rounds % 2)
 
@@ -163,14 +163,14 @@ def test_rounds_without_drafting_keep_output_exact():
 
 
 def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, plain: float, per_proposal: float,
-              rounds: int = 64, rows: int = 1, rng: random.Random | None = None) -> list[int]:
+              rounds: int = 64, rows: int = 1, rng: random.Random | None = None, language: str | None = None) -> list[int]:
     """Rounds of a simulated decoder with these costs (seconds), each proposal kept with
     probability `acceptance` while the ones before it were."""
     chosen, rng = [], rng or random.Random(0)
     for _ in range(rounds):
-        k = draft_length.next_round(rows)
+        k = draft_length.next_round(rows, [language])
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
-        draft_length.update(k, accepted, int(accepted < k), plain + k * (draft_step + per_proposal), rows)
+        draft_length.update(k, plain + k * (draft_step + per_proposal), rows, {language: (accepted, int(accepted < k))})
         chosen.append(k)
     return chosen
 
@@ -210,6 +210,18 @@ def test_draft_length_keeps_costs_per_batch_size():
         one += rounds_of(draft_length, rounds=4, rows=1, rng=rng, **ONE_ROW)
     assert eight[-64:].count(0) >= 58 and one[-64:].count(0) <= 4 and max(one[-64:]) >= 4
     assert rounds_of(draft_length, rounds=1, rows=5, rng=rng, **large) == [0]  # 5 to 8 rows: the size of 8
+
+
+def test_draft_length_keeps_the_acceptance_per_language():
+    """An English-only draft is rarely right on German: German rounds stop drafting, and the
+    English rounds that follow (a web page's next request, the same engine) still draft,
+    their acceptance being their own; a round of both languages weighs each row's."""
+    draft_length, rng = DraftLength(), random.Random(0)
+    german = rounds_of(draft_length, rounds=200, rng=rng, language="de", **dict(ONE_ROW, acceptance=0.05))
+    assert german[-64:].count(0) >= 60
+    english = rounds_of(draft_length, rounds=32, rng=rng, language="en", **ONE_ROW)
+    assert english[0] > 0 and english.count(0) <= 3 and draft_length.acceptance("de") < 0.2 < 0.8 < draft_length.acceptance("en")
+    assert draft_length.next_round(1, ["de"] * 3) == 0 and draft_length.next_round(1, ["en", "en", "de"]) > 0
 
 
 def test_draft_length_drafts_again_once_drafting_pays():

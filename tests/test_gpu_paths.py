@@ -132,7 +132,7 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
 class _Bursts(DraftLength):
     """Drafts one round in five: the draft then catches up on the tokens of four plain rounds."""
 
-    def next_round(self, rows: int = 1) -> int:
+    def next_round(self, rows: int = 1, languages=(None,)) -> int:
         self.rounds = getattr(self, "rounds", 0) + 1
         return 3 if self.rounds % 5 == 0 else 0
 
