@@ -69,8 +69,9 @@ class SpeculativeDecoder:
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
               draft_length: DraftLength | None = None, generator: torch.Generator | None = None) -> "Batch":
-        """An empty batch sized for `rows` rows (it grows if given more)."""
-        return Batch(self, rules, rows, no_speech_token, draft_length or DraftLength(maximum=self.max_draft_tokens), generator)
+        """An empty batch sized for `rows` rows (it grows if given more); draft_length: by
+        default the engine's adaptive one."""
+        return Batch(self, rules, rows, no_speech_token, draft_length or self.draft_length(), generator)
 
     @torch.inference_mode()
     def decode(self, target_encoder_output: Tensor, prompts: list[list[int]], rules: DecodingRules, *,
