@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
+PRIOR = (1.0, 1.0)  # a language's (accepted, rejected) before any round: a mild prior
+
 
 @dataclass
 class _Costs:
@@ -54,7 +56,7 @@ class DraftLength:
         self._by_rows: dict[int, _Costs] = {}
 
     def acceptance(self, language: str | None = None) -> float:
-        accepted, rejected = self._acceptance.get(language, (1.0, 1.0))  # a mild prior
+        accepted, rejected = self._acceptance.get(language, PRIOR)
         return accepted / (accepted + rejected)
 
     def _costs(self, rows: int) -> _Costs:
@@ -90,7 +92,7 @@ class DraftLength:
         else:
             decay = 0.9
             for language, (accepted, rejected) in (outcomes or {}).items():
-                before = self._acceptance.get(language, (1.0, 1.0))
+                before = self._acceptance.get(language, PRIOR)
                 self._acceptance[language] = (decay * before[0] + accepted, decay * before[1] + rejected)
             c.drafting = _average(c.drafting, seconds)
             c.proposals = _average(c.proposals, float(k))
