@@ -24,12 +24,13 @@ class Settings:
     task: str = "transcribe"  # or "translate"
     draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
 
-    def options(self, cuda_graphs: bool = True) -> TranscribeOptions:
+    def options(self, engine_options: dict) -> TranscribeOptions:
+        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile)."""
         return TranscribeOptions(
             language=None if self.language == AUTO else self.language,
             task=self.task,
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
-            cuda_graphs=cuda_graphs,
+            **engine_options,
         )
 
 
@@ -37,7 +38,9 @@ class Settings:
 class Engine:
     models: ModelPair
     description: str  # what the page says it runs, e.g. the target and draft names
-    cuda_graphs: bool = True  # on a GPU, the decoder's steps run as CUDA graphs
+    # How the engine runs, as TranscribeOptions' fields: cuda_graphs (on a GPU, the decoder's
+    # steps run as CUDA graphs, the default), compile
+    engine_options: dict = field(default_factory=dict)
     # Every visitor's uploads and live windows decode together in the scheduler's batches;
     # None: requests take turns on the models, one at a time (the lock).
     scheduler: Scheduler | None = None
@@ -47,7 +50,7 @@ class Engine:
         """A Transcriber per request (cheap: it holds only options) over the shared models and
         their engines, whose adaptive draft length it shares; ValueError for settings the
         target refuses."""
-        return Transcriber(self.models, settings.options(self.cuda_graphs), scheduler=self.scheduler)
+        return Transcriber(self.models, settings.options(self.engine_options), scheduler=self.scheduler)
 
     def turn(self) -> contextlib.AbstractContextManager:
         """What a request holds while it decodes: nothing when the scheduler batches requests

@@ -114,6 +114,14 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                              "CPU computes in bfloat16 (avx512_bf16 / AMX), else float32")
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on a GPU, run the decoder's steps eagerly rather than as CUDA graphs (slower; for debugging)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile the decoders' passes with torch.compile (Inductor; fused kernels inside the CUDA "
+                             "graphs), for a GPU: each new shape compiles at first use, which takes a while; slower on a CPU")
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    """The TranscribeOptions that say how the engine runs (graphs, compiled passes)."""
+    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
 
 
 def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch.dtype]:
@@ -152,7 +160,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
         seed=args.seed,
-        cuda_graphs=not args.no_cuda_graphs,
+        **engine_options(args),
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES.get(args.dtype), options, max(1, args.batch_size))
@@ -187,7 +195,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 2
     preset = None if args.target else args.preset or DEFAULT_PRESET
     options = EvaluateOptions(batch_size=max(1, args.batch_size), peers=tuple(dict.fromkeys(args.peers)), preset=preset,
-                              transcribe=TranscribeOptions(cuda_graphs=not args.no_cuda_graphs), progress=sys.stderr.isatty())
+                              transcribe=TranscribeOptions(**engine_options(args)), progress=sys.stderr.isatty())
     report = evaluate(clips, pair, options)
     write_report(report, args.out, title=str(args.manifest))
     print((args.out / "report.md").read_text())
@@ -211,7 +219,7 @@ def app_command(args: argparse.Namespace) -> int:
     try:
         description = f"Target {target} · draft {draft or 'none'} · {device}, {pair.target.dtype_label}"
         scheduler = None if args.no_batching else Scheduler(rows=max(1, args.batch_rows))
-        engine = Engine(pair, description, cuda_graphs=not args.no_cuda_graphs, scheduler=scheduler)
+        engine = Engine(pair, description, engine_options(args), scheduler=scheduler)
         serve(engine, args.host, args.port, keep_seconds=args.keep_files_minutes * 60)
     except OSError as error:  # the port is taken, or the address is not this machine's
         print(f"asr: cannot serve on {args.host}:{args.port}: {error}", file=sys.stderr)
@@ -227,7 +235,7 @@ def stream_command(args: argparse.Namespace) -> int:
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
                          device=device, dtype=dtype, encoder_dtype=encoder_dtype)
         transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
-                                                          cuda_graphs=not args.no_cuda_graphs))
+                                                          **engine_options(args)))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds,
                                       encoder_padding_seconds=args.encoder_padding_seconds, prompt=args.prompt,

@@ -8,6 +8,7 @@ rejected draft tokens are rolled back, by moving a position rather than copying.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from dataclasses import dataclass
 from typing import Callable
@@ -158,6 +159,19 @@ class DecoderRunner:
             self.fill_cross(cache, torch.arange(rows, device=encoder_output.device), encoder_output)
         return cache
 
+    def compiled(self) -> "DecoderRunner":
+        """This runner with its pass compiled by torch.compile (Inductor): the same weights,
+        fewer and fused kernels (a layer norm with its residual add, the elementwise work
+        around the matrix products). Each new shape compiles at its first use, which a
+        CUDA graph's capture then records (asr/cudagraphs.py runs a step eagerly first)."""
+        # Dynamo keeps its compiled graphs per function, here shared by every runner: one
+        # graph per runner and kind of call (prefill, draft step, verification), each made
+        # shape-generic once a second shape is met.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        runner = copy.copy(self)
+        runner._pass = torch.compile(self._pass)
+        return runner
+
     @torch.inference_mode()
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
@@ -174,6 +188,10 @@ class DecoderRunner:
         reads a value back to the host or shapes a tensor by one, so the pass can be
         captured as a CUDA graph. Positions past the decoder's last (proposals never kept)
         take the last position's embedding."""
+        return self._pass(tokens, start, cache, logits_at, window, rows)
+
+    def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
+              rows: Tensor | None) -> Tensor:
         batch, q = tokens.shape
         positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
         attended = cache.capacity if window is None else window
@@ -241,7 +259,7 @@ def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
 
             def run(x: Tensor) -> Tensor:
                 flat = x.reshape(-1, x.shape[-1])
-                if flat.shape[0] == 1:
+                if flat.shape[0] == 1 or torch.compiler.is_compiling():  # Inductor packs its own
                     return F.linear(x, weight, bias)
                 return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
 
@@ -269,6 +287,8 @@ def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
             packed = torch.ops.quantized.linear_prepack(quantised, None if bias is None else bias.detach())
 
             def run(x: Tensor) -> Tensor:
+                if torch.compiler.is_compiling():  # quantised ops do not trace: the float weight
+                    return F.linear(x, weight, bias)
                 flat = x.reshape(-1, x.shape[-1])
                 return torch.ops.quantized.linear_dynamic(flat, packed, True).view(*x.shape[:-1], -1)
 

@@ -477,6 +477,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "draft": pair.draft.name,
         "batch_size": options.batch_size,
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
+        "compiled": options.transcribe.compile,
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
@@ -616,7 +617,8 @@ def render_markdown(report: dict, title: str) -> str:
         f"# Evaluation: {title}",
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
-        f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}, batch {env['batch_size']} "
+        f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
+        f"{', compiled passes' if env.get('compiled') else ''}, batch {env['batch_size']} "
         f"(transformers: 1); {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
         "",

@@ -145,15 +145,16 @@ class ModelPair:
     def draft_is_target(self) -> bool:
         return self.draft is not None and self.draft.model is self.target.model
 
-    def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True) -> SpeculativeDecoder:
+    def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
+               compile: bool = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
         configuration: it keeps its batch states and CUDA graphs for every Transcriber."""
-        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs)
+        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile)
         if key not in self._engines:
             draft = self.draft.runner if key[0] else None
             # setdefault: two threads creating the same engine at once end up sharing one
             self._engines.setdefault(key, SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
-                                                             cuda_graphs=cuda_graphs))
+                                                             cuda_graphs=cuda_graphs, compile=compile))
         return self._engines[key]
 
 

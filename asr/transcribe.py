@@ -48,6 +48,7 @@ class TranscribeOptions:
     max_draft_tokens: int = 8
     seed: int = 0
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
+    compile: bool = False  # the decoders' passes compiled by torch.compile (DecoderRunner.compiled)
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ class Transcriber:
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
         # length's measurements outlive this Transcriber.
         maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
-        self.engine = models.engine(self.speculative, maximum, options.cuda_graphs)
+        self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         self._rules: dict[bool, DecodingRules] = {}
         if options.task not in ("transcribe", "translate"):

@@ -21,6 +21,9 @@ Section 2, the real packaged pair (--real-target, --real-draft: the embedded pre
 short dev clips (one 30 s window each, greedy with timestamps, natural end-of-text), with
 the draft's real acceptance, at fixed k and with the adaptive length.
 
+--compile adds our target-only and speculative rows with the decoders' passes compiled by
+torch.compile (Inductor) inside the CUDA graphs (asr/decoder.py, DecoderRunner.compiled).
+
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time).
 
@@ -76,6 +79,7 @@ TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU;
 # verification (max_draft_tokens + 1 = 9), so that both give the same logits: this row
 # computes one, to show what that costs.
 ONE_POSITION = "ours target-only, 1 position per pass"
+COMPILED = "compiled"  # --compile: the decoders' passes compiled by torch.compile inside the graphs
 
 
 @dataclass(frozen=True)
@@ -156,6 +160,8 @@ def main() -> None:
     parser.add_argument("--measure-bandwidth", action="store_true", help="time a large device copy instead")
     parser.add_argument("--fixed-shapes", action="store_true", help="on a CPU too, decode in the fixed shapes a GPU uses")
     parser.add_argument("--profile", action="store_true", help="count kernels and their time per token (torch.profiler)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add rows with the decoders' passes compiled by torch.compile (DecoderRunner.compiled)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -206,9 +212,10 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
     GPU), or with graphs=False its steps run eagerly."""
     fixed = device.type == "cuda" or args.fixed_shapes
 
-    def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8) -> SpeculativeDecoder:
+    def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
+              compile: bool = False) -> SpeculativeDecoder:
         return SpeculativeDecoder(target, draft, max_draft_tokens=max(args.num_draft_tokens, max_draft_tokens),
-                                  fixed_shapes=fixed, cuda_graphs=graphs)
+                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile)
     return build
 
 
@@ -250,12 +257,16 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
             (TARGET_ONLY, ours(target_only), None),
             (ONE_POSITION, ours(engine(target_runner, max_draft_tokens=0)), None),
         ]
+        if args.compile:
+            methods.append((f"{TARGET_ONLY}, {COMPILED}", ours(engine(target_runner, compile=True)), None))
         reference = ours(target_only)().tokens  # the oracle's right answers
         for alpha in [float(a) for a in args.acceptance.split(",")]:
             proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
             table = oracle_table(proposals, [len(prompt)] * batch, target_only.rows_for(batch), target_only.capacity, device)
-            oracle = engine(target_runner, OracleDraft(draft_runner, table))
-            methods.append((f"ours speculative, oracle alpha={alpha:g}", ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
+            for compile in (False, True) if args.compile else (False,):
+                oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=compile)
+                methods.append((f"ours speculative{f', {COMPILED}' if compile else ''}, oracle alpha={alpha:g}",
+                                ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
         rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
                         target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False)
     return rows
@@ -309,6 +320,10 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             (f"ours speculative, k = {k}", ours(speculative, lambda: DraftLength(fixed=k)), None),
             ("ours speculative, adaptive k", ours(speculative, lambda: DraftLength()), None),
         ]
+        if args.compile:
+            methods += [(f"{TARGET_ONLY}, {COMPILED}", ours(engine(target.runner, compile=True)), None),
+                        (f"ours speculative, adaptive k, {COMPILED}",
+                         ours(engine(target.runner, draft.runner, compile=True), lambda: DraftLength()), None)]
         lengths = [len(t) for t in ours(engine(target.runner))().tokens]
         frames = encoded[0].shape[1]
         context = len(prompt) + statistics.mean(lengths) / 2

@@ -1,9 +1,10 @@
 """The GPU check, in one command: the CUDA tests, the large-v3-geometry benchmark, and (where
 the packaged weights, the audio extras and the dev set are installed) the dev set through
-`asr evaluate` and `asr transcribe` with and without the draft, all written to one report.
+`asr evaluate` and `asr transcribe` with and without the draft, all written to one report;
+then the same benchmark and evaluation with the decoders' passes compiled (torch.compile).
 
     python scripts/gpu_check.py --out gpu-check
-    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe
+    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe, then compile
 
 Needs torch (CUDA) and transformers; nothing is downloaded. What needs more is skipped,
 and the report says why. Writes DIR/gpu_check.md (every figure, and the environment),
@@ -26,7 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
-PARTS = "tests,benchmark,evaluate,transcribe"
+PARTS = "tests,benchmark,evaluate,transcribe,compile"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -63,6 +64,8 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))
     part("transcribe", lambda: transcribe(args, env, real))
+    part("compile benchmark", lambda: benchmark(args, env, real, compile=True))
+    part("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))
     write(report, args.out)
     failed = [name for name, result in report["parts"].items() if result.get("ok") is False]
     print(f"wrote {args.out / 'gpu_check.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
@@ -118,26 +121,28 @@ def tests(out: Path, env: dict) -> dict:
     return {"ok": code == 0, "command": " ".join(command[1:]), "summary": lines[-12:]}
 
 
-def benchmark(args: argparse.Namespace, env: dict, real: str | None) -> dict:
-    folder = args.out / "benchmark"
+def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: bool = False) -> dict:
+    """compile: batch 1 and 16 at acceptance 0.8, each row also with compiled passes."""
+    folder = args.out / ("benchmark-compiled" if compile else "benchmark")
+    batch_sizes, acceptance = ("1,16", "0.8") if compile else (args.batch_sizes, "0.6,0.8,0.95")
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
-               args.batch_sizes, "--acceptance", "0.6,0.8,0.95", "--repeats", str(args.repeats), "--dev", str(args.dev),
-               "--out", str(folder)] + (["--no-real"] if real else [])
-    code, _ = run(command, env, args.out / "benchmark.log")
+               batch_sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
+               "--out", str(folder)] + (["--no-real"] if real else []) + (["--compile"] if compile else [])
+    code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     return {"ok": code == 0, "command": " ".join(command[1:]), "table": table,
             "note": f"section 2 (real weights) {real}" if real else ""}
 
 
-def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None) -> dict:
+def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False) -> dict:
     if real:
         return {"skipped": real}
     results = {}
     ok = True
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
-        folder = args.out / f"evaluate-{dtype}-{manifest.removesuffix('.tsv')}"
+        folder = args.out / f"evaluate-{dtype}{'-compiled' if compile else ''}-{manifest.removesuffix('.tsv')}"
         command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
-                   "--batch-size", "8", "--out", str(folder)]
+                   "--batch-size", "8", "--out", str(folder)] + (["--compile"] if compile else [])
         code, _ = run(command, env, args.out / f"{folder.name}.log")
         if code != 0 or not (folder / "report.json").is_file():
             ok = False
@@ -195,9 +200,9 @@ def write(report: dict, out: Path) -> None:
         lines.append(f"{status} in {result.get('part_seconds', '?')} s" + (f": `{result['command']}`" if "command" in result else ""))
         if name == "tests":
             lines += ["", "```", *result["summary"], "```"]
-        elif name == "benchmark":
+        elif name.endswith("benchmark"):
             lines += ["", result["table"], result["note"]]
-        elif name.startswith("evaluate"):
+        elif "evaluate" in name:
             lines += ["", "| manifest | files | identical | WER target | WER speculative | delta | target s | speculative s "
                       "| speed-up | decoder speed-up | acceptance | tokens / pass |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
             for manifest, r in result["runs"].items():

@@ -137,6 +137,23 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     assert 0 < document["stats"]["draft_tokens_accepted"] <= document["stats"]["draft_tokens_proposed"]
 
 
+def test_cli_transcribes_with_compiled_passes(tmp_path: Path):
+    """--compile (torch.compile of the decoders' passes, meant for a GPU) reaches the engine
+    and gives the same transcript, the int8 draft's passes included."""
+    from torch._dynamo.utils import counters
+
+    clip = str(SAMPLES / "1089-134691-0001.flac")
+    compiled_graphs = []
+    for name, extra in (("eager", []), ("compiled", ["--compile"])):
+        before = counters["stats"]["unique_graphs"]
+        assert main(["transcribe", clip, "--out-dir", str(tmp_path / name), "--formats", "json", "--language", "en",
+                     "--num-draft-tokens", "3", *extra]) == 0
+        compiled_graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert compiled_graphs[0] == 0 and compiled_graphs[1] > 0
+    eager, compiled = (json.loads((tmp_path / name / "1089-134691-0001.json").read_text()) for name in ("eager", "compiled"))
+    assert compiled["text"] == eager["text"] and compiled["stats"]["draft_tokens_accepted"] > 0
+
+
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert main(["transcribe", str(SAMPLES), "--formats", "docx"]) == 2
     assert "unknown format" in capsys.readouterr().err

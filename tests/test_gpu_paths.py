@@ -129,6 +129,23 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
     assert sum(s.stats.hint_accepted for s in result) > 0
 
 
+def test_compiled_passes_give_the_same_tokens(pair):
+    """The decoders' passes compiled by torch.compile (for a GPU, inside its graphs; here
+    Inductor's CPU code), in fixed shapes: rounds without drafting and with k = 3 give the
+    eager engine's tokens, and the runners the engine was given stay eager."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    target_runner, draft_runner = runner(target), runner(draft)
+    compiled = SpeculativeDecoder(target_runner, draft_runner, fixed_shapes=True, compile=True)
+    assert compiled.target._pass is not target_runner._pass and compiled.target.layers is target_runner.layers
+    for k in (0, 3):
+        result = compiled.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options)
+        assert_same(result, fitted)
+    assert sum(s.stats.draft_accepted for s in result) > 0
+
+
 class _Bursts(DraftLength):
     """Drafts one round in five: the draft then catches up on the tokens of four plain rounds."""
 
@@ -322,11 +339,12 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
 
 
 @cuda
+@pytest.mark.parametrize("compile", [False, True], ids=["eager-passes", "compiled-passes"])
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
-def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool):
+def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: bool):
     """On a GPU: the captured graphs (captured on a step's second use, then replayed) give
-    the tokens of the engine in fitted shapes; capture itself fails on any host
-    synchronisation inside a step."""
+    the tokens of the engine in fitted shapes, with the decoders' passes compiled too;
+    capture itself fails on any host synchronisation inside a step."""
     target, features = target_and_windows(0)  # rows that end at different lengths
     draft = decoder_only_draft(target, noise=0.1, seed=0).float().cuda()
     target = target.float().cuda()
@@ -336,7 +354,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool):
     rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
                           begin_suppress=BEGIN_SUPPRESS, timestamps=timestamps, device="cuda")
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
-    graphed = SpeculativeDecoder(runner(target), runner(draft))
+    graphed = SpeculativeDecoder(runner(target), runner(draft), compile=compile)
     assert graphed.graphs.enabled
     for k, batch in [(0, 4), (1, 4), (4, 4), (8, 4), (3, 1), (3, 3), (4, 4), (4, 4)]:
         rows = list(range(BATCH - batch, BATCH))
