@@ -9,6 +9,7 @@ GraphCounts says what first uses and captures cost (`asr evaluate` reports it)."
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -28,6 +29,7 @@ class GraphCounts:
     replays: int = 0
     eager_seconds: float = 0.0
     capture_seconds: float = 0.0  # warm-up and capture
+    compilations: int = 0  # graphs torch.compile made for compiled passes (at first uses)
 
     def __add__(self, other: GraphCounts) -> GraphCounts:
         return GraphCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -52,9 +54,10 @@ class StepGraphs:
         representative of the step's cost (eager mode, or a replay; not a first use or a
         capture). state: the tensors the step changes besides the caches (whose entries
         the step rewrites before reading them), put back after the capture's warm-up."""
+        compiled = compilations()
         if not self.enabled:
             step()
-            return True
+            return compilations() == compiled  # a step that compiled says nothing of its cost
         graph = graphs.get(key) if capture else None
         if graph is not None and graph != "seen":
             self.counts.replays += 1
@@ -67,6 +70,7 @@ class StepGraphs:
             step()
             self.counts.eager += 1
             self.counts.eager_seconds += time.perf_counter() - started
+            self.counts.compilations += compilations() - compiled
             return False
         graph = graphs[key] = self._capture(step, state)
         graph.replay()
@@ -90,3 +94,9 @@ class StepGraphs:
         with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
             step()
         return graph
+
+
+def compilations() -> int:
+    """Graphs torch.compile has made in this process so far (DecoderRunner.compiled)."""
+    utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled yet
+    return 0 if utils is None else utils.counters["stats"]["unique_graphs"]

@@ -35,15 +35,12 @@ from asr.slots import Row, Sequence, Slots, States, Window
 class SpeculativeDecoder:
     """The engine for one target (and optionally one draft); keeps the states of its batches
     (and their CUDA graphs) for reuse. fixed_shapes: decode in fixed shapes (default: on
-    CUDA); cuda_graphs: run those as CUDA graphs on CUDA; compile: the decoders' passes
-    compiled by torch.compile (DecoderRunner.compiled), for a GPU."""
+    CUDA); cuda_graphs: run those as CUDA graphs on CUDA."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
-                 fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: bool = False):
+                 fixed_shapes: bool | None = None, cuda_graphs: bool = True):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        if compile:
-            target, draft = target.compiled(), draft and draft.compiled()
         self.target = target
         self.draft = draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.

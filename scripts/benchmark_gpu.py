@@ -214,8 +214,10 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
               compile: bool = False) -> SpeculativeDecoder:
+        if compile:
+            target, draft = target.compiled(), draft and draft.compiled()
         return SpeculativeDecoder(target, draft, max_draft_tokens=max(args.num_draft_tokens, max_draft_tokens),
-                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile)
+                                  fixed_shapes=fixed, cuda_graphs=graphs)
     return build
 
 

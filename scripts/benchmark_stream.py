@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from asr.audio import SAMPLE_RATE, load_audio
-from asr.cli import add_model_arguments, device_and_dtypes, model_sources
+from asr.cli import add_model_arguments, device_and_dtypes, engine_options, model_sources
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, StreamSummary, feed_recording, replay, summarize
@@ -66,7 +66,7 @@ def main() -> int:
     device, dtype, encoder_dtype = device_and_dtypes(args)
     transcriber = Transcriber(load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                                         encoder_dtype=encoder_dtype),
-                              TranscribeOptions(language=args.language))
+                              TranscribeOptions(language=args.language, **engine_options(args)))
     samples = load_audio(args.audio)
     references = {c.path.resolve(): c.reference for c in read_manifest(args.manifest)} if args.manifest.exists() else {}
     reference = references.get(args.audio.resolve())

@@ -107,7 +107,11 @@ def real_models_reason(dev: Path, missing: list[str]) -> str | None:
 
 def run(command: list[str], env: dict, log: Path, timeout: float = 1800) -> tuple[int, str]:
     print("$ " + " ".join(command), flush=True)
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    try:
+        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as expired:  # the part fails; the others still run
+        output = [(o.decode(errors="replace") if isinstance(o, bytes) else o or "") for o in (expired.stdout, expired.stderr)]
+        done = subprocess.CompletedProcess(command, 124, output[0], output[1] + f"\ntimed out after {timeout:.0f} s")
     log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
     print(done.stdout[-2000:], done.stderr[-2000:] if done.returncode else "", flush=True)
     return done.returncode, done.stdout + done.stderr
@@ -219,7 +223,8 @@ def write(report: dict, out: Path) -> None:
                 for system, g in (r.get("graphs") or {}).items():
                     if g:
                         lines.append(f"- {manifest}, {system}: {g['eager']} eager ({g['eager_seconds']:.2f} s), "
-                                     f"{g['captures']} captures ({g['capture_seconds']:.2f} s), {g['replays']} replays")
+                                     f"{g['captures']} captures ({g['capture_seconds']:.2f} s), {g['replays']} replays"
+                                     + (f", {g['compilations']} compilations" if g.get("compilations") else ""))
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]
