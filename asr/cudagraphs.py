@@ -54,8 +54,8 @@ class StepGraphs:
         representative of the step's cost (eager mode, or a replay; not a first use or a
         capture). state: the tensors the step changes besides the caches (whose entries
         the step rewrites before reading them), put back after the capture's warm-up."""
-        compiled = compilations()
         if not self.enabled:
+            compiled = compilations()
             step()
             return compilations() == compiled  # a step that compiled says nothing of its cost
         graph = graphs.get(key) if capture else None
@@ -63,7 +63,7 @@ class StepGraphs:
             self.counts.replays += 1
             graph.replay()
             return True
-        started = time.perf_counter()
+        started, compiled = time.perf_counter(), compilations()
         if graph is None:
             if capture:
                 graphs[key] = "seen"
