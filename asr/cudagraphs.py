@@ -5,12 +5,15 @@ tensors that live as long as its batch's state, reading nothing back to the host
 GPU it is captured once as a CUDA graph and then replayed, one launch instead of
 hundreds. A step runs eagerly the first time it is met and is captured the second time,
 so that shapes met once (an exploration of k, a rare catch-up width) cost no capture.
-GraphCounts says what first uses and captures cost (`asr evaluate` reports it)."""
+A step whose capture fails (something in it that capture forbids) runs eagerly from then
+on, with a warning. GraphCounts says what first uses and captures cost (`asr evaluate`
+reports it)."""
 
 from __future__ import annotations
 
 import sys
 import time
+import warnings
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -30,12 +33,16 @@ class GraphCounts:
     eager_seconds: float = 0.0
     capture_seconds: float = 0.0  # warm-up and capture
     compilations: int = 0  # graphs torch.compile made for compiled passes (at first uses)
+    failed: int = 0  # captures that failed: those steps run eagerly
 
     def __add__(self, other: GraphCounts) -> GraphCounts:
         return GraphCounts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
     def __sub__(self, other: GraphCounts) -> GraphCounts:
         return GraphCounts(*(getattr(self, f.name) - getattr(other, f.name) for f in fields(self)))
+
+
+SEEN, EAGER = "seen", "eager"  # graphs[key] after a first use; after a capture that failed
 
 
 class StepGraphs:
@@ -51,32 +58,39 @@ class StepGraphs:
 
     def run(self, graphs: dict, key: tuple, step: Callable[[], object], state: list[Tensor], capture: bool = True) -> bool:
         """Runs step, as the graph graphs[key] where it has one. Returns whether the run was
-        representative of the step's cost (eager mode, or a replay; not a first use or a
-        capture). state: the tensors the step changes besides the caches (whose entries
-        the step rewrites before reading them), put back after the capture's warm-up."""
-        if not self.enabled:
-            compiled = compilations()
-            step()
-            return compilations() == compiled  # a step that compiled says nothing of its cost
-        graph = graphs.get(key) if capture else None
-        if graph is not None and graph != "seen":
+        representative of the step's cost (not a first use, a capture, or a compilation).
+        state: the tensors the step changes besides the caches (whose entries the step
+        rewrites before reading them), put back after the capture's warm-up."""
+        graph = graphs.get(key) if self.enabled and capture else None
+        if graph not in (None, SEEN, EAGER):
             self.counts.replays += 1
             graph.replay()
             return True
         started, compiled = time.perf_counter(), compilations()
-        if graph is None:
-            if capture:
-                graphs[key] = "seen"
-            step()
+        if graph == SEEN:
+            try:
+                graphs[key] = graph = self._capture(step, state)
+            except RuntimeError as error:
+                graphs[key] = EAGER
+                self.counts.failed += 1
+                cause = error.__context__ or error  # capture_end's error hides the step's
+                warnings.warn(f"a {key[0]} step could not be captured as a CUDA graph and runs eagerly: {cause}",
+                              stacklevel=2)
+            else:
+                graph.replay()
+                self.counts.captures += 1
+                self.counts.capture_seconds += time.perf_counter() - started
+                return False
+        elif graph is None and self.enabled and capture:
+            graphs[key] = SEEN
+        step()
+        if self.enabled:
             self.counts.eager += 1
             self.counts.eager_seconds += time.perf_counter() - started
             self.counts.compilations += compilations() - compiled
-            return False
-        graph = graphs[key] = self._capture(step, state)
-        graph.replay()
-        self.counts.captures += 1
-        self.counts.capture_seconds += time.perf_counter() - started
-        return False
+        # A first use (or a capture that failed) says nothing of the step's cost.
+        first = self.enabled and capture and graph is not EAGER
+        return not first and compilations() == compiled
 
     def _capture(self, step: Callable[[], object], state: list[Tensor]) -> "torch.cuda.CUDAGraph":
         """Warms the step up on a side stream (library handles and workspaces are created
@@ -90,9 +104,16 @@ class StepGraphs:
         torch.cuda.current_stream().wait_stream(self._stream)
         for tensor, value in zip(state, saved):
             tensor.copy_(value)
+        # Not the torch.cuda.graph context: it synchronises and empties the allocator's cache
+        # at every capture (so every allocation after it pays a cudaMalloc again), and leaves
+        # the side stream current when a capture fails.
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream):
-            step()
+        with torch.cuda.stream(self._stream):
+            graph.capture_begin(pool=self._pool)
+            try:
+                step()
+            finally:
+                graph.capture_end()
         return graph
 
 

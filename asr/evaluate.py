@@ -649,7 +649,8 @@ def render_markdown(report: dict, title: str) -> str:
         lines += ["", "CUDA graphs in the timed runs (host seconds): " + "; ".join(
             f"{LABELS[system]}: {g['eager']} steps run eagerly ({g['eager_seconds']:.2f} s), {g['captures']} captured "
             f"({g['capture_seconds']:.2f} s), {g['replays']} replays"
-            + (f", {g['compilations']} compilations" if g.get("compilations") else "") for system, g in graphed) + "."]
+            + (f", {g['compilations']} compilations" if g.get("compilations") else "")
+            + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else "") for system, g in graphed) + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",

@@ -224,7 +224,8 @@ def write(report: dict, out: Path) -> None:
                     if g:
                         lines.append(f"- {manifest}, {system}: {g['eager']} eager ({g['eager_seconds']:.2f} s), "
                                      f"{g['captures']} captures ({g['capture_seconds']:.2f} s), {g['replays']} replays"
-                                     + (f", {g['compilations']} compilations" if g.get("compilations") else ""))
+                                     + (f", {g['compilations']} compilations" if g.get("compilations") else "")
+                                     + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else ""))
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]

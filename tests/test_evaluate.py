@@ -144,23 +144,23 @@ def test_a_wrong_reference_raises_the_wer_as_expected(evaluated):
 
 def test_the_report_adds_up_the_graph_work_on_a_gpu(evaluated):
     """With CUDA graphs, each batch's first run carries the batch's graph work (first uses,
-    captures, replays): the report sums them per system and says them in its text; without
+    captures, replays, captures that failed): the report sums them per system and says them in its text; without
     graphs (a CPU) there is nothing to say."""
     results, environment, report = evaluated
     assert "cuda_graphs" not in report["systems"][TARGET] and "CUDA graphs in" not in render_markdown(report, "t")
     counts = {TARGET: GraphCounts(eager=3, captures=2, replays=40, eager_seconds=0.25, capture_seconds=0.5),
               SPECULATIVE: GraphCounts(eager=5, captures=4, replays=90, eager_seconds=0.5, capture_seconds=1.0,
-                                       compilations=2)}
+                                       compilations=2, failed=1)}
     graphed = [replace(r, runs={s: replace(run, graphs=counts[s]) for s, run in r.runs.items()}) for r in results]
     report = build_report(graphed, system_names(()), {**environment, "cuda_graphs": True})
     decoded = sum(r.error is None for r in results)
     assert report["systems"][SPECULATIVE]["cuda_graphs"] == {"eager": 5 * decoded, "captures": 4 * decoded,
                                                              "replays": 90 * decoded, "eager_seconds": 0.5 * decoded,
                                                              "capture_seconds": 1.0 * decoded,
-                                                             "compilations": 2 * decoded}
+                                                             "compilations": 2 * decoded, "failed": decoded}
     text = render_markdown(report, "t")
     assert f"ours, target only: {3 * decoded} steps run eagerly ({0.25 * decoded:.2f} s), {2 * decoded} captured" in text
-    assert f"{90 * decoded} replays, {2 * decoded} compilations." in text
+    assert f"{90 * decoded} replays, {2 * decoded} compilations, {decoded} captures failed (run eagerly)." in text
 
 
 def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import warnings
 from collections import Counter
 from types import SimpleNamespace
 
@@ -204,6 +205,52 @@ def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
     assert counts.replays == sum(graphs.replays.values()) and counts.eager_seconds > 0 and counts.capture_seconds > 0
 
 
+class _VerifyCapturesFail(_EagerGraphs):
+    """Every capture of a verification fails, as a capture of a step doing something capture
+    forbids does (the message is PyTorch's for a host-to-device copy)."""
+
+    def run(self, graphs, key, step, state, capture=True):
+        self._key = key
+        return super().run(graphs, key, step, state, capture)
+
+    def _capture(self, step, state):
+        if self._key[0] == "verify":
+            raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                               "tensor is pinned")
+        return super()._capture(step, state)
+
+
+def test_a_step_whose_capture_fails_runs_eagerly_for_good(pair):
+    """A step that cannot be captured runs eagerly from then on, with a warning and a count
+    (which `asr evaluate` reports), instead of ending the run; the tokens are unchanged, the
+    other steps are still captured, and a failed step's later runs teach the adaptive draft
+    length their cost again."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362, draft_length=DraftLength(fixed=3))
+    fitted = engine(target, draft, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    fixed = engine(target, draft)
+    fixed.graphs = graphs = _VerifyCapturesFail()
+    with pytest.warns(UserWarning, match="a verify step could not be captured as a CUDA graph and runs eagerly: "
+                                         "Cannot copy between CPU and CUDA"):
+        assert_same(fixed.decode(encoded, [prompt] * BATCH, rules, **options), fitted)
+    state_graphs = fixed.states.idle[(BATCH, encoded.shape[1], None)].graphs
+    verify = {key: graph for key, graph in state_graphs.items() if key[0] == "verify"}
+    assert list(verify.values()) == ["eager"] and graphs.counts.failed == 1
+    assert graphs.counts.captures > 0 and graphs.replays["draft"] > 0 and graphs.replays["verify"] == 0
+    eager = graphs.eager["verify"]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="a .* step could not be captured")  # no second try
+        assert_same(fixed.decode(encoded, [prompt] * BATCH, rules, **options), fitted)
+    assert graphs.counts.failed == 1 and graphs.eager["verify"] > eager
+
+    steps, x, store = _VerifyCapturesFail(), torch.zeros(1), {}
+    with pytest.warns(UserWarning):
+        representative = [steps.run(store, ("verify", 9), lambda: x.add_(1), [x]) for _ in range(4)]
+    # a first use; the capture that failed (the step then run eagerly); eager runs, which tell its cost
+    assert representative == [False, False, True, True] and x.item() == 4 and store == {("verify", 9): "eager"}
+
+
 def test_sampling_in_fixed_shapes_without_proposals_and_beside_greedy_rows(pair):
     """Temperature > 0 where no round proposes anything (target-only, as a temperature
     fallback without a draft decodes) and where rounds without drafting alternate with
@@ -370,7 +417,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: bo
                                 draft_length=DraftLength(fixed=k))
         assert [s.tokens for s in result] == [fitted[r].tokens for r in rows], f"k={k} batch={batch}"
     captured = [graph for state in graphed.states.idle.values() for graph in state.graphs.values() if graph != "seen"]
-    assert captured
+    assert captured and "eager" not in captured and graphed.graphs.counts.failed == 0
 
 
 @cuda
@@ -388,3 +435,4 @@ def test_transcriber_on_cuda_gives_the_same_transcripts_with_and_without_graphs(
     with_graphs = {t.source: [s.tokens for s in t.segments] for t in graphed.transcribe_many(graphed.read(c) for c in clips)}
     without = {t.source: [s.tokens for s in t.segments] for t in eager.transcribe_many(eager.read(c) for c in clips)}
     assert with_graphs == without
+    assert graphed.engine.graphs.counts.captures > 0 and graphed.engine.graphs.counts.failed == 0
