@@ -136,7 +136,7 @@ class Batch(Slots):
             if sample:
                 draft_probs, noise = s.draft_probs, s.noise[:, e.max_draft_tokens:]
         width = e.verify_width if hinted is None and e.verify_width else k + 1
-        if width > k + 1:
+        if e.verify_width:  # fixed shapes: the verification reads k from the state
             s.k.fill_(k)
         key = ("verify", width, sample, self.rules)
         verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731

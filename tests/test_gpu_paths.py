@@ -130,6 +130,22 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
     assert sum(s.stats.hint_accepted for s in result) > 0
 
 
+@pytest.mark.parametrize("maximum", [4, 8])
+def test_the_longest_draft_keeps_its_proposals_in_fixed_shapes(pair, maximum: int):
+    """In fixed shapes the verification reads k from the state, also when k is the engine's
+    maximum (a fixed --num-draft-tokens; the adaptive length's longest): a draft identical
+    to the target has every proposal kept, in as many target passes as in fitted shapes.
+    (Such rounds once kept none: the output exact, one token per target pass.)"""
+    target, encoded = pair[:2]
+    rules, prompt = rules_for(True), prompt_for(True)
+    fitted, fixed = (SpeculativeDecoder(runner(target), runner(target), max_draft_tokens=maximum, fixed_shapes=f).decode(
+        encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=maximum))
+        for f in (False, True))
+    assert_same(fixed, fitted)
+    assert [s.stats.target_passes for s in fixed] == [s.stats.target_passes for s in fitted]
+    assert all(s.stats.draft_accepted == s.stats.draft_proposed > 0 for s in fixed)
+
+
 def test_compiled_passes_give_the_same_tokens(pair):
     """The decoders' passes compiled by torch.compile (for a GPU, inside its graphs; here
     Inductor's CPU code), in fixed shapes: rounds without drafting and with k = 3 give the
