@@ -50,8 +50,9 @@ class StepGraphs:
     All graphs share one memory pool: their intermediates never outlive a replay, and
     replays run one after another on one stream."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, device: torch.device | None = None):
         self.enabled = enabled
+        self.device = device  # the GPU the steps run on (streams are per device)
         self.counts = GraphCounts()
         self._pool = None
         self._stream = None
@@ -95,26 +96,27 @@ class StepGraphs:
     def _capture(self, step: Callable[[], object], state: list[Tensor]) -> "torch.cuda.CUDAGraph":
         """Warms the step up on a side stream (library handles and workspaces are created
         outside the capture), puts back what the warm-up changed, and captures the step."""
-        if self._pool is None:
-            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-        saved = [t.clone() for t in state]
-        self._stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._stream):
-            step()
-        torch.cuda.current_stream().wait_stream(self._stream)
-        for tensor, value in zip(state, saved):
-            tensor.copy_(value)
-        # Not the torch.cuda.graph context: it synchronises and empties the allocator's cache
-        # at every capture (so every allocation after it pays a cudaMalloc again), and leaves
-        # the side stream current when a capture fails.
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(self._stream):
-            graph.capture_begin(pool=self._pool)
-            try:
+        with torch.cuda.device(self.device):  # streams are the step's device's (cuda:1 while cuda:0 is current)
+            if self._pool is None:
+                self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+            saved = [t.clone() for t in state]
+            self._stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(self._stream):
                 step()
-            finally:
-                graph.capture_end()
-        return graph
+            torch.cuda.current_stream().wait_stream(self._stream)
+            for tensor, value in zip(state, saved):
+                tensor.copy_(value)
+            # Not the torch.cuda.graph context: it synchronises and empties the allocator's cache
+            # at every capture (so every allocation after it pays a cudaMalloc again), and leaves
+            # the side stream current when a capture fails.
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(self._stream):
+                graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+                try:
+                    step()
+                finally:
+                    graph.capture_end()
+            return graph
 
 
 def compilations() -> int:

@@ -20,6 +20,7 @@ from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditiona
 
 from asr.ct2 import load_ct2_directory
 from asr.decoder import DecoderRunner
+from asr.rules import DecodingRules
 from asr.speculative import SpeculativeDecoder
 from asr.vocab import Vocabulary
 
@@ -65,6 +66,7 @@ class WhisperModel:
     suppress: list[int]
     begin_suppress: list[int]
     head_token_ids: Tensor | None = None  # a draft whose output head covers only these tokens
+    _rules: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def config(self) -> WhisperConfig:
@@ -97,6 +99,18 @@ class WhisperModel:
         name = str(self.dtype).removeprefix("torch.")
         encoder = self.encoder_dtype
         return name if encoder in (None, self.dtype) else f"{name}, encoder {str(encoder).removeprefix('torch.')}"
+
+    def rules(self, timestamps: bool) -> DecodingRules:
+        """Whisper's decoding rules for this model as a target, one instance per setting for
+        everyone decoding with it: graphs captured on a GPU hold its tensors and are keyed
+        by it, so a new Transcriber (the web page makes one per request) replays them."""
+        if timestamps not in self._rules:
+            rules = DecodingRules(vocab_size=self.config.vocab_size, eot=self.vocab.eot,
+                                  no_timestamps=self.vocab.no_timestamps,
+                                  suppress=self.suppress + self.vocab.non_speech_specials(),
+                                  begin_suppress=self.begin_suppress, timestamps=timestamps, device=self.device)
+            self._rules.setdefault(timestamps, rules)  # two threads at once end up sharing one
+        return self._rules[timestamps]
 
     @cached_property
     def runner(self) -> DecoderRunner:

@@ -285,7 +285,8 @@ class Slots:
         for slot, w in zip(slots, windows):
             width = min(max(8, 1 << (len(w.prompt) - 1).bit_length()), C)
             s.prefill_row.fill_(slot)
-            e.graphs.run(s.graphs, ("prefill", width), lambda: self._prefill(s.prefill_row, width), s.changed())
+            e.graphs.run(s.graphs, ("prefill", width, self.no_speech_token), lambda: self._prefill(s.prefill_row, width),
+                         s.changed())
 
     def _prefill(self, rows: Tensor | None, width: int) -> None:
         """Caches the first `width` tokens of these rows (all if None): the target's prompt

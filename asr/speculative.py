@@ -49,7 +49,7 @@ class SpeculativeDecoder:
         weight = target.decoder.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.fixed_shapes = self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
-        self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda")
+        self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda", self.device)
         self.max_positions = min(r.max_positions for r in (target, draft) if r is not None)
         # Past the decoder's last position, room for proposals beyond a row's limit (never
         # kept); a multiple of 16, which attention kernels need of a mask's last dimension.

@@ -159,7 +159,6 @@ class Transcriber:
         maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
         self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
-        self._rules: dict[bool, DecodingRules] = {}
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
         if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
@@ -178,20 +177,8 @@ class Transcriber:
         return id(self.engine), o.without_timestamps, o.num_draft_tokens, o.max_draft_tokens
 
     def rules(self, timestamps: bool) -> DecodingRules:
-        """Whisper's decoding rules for this target (one instance per setting: graphs captured
-        on a GPU hold its tensors)."""
-        if timestamps not in self._rules:
-            target = self.models.target
-            self._rules[timestamps] = DecodingRules(
-                vocab_size=target.config.vocab_size,
-                eot=self.vocab.eot,
-                no_timestamps=self.vocab.no_timestamps,
-                suppress=target.suppress + self.vocab.non_speech_specials(),
-                begin_suppress=target.begin_suppress,
-                timestamps=timestamps,
-                device=target.device,
-            )
-        return self._rules[timestamps]
+        """Whisper's decoding rules for this target (shared by every Transcriber over it)."""
+        return self.models.target.rules(timestamps)
 
     def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
         if isinstance(audio, AudioInput):

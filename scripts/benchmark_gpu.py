@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.util
 import json
 import statistics
 import sys
@@ -205,9 +206,12 @@ def main() -> None:
     table = markdown(rows)
     (args.out / "benchmark_gpu.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
     (args.out / "benchmark_gpu.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
-    plot(rows, args.out / "benchmark_gpu.png")
     print("\n" + table)
-    print(f"\nwrote {args.out}/benchmark_gpu.md, .json, .png")
+    if importlib.util.find_spec("matplotlib") is None:  # the figures are in the table
+        print(f"\nwrote {args.out}/benchmark_gpu.md, .json (no plot: matplotlib is not installed)")
+    else:
+        plot(rows, args.out / "benchmark_gpu.png")
+        print(f"\nwrote {args.out}/benchmark_gpu.md, .json, .png")
 
 
 def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., SpeculativeDecoder]:
@@ -219,7 +223,9 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
               compile: bool = False) -> SpeculativeDecoder:
         if compile:
             target, draft = target.compiled(), draft and draft.compiled()
-        return SpeculativeDecoder(target, draft, max_draft_tokens=max(args.num_draft_tokens, max_draft_tokens),
+        if draft is not None:  # room for the rows' fixed k
+            max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
+        return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
                                   fixed_shapes=fixed, cuda_graphs=graphs)
     return build
 

@@ -33,7 +33,7 @@ from asr.batch import (
 )
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import Transcriber, _Decoding
+from asr.transcribe import TranscribeOptions, Transcriber, _Decoding
 from conftest import DEV, REPO
 
 SHORT = DEV / "en_short"
@@ -152,6 +152,16 @@ def write_bad_corpus(folder: Path) -> dict[str, str]:
         "silence.wav": "contains only digital silence",
         "nan.wav": "contains NaN or infinite samples",
     }
+
+
+def test_transcribers_over_one_pair_share_its_engines_and_rules(pair):
+    """The web page makes a Transcriber per request: each must find the engine, and the
+    rules its CUDA graphs are keyed by and hold, of the last, or every request would
+    capture new graphs (and keep the old ones)."""
+    first, second = Transcriber(pair, TranscribeOptions(language="en")), Transcriber(pair, TranscribeOptions(task="translate"))
+    assert first.engine is second.engine
+    assert first.rules(True) is second.rules(True) and first.rules(False) is second.rules(False)
+    assert first.rules(True) is not first.rules(False) and first.rules(True).timestamps
 
 
 def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
