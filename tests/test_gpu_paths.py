@@ -95,6 +95,10 @@ def test_fixed_shapes_give_the_fitted_shapes_tokens(pair, timestamps: bool):
         rows = list(range(BATCH - batch, BATCH))
         result = fixed.decode(encoded[rows], [prompt] * batch, rules, draft_length=DraftLength(fixed=k), **options)
         assert_same(result, [fitted[r] for r in rows])
+        # the same rounds as in fitted shapes: each row keeps as many tokens per target pass
+        reference = engine(target, draft, fixed=False).decode(encoded[rows], [prompt] * batch, rules,
+                                                              draft_length=DraftLength(fixed=k), **options)
+        assert [s.stats.tokens_per_pass for s in result] == [s.stats.tokens_per_pass for s in reference], f"k={k}"
         proposed += sum(s.stats.draft_proposed for s in result)
         accepted += sum(s.stats.draft_accepted for s in result)
     assert 0.1 < accepted / proposed < 0.95  # acceptance and rollback both exercised
