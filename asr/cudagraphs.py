@@ -27,7 +27,7 @@ class GraphCounts:
     runs eagerly, and its capture runs it twice more (a warm-up, then the capture). Counted
     where graphs are on; the seconds are the host's."""
 
-    eager: int = 0  # first uses, and steps never captured (a hinted round's verification)
+    eager: int = 0  # first uses, and steps never captured (a wider verification of hints, where every row samples)
     captures: int = 0
     replays: int = 0
     eager_seconds: float = 0.0

@@ -13,9 +13,8 @@ graphs (asr/cudagraphs.py). On a CPU the same steps run eagerly in shapes fitted
 data: attention over the longest row, finished rows dropped, drafting stopped once every row
 has proposed end-of-text.
 
-Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps
-the target's distribution (asr/sampling.py); hints (asr/hints.py) are proposed in place
-of the draft's tokens where a row follows them."""
+Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps the
+target's distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposals."""
 
 from __future__ import annotations
 
@@ -41,8 +40,7 @@ class SpeculativeDecoder:
                  fixed_shapes: bool | None = None, cuda_graphs: bool = True):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        self.target = target
-        self.draft = draft
+        self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
         self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
         self.max_draft_tokens = max_draft_tokens
@@ -62,9 +60,8 @@ class SpeculativeDecoder:
         self._draft_lengths: dict[int | None, DraftLength] = {}
 
     def draft_length(self, fixed: int | None = None) -> DraftLength:
-        """The adaptive draft length over this engine (or a fixed one), one for all who ask:
-        what one request measured (round costs, acceptance) serves the next, which would
-        otherwise start from a guess (the web page makes a Transcriber per request)."""
+        """The adaptive draft length over this engine (or a fixed one), one for all who ask: what
+        one request measured serves the next (the web page makes a Transcriber per request)."""
         return self._draft_lengths.setdefault(fixed, DraftLength(fixed, maximum=self.max_draft_tokens))
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
@@ -79,8 +76,7 @@ class SpeculativeDecoder:
                draft_encoder_output: Tensor | None = None, max_new_tokens: int = 224, temperature: float = 0.0,
                draft_length: DraftLength | None = None, generator: torch.Generator | None = None,
                hints: list[list[int]] | None = None) -> list[Sequence]:
-        """Decodes these rows together until all have finished (Batch for the details):
-        target_encoder_output [B, frames, width], prompts[b] and sot_index[b] as Window's."""
+        """Decodes these rows together until all finish: target_encoder_output [B, frames, width]; the rest as Window's."""
         batch = self.batch(rules, rows=len(prompts), no_speech_token=no_speech_token, draft_length=draft_length,
                            generator=generator)
         windows = [Window(target_encoder_output[b], prompt, (sot_index or [0] * len(prompts))[b], max_new_tokens,
@@ -116,9 +112,8 @@ class Batch(Slots):
     @torch.inference_mode()
     def step(self) -> list[tuple[int, Sequence]]:
         """One round for every live row; returns (tag, result) for each row that finished."""
-        e = self.engine
         self._drop_finished()
-        s, rows = self.state, [row for row in self.slots if row is not None]
+        e, s, rows = self.engine, self.state, [row for row in self.slots if row is not None]
         if not rows:
             return []
         sample = any(row.temperature > 0 for row in rows)
@@ -135,12 +130,13 @@ class Batch(Slots):
                 k, representative = self._propose(k, max(row.gap for row in rows), sample, rows)
             if sample:
                 draft_probs, noise = s.draft_probs, s.noise[:, e.max_draft_tokens:]
-        width = e.verify_width if hinted is None and e.verify_width else k + 1
-        if e.verify_width:  # fixed shapes: the verification reads k from the state
+        # Fixed shapes: verify_width positions, k read from the state (wider: see _hint_round).
+        width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
+        if e.verify_width:
             s.k.fill_(k)
         key = ("verify", width, sample, self.rules)
         verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731
-        representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=hinted is None)
+        representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=width == e.verify_width)
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
@@ -178,9 +174,11 @@ class Batch(Slots):
         return None if self.engine.fixed_shapes else max(row.length for row in rows) + extra
 
     def _hint_round(self, rows: list[Row], sample: bool) -> tuple[list[int] | None, int, Tensor | None, Tensor | None]:
-        """Rows following their hints propose the rest of them (eagerly: hints vary in
-        length). Returns, where any row follows its hint, the tokens each row proposed, k,
-        and for sampling the proposals' distributions (all mass on each) and uniforms."""
+        """Rows following their hints propose the rest of them; in fixed shapes, unless every
+        row samples, at most max_draft_tokens (a greedy row's logits always come from passes of
+        one width: on a GPU, target-only's to the bit). Returns, where any row follows its hint,
+        the tokens each row proposed, k, and for sampling the proposals' distributions (all
+        mass on each) and uniforms."""
         s, e = self.state, self.engine
         on, shift = hints.follow(s.hint, s.hint_length, s.hint_shift, s.hint_on, s.tokens, s.length, s.sample_begin)
         s.hint_on.copy_(on & s.live)
@@ -192,16 +190,19 @@ class Batch(Slots):
             return None, 0, None, None
         remaining = min(row.limit - row.length for row in rows)
         k = max(min(max(left_list), remaining - 1), 0)
+        if e.verify_width and any(row.temperature == 0 for row in rows):
+            k = min(k, e.max_draft_tokens)
         proposed = left.clamp(max=k).tolist()
-        if k == 0:
-            return proposed, 0, None, None
         steps = torch.arange(k, device=e.device)
         s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(max=e.capacity - 1)))
         if not sample:
             return proposed, k, None, None
         # A fixed proposal is a draft distribution with all its mass on it.
-        proposals = s.tokens.gather(1, s.length[:, None] + steps)
-        probs = torch.zeros(len(self.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals[:, :, None], 1.0)
+        proposals = s.tokens.gather(1, s.length[:, None] + steps)[:, :, None]
+        if k <= e.max_draft_tokens:  # those of the draft's rounds (and so of a captured verification)
+            s.draft_probs[:, :k].zero_().scatter_(2, proposals, 1.0)
+            return proposed, k, s.draft_probs, s.noise[:, e.max_draft_tokens:]
+        probs = torch.zeros(len(self.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals, 1.0)
         noise = torch.rand(len(self.slots), 2 * k + 1, device=e.device, generator=self.generator).neg_().add_(1)
         return proposed, k, probs, noise
 
@@ -214,19 +215,18 @@ class Batch(Slots):
         many it proposed, and whether the steps' time is representative (asr/cudagraphs.py)."""
         e, s = self.engine, self.state
         s.step.zero_()
-        ended = torch.zeros_like(s.live)
-        representative = True
-        if e.fixed_shapes:
-            width = min(1 << (width - 1).bit_length(), e.capacity)
+        if not e.fixed_shapes:
+            ended = torch.zeros_like(s.live)
+            for i in range(k):
+                ended |= self._draft_step(width if i == 0 else 1, sample, rows, i) == self.rules.eot
+                if bool(ended.all()):
+                    return i + 1, True
+            return k, True
+        width, representative = min(1 << (width - 1).bit_length(), e.capacity), True
         for i in range(k):
             feed = width if i == 0 else 1
-            if e.fixed_shapes:
-                step = lambda: self._draft_step(feed, sample, rows, i)  # noqa: E731
-                representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed())
-                continue
-            ended |= self._draft_step(feed, sample, rows, i) == self.rules.eot
-            if bool(ended.all()):
-                return i + 1, representative
+            step = lambda: self._draft_step(feed, sample, rows, i)  # noqa: E731
+            representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed())
         return k, representative
 
     def _draft_step(self, width: int, sample: bool, rows: list[Row], i: int) -> Tensor:

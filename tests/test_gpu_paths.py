@@ -23,7 +23,7 @@ from asr.draft_length import DraftLength
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, expected_tokens_per_pass, oracle_proposals, oracle_table
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Window
-from asr.speculative import SpeculativeDecoder
+from asr.speculative import Batch, SpeculativeDecoder
 from conftest import (
     BEGIN_SUPPRESS, EOT, MAX_TARGET_POSITIONS, NO_TIMESTAMPS, REPO, SOT, SUPPRESS, decoder_only_draft, packaged_weights,
     perturbed, save_tiny, tiny_target,
@@ -109,11 +109,13 @@ def test_fixed_shapes_give_the_fitted_shapes_tokens(pair, timestamps: bool):
     assert_same(result, fitted)
 
 
-def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair):
+def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair, monkeypatch):
     """Prompts of different lengths (a lone <|startoftranscript|>, as English-only models
     take, and previous text up to the decoder's last position), the no-speech probability
     read at <|startoftranscript|>, k adapting every round, rounds without drafting (the
-    draft catches up over more than two tokens), and hints of every kind."""
+    draft catches up over more than two tokens), and hints of every kind, verified like a
+    draft's proposals (at most max_draft_tokens a round, in the one verification width:
+    a greedy row's logits never come from a pass of another width)."""
     from test_exactness import hint_kinds
 
     target, encoded, draft = pair[:3]
@@ -129,9 +131,14 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair)
     assert all(0 <= s.no_speech_prob <= 1 for s in fitted)
     generator = torch.Generator().manual_seed(0)
     hints = [hint_kinds(s.tokens, generator)[row] for row, s in enumerate(fitted)]
+    widths = []
+    verify = Batch._verify
+    monkeypatch.setattr(Batch, "_verify", lambda self, width, *args: widths.append(width) or verify(self, width, *args))
     result = fixed.decode(encoded, prompts, rules, hints=hints, draft_length=DraftLength(fixed=3), **options)
     assert [s.tokens for s in result] == [s.tokens for s in fitted]
     assert sum(s.stats.hint_accepted for s in result) > 0
+    assert max(s.stats.hint_accepted for s in result) > fixed.max_draft_tokens  # hints span several rounds
+    assert set(widths) == {fixed.verify_width}
 
 
 @pytest.mark.parametrize("maximum", [4, 8])

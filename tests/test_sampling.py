@@ -80,3 +80,34 @@ def test_rejection_sampling_keeps_the_target_distribution(fixed: bool):
     top = first.most_common(1)[0][0]
     second = Counter(s[1] for s in samples if len(s) > 1 and s[0] == top)
     assert chi_square_p(second, exact_distribution(target, encoded, PROMPT + [top])) > 1e-3
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
+def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
+    """A hint's proposals (a retry at a higher temperature proposes the failed attempt) are
+    a draft with all its mass on each: accepted with the target's probability, else drawn
+    from the rest. Also when no proposal fits before a row's limit (max_new_tokens=1: the
+    round verifies k = 0 proposals and must still sample). In fixed shapes the proposals go
+    through the draft's tensors, as a captured verification reads them."""
+    target = tiny_target(7, dtype=torch.float32)
+    features = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(7))
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    p_target = exact_distribution(target, encoded, PROMPT)
+    hint = [int(p_target.argmax()), *p_target.topk(3).indices[1:].tolist()]  # accepted sometimes, rejected sometimes
+    decoder = SpeculativeDecoder(runner(target), runner(decoder_only_draft(target, noise=0.05, seed=7)), fixed_shapes=fixed,
+                                 max_draft_tokens=2)  # fixed shapes verify 3 positions, not 9: a faster test
+    generator = torch.Generator().manual_seed(0)
+    rows = 250
+    for max_new in (3, 1):
+        samples, hint_proposed, hint_accepted = [], 0, 0
+        for _ in range(4):
+            result = decoder.decode(encoded.expand(rows, -1, -1), [PROMPT] * rows, RULES, max_new_tokens=max_new,
+                                    temperature=TEMPERATURE, draft_length=DraftLength(fixed=2), generator=generator,
+                                    hints=[hint] * rows)
+            samples += [s.tokens[0] for s in result]
+            hint_proposed += sum(s.stats.hint_proposed for s in result)
+            hint_accepted += sum(s.stats.hint_accepted for s in result)
+        if max_new > 1:
+            assert 0 < hint_accepted < hint_proposed, "the hint should be accepted sometimes, rejected sometimes"
+        assert chi_square_p(Counter(samples), p_target) > 1e-3, f"max_new_tokens={max_new}"
