@@ -130,6 +130,23 @@ def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch
     return device, *choose_dtypes(device, DTYPES.get(args.dtype))
 
 
+def device_problem(name: str) -> str | None:
+    """Why --device NAME cannot run here (said before any model loads), or None."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
+    if device.type != "cuda":
+        return None
+    if not torch.cuda.is_available():
+        return f"--device {name}: torch {torch.__version__} sees no CUDA GPU here (a CPU-only build, or no GPU visible)"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+    return None
+
+
 def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:
     return (args.target, args.draft) if args.target else PRESETS[args.preset or DEFAULT_PRESET]
 
@@ -269,6 +286,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
+        return 2
+    problem = device_problem(getattr(args, "device", "auto"))
+    if problem:
+        print(f"asr: {problem}", file=sys.stderr)
         return 2
     if args.command == "transcribe":
         return transcribe_command(args)

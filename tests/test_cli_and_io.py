@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile
+import torch
 
 from asr import writers
 from asr.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
@@ -161,3 +162,8 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert "neither a save_pretrained" in capsys.readouterr().err
     assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path)]) == 1
     assert "no such file or folder" in capsys.readouterr().err
+    assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(tmp_path / "report"), "--device", "gpu"]) == 2
+    assert "--device gpu: not a device" in capsys.readouterr().err
+    missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--device", missing]) == 2
+    assert f"--device {missing}: " in capsys.readouterr().err and not (tmp_path / "out").exists()
