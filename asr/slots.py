@@ -194,8 +194,11 @@ class Slots:
     def live(self) -> int:
         return sum(row is not None for row in self.slots)
 
+    @torch.inference_mode()
     def close(self) -> None:
         if self.state is not None:
+            self.state.live.fill_(False)  # rows left unfinished (an error mid-decode) are freed too
+            self.state.length.fill_(1)
             self.engine.states.release(self.state)
             self.state = None
 
@@ -351,4 +354,7 @@ class Slots:
             tokens = s.tokens[slot, row.sample_begin : end].tolist()
             results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds)))
             self.slots[slot] = None
+        # A free slot is a row of one token: a round's positions past a live row's (a long
+        # hint's) then stay inside the cache for every slot.
+        s.length.index_fill_(0, index, 1)
         return results

@@ -194,7 +194,7 @@ class Batch(Slots):
             k = min(k, e.max_draft_tokens)
         proposed = left.clamp(max=k).tolist()
         steps = torch.arange(k, device=e.device)
-        s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(max=e.capacity - 1)))
+        s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1)))
         if not sample:
             return proposed, k, None, None
         # A fixed proposal is a draft distribution with all its mass on it.

@@ -141,6 +141,34 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair,
     assert set(widths) == {fixed.verify_width}
 
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_a_long_hint_beside_a_finished_row_near_the_last_position(pair, fixed: bool, temperature: float):
+    """A round proposes as much of a hint as the live rows have room for, at every slot's
+    position: a finished row's slot, left at its length near the decoder's last position,
+    made those positions run past the cache (an index error, in both shapes)."""
+    target, encoded, draft = pair[:3]
+    rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS + [EOT],
+                          begin_suppress=BEGIN_SUPPRESS, timestamps=False)  # rows run to their limits
+    prompt = prompt_for(False)
+    prompts = [prompt + list(range(400, 400 + MAX_TARGET_POSITIONS - 6 - len(prompt)))] + [prompt] * 2
+    max_new = [4, MAX_TARGET_POSITIONS - 6, MAX_TARGET_POSITIONS - 6]  # the first row finishes at once, near the end
+    expected = [engine(target, fixed=False).decode(encoded[i : i + 1], [p], rules, max_new_tokens=n)[0].tokens
+                for i, (p, n) in enumerate(zip(prompts, max_new))]
+    decoder = engine(target, draft, fixed=fixed)
+    batch = decoder.batch(rules, rows=3, draft_length=DraftLength(fixed=2), generator=torch.Generator().manual_seed(0))
+    tags = batch.add([Window(encoded[i], p, 0, n, temperature, expected[i] if i else [])
+                      for i, (p, n) in enumerate(zip(prompts, max_new))])
+    results = {}
+    while batch.live:
+        results.update(batch.step())
+    result = [results[tag] for tag in tags]
+    assert [len(s.tokens) for s in result] == max_new
+    assert result[1].stats.hint_proposed > 0
+    if temperature == 0:
+        assert [s.tokens for s in result] == expected
+
+
 @pytest.mark.parametrize("maximum", [4, 8])
 def test_the_longest_draft_keeps_its_proposals_in_fixed_shapes(pair, maximum: int):
     """In fixed shapes the verification reads k from the state, also when k is the engine's
