@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -28,6 +30,19 @@ LOCAL_RAY = "local"  # --ray without an address
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
+def count(minimum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number, at least `minimum`."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value} is less than {minimum}")
+        return value
+
+    parse.__name__ = "whole number"  # argparse's "invalid whole number value: 'x'"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -37,9 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--formats", default="txt,srt,vtt,json", help=f"comma-separated, from {','.join(FORMATS)}")
     add_model_arguments(t)
     t.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
-    t.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+    t.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
-    t.add_argument("--num-draft-tokens", type=int, help="fixed k (default: adaptive)")
+    t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
     t.add_argument("--language", help="e.g. en, de (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=float, default=0.0, help="first temperature (default 0: greedy)")
@@ -52,17 +67,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="ADDRESS",
                    help="spread the files over a Ray cluster: the ADDRESS of a running one (auto, ray://HEAD:10001), "
                         "or none to start one on this machine; put it after the paths or write --ray=ADDRESS")
-    t.add_argument("--workers", type=int, help="with --ray: model pipelines (default: one per GPU, else per --cpus-per-worker CPUs)")
-    t.add_argument("--cpus-per-worker", type=int, help="with --ray: CPUs (threads) per pipeline (default: 1 with GPUs, else up to 4)")
+    t.add_argument("--workers", type=count(1), help="with --ray: model pipelines (default: one per GPU, else per --cpus-per-worker CPUs)")
+    t.add_argument("--cpus-per-worker", type=count(1), help="with --ray: CPUs (threads) per pipeline (default: 1 with GPUs, else up to 4)")
 
     e = commands.add_parser("evaluate", help="WER and speed of speculative vs target-only decoding on a labelled manifest")
     e.add_argument("manifest", type=Path, metavar="MANIFEST.tsv",
                    help="tab-separated, with a header and columns file (relative to the manifest's folder) and reference")
     e.add_argument("--out", type=Path, required=True, metavar="DIR", help="where report.json, report.md and the plots go")
     add_model_arguments(e)
-    e.add_argument("--batch-size", type=int, default=DEFAULT_BATCH_SIZE,
+    e.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="our engine's batch, as `asr transcribe`'s (default: %(default)s; the peers decode one file at a time)")
-    e.add_argument("--limit", type=int, help="only the first N files of the manifest")
+    e.add_argument("--limit", type=count(1), help="only the first N files of the manifest")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
                    help="also run transformers' generate and its assisted generation with the same draft (transformers), "
                         "or faster-whisper on the same target weights (faster-whisper); repeat for both")
@@ -90,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default: %(default)s, this machine only; 0.0.0.0 opens it to the network)")
     a.add_argument("--port", type=int, default=7860, help="(default: %(default)s)")
-    a.add_argument("--batch-rows", type=int, default=4,
+    a.add_argument("--batch-rows", type=count(1), default=4,
                    help="recordings from different visitors decoded together; more rows serve more at once but "
                         "stretch a long recording's wait (default: %(default)s)")
     a.add_argument("--no-batching", action="store_true",
@@ -154,7 +169,7 @@ def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:
 def temperatures(start: float, increment: float) -> tuple[float, ...]:
     if increment <= 0:
         return (start,)
-    steps = int(round((1.0 - start) / increment)) if start < 1.0 else 0
+    steps = math.floor((1.0 - start) / increment + 1e-6) if start < 1.0 else 0  # up to 1.0, as Whisper's
     return tuple(round(start + i * increment, 4) for i in range(steps + 1))
 
 
@@ -180,7 +195,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         **engine_options(args),
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
-                        DTYPES.get(args.dtype), options, max(1, args.batch_size))
+                        DTYPES.get(args.dtype), options, args.batch_size)
     run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats), overwrite=args.overwrite,
                     progress=not args.no_progress and sys.stderr.isatty())
     if args.ray is None:
@@ -203,21 +218,26 @@ def evaluate_command(args: argparse.Namespace) -> int:
         print("asr: evaluation compares speculative with target-only decoding: give --draft with --target", file=sys.stderr)
         return 2
     device, dtype, encoder_dtype = device_and_dtypes(args)
+    preset = None if args.target else args.preset or DEFAULT_PRESET
+    options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
+                              transcribe=TranscribeOptions(**engine_options(args)), progress=sys.stderr.isatty())
     try:
         clips = read_manifest(args.manifest)[: args.limit]
+        if not clips:
+            raise ValueError(f"{args.manifest}: no files to evaluate")
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)
+        report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
     except (ValueError, OSError) as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
-    preset = None if args.target else args.preset or DEFAULT_PRESET
-    options = EvaluateOptions(batch_size=max(1, args.batch_size), peers=tuple(dict.fromkeys(args.peers)), preset=preset,
-                              transcribe=TranscribeOptions(**engine_options(args)), progress=sys.stderr.isatty())
-    report = evaluate(clips, pair, options)
-    write_report(report, args.out, title=str(args.manifest))
-    print((args.out / "report.md").read_text())
     for failure in report["failures"]:
         print(f"failed: {failure['file']} ({failure['system'] or 'audio'}): {failure['reason']}", file=sys.stderr)
+    if not report["n_files"]:
+        print(f"asr: no file could be scored; {args.out} is left as it was", file=sys.stderr)
+        return 1
+    write_report(report, args.out, title=str(args.manifest))
+    print((args.out / "report.md").read_text())
     return 1 if report["failures"] else 0
 
 
@@ -235,7 +255,7 @@ def app_command(args: argparse.Namespace) -> int:
 
     try:
         description = f"Target {target} · draft {draft or 'none'} · {device}, {pair.target.dtype_label}"
-        scheduler = None if args.no_batching else Scheduler(rows=max(1, args.batch_rows))
+        scheduler = None if args.no_batching else Scheduler(rows=args.batch_rows)
         engine = Engine(pair, description, engine_options(args), scheduler=scheduler)
         serve(engine, args.host, args.port, keep_seconds=args.keep_files_minutes * 60)
     except OSError as error:  # the port is taken, or the address is not this machine's

@@ -10,8 +10,6 @@ from __future__ import annotations
 import copy
 import io
 import json
-import os
-import tempfile
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -358,6 +356,7 @@ class TransformersSystem(_OneFileAtATime):
             draft_passes=proposed,
             tokens=counter.tokens,
             tokens_per_pass=counter.per_round,
+            accepted_per_pass=[n - 1 for n in counter.per_round] if proposed else [],
         )
         return Run(
             text=vocab.decode(tokens).strip(),
@@ -525,9 +524,10 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             entry["cuda_graphs"] = asdict(sum((run.graphs for run in runs), GraphCounts()))
         if system in SPECULATIVE_SYSTEMS:
             entry["acceptance_rate"] = stats.acceptance_rate
+            entry["draft_tokens"] = {"proposed": stats.draft_proposed, "accepted": stats.draft_accepted}
             entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
-            # How many draft tokens each target pass accepted: {accepted: passes}.
-            entry["accepted_per_pass_histogram"] = dict(sorted(Counter(n - 1 for n in stats.tokens_per_pass).items()))
+            # How many draft tokens each target pass that verified some accepted: {accepted: passes}.
+            entry["accepted_per_pass_histogram"] = dict(sorted(Counter(stats.accepted_per_pass).items()))
         if system != TARGET:
             same = sum(_identical(r.runs[system], r.runs[TARGET], system == SPECULATIVE) for r, _ in done)
             entry["identical_to_target_fraction"] = _ratio(same, len(done))
@@ -578,7 +578,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         "systems": summary,
         "by_length": _by_length(scored, systems),
         "identical_fraction": speculative["identical_to_target_fraction"],
-        "wer_delta": speculative["wer"] - target["wer"] if scored else None,
+        "wer_delta": None if target["wer"] is None else speculative["wer"] - target["wer"],  # None: no reference words
         "speedup": _ratio(target["seconds"], speculative["seconds"]),
         "decoder_speedup": _ratio(target["decoder_seconds"], speculative["decoder_seconds"]),
         "per_file": per_file,
@@ -638,10 +638,11 @@ def render_markdown(report: dict, title: str) -> str:
         )
     if report["n_files"]:
         identical = sum(1 for f in report["per_file"] if f.get("identical"))
+        delta = "-" if report["wer_delta"] is None else f"{100 * report['wer_delta']:+.2f} points"
         lines += [
             "",
-            f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical, WER delta "
-            f"{100 * report['wer_delta']:+.2f} points, {_number(report['speedup'], 'x')} faster end to end, "
+            f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical, WER delta {delta}, "
+            f"{_number(report['speedup'], 'x')} faster end to end, "
             f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
     graphed = [(system, s["cuda_graphs"]) for system, s in report["systems"].items() if "cuda_graphs" in s]
@@ -677,18 +678,8 @@ def render_markdown(report: dict, title: str) -> str:
     return "\n".join(lines)
 
 
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-    try:
-        with os.fdopen(handle, "wb") as out:
-            out.write(data)
-        os.replace(temporary, path)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
-
-
-def write_plots(report: dict, out: Path) -> None:
+def render_plots(report: dict) -> dict[str, bytes]:
+    """The plots as PNG files' contents, by name."""
     # The object-oriented API renders with Agg without touching pyplot's global backend.
     from matplotlib.figure import Figure
 
@@ -740,15 +731,19 @@ def write_plots(report: dict, out: Path) -> None:
     ax.invert_yaxis()
     ax.legend()
 
+    plots = {}
     for name, figure in figures.items():
         buffer = io.BytesIO()
         figure.savefig(buffer, format="png", dpi=110)
-        _write_bytes_atomic(out / name, buffer.getvalue())
+        plots[name] = buffer.getvalue()
+    return plots
 
 
 def write_report(report: dict, out: Path, title: str) -> None:
-    """report.json, report.md and the plots, each written to a temporary file and renamed."""
+    """The plots, report.md and report.json, everything rendered before anything is written
+    (a failure leaves a previous report whole), each file written to a temporary one and renamed."""
+    files = {**render_plots(report), "report.md": render_markdown(report, title).encode(),
+             "report.json": (json.dumps(report, ensure_ascii=False, indent=2) + "\n").encode()}
     out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "report.json", json.dumps(report, ensure_ascii=False, indent=2) + "\n")
-    write_atomic(out / "report.md", render_markdown(report, title))
-    write_plots(report, out)
+    for name, data in files.items():
+        write_atomic(out / name, data)

@@ -37,17 +37,24 @@ def normalize(text: str, language: str = "en") -> str:
     return _english()(text.replace("\u2019", "'").replace("\u2018", "'")).strip()
 
 
-def word_error_rate(references: list[str], hypotheses: list[str], languages: list[str] | None = None) -> float:
-    """Corpus-level WER (errors over all reference words) of normalised texts; references
-    that normalise to nothing are left out, as jiwer cannot score them."""
+def word_error_rate(references: list[str], hypotheses: list[str], languages: list[str] | None = None) -> float | None:
+    """Corpus-level WER of normalised texts (normalized_wer)."""
     languages = languages or ["en"] * len(references)
     pairs = [(normalize(r, lang), normalize(h, lang)) for r, h, lang in zip(references, hypotheses, languages, strict=True)]
     return normalized_wer([r for r, _ in pairs], [h for _, h in pairs])
 
 
-def normalized_wer(references: list[str], hypotheses: list[str]) -> float:
-    pairs = [(r, h) for r, h in zip(references, hypotheses, strict=True) if r.strip()]
-    return jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]) if pairs else 0.0
+def normalized_wer(references: list[str], hypotheses: list[str]) -> float | None:
+    """All errors over all reference words. A reference without words (silence, music) has
+    only insertions: every word of its hypothesis. None where no reference has a word."""
+    pairs = list(zip(references, hypotheses, strict=True))
+    words = sum(len(r.split()) for r, _ in pairs)
+    if not words:
+        return None
+    scored = [(r, h) for r, h in pairs if r.split()]  # jiwer cannot align an empty reference
+    out = jiwer.process_words([r for r, _ in scored], [h for _, h in scored])
+    inserted = sum(len(h.split()) for r, h in pairs if not r.split())
+    return (out.substitutions + out.deletions + out.insertions + inserted) / words
 
 
 @dataclass(frozen=True)
@@ -59,19 +66,36 @@ class LabelledClip:
 
 
 def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip]:
-    """A tab-separated file with a header and at least the columns file and reference
-    (files relative to the manifest's folder). Optional: duration_seconds, and the clip's
-    language as a language column or "lang=de" in a notes column (default: English)."""
-    with open(path, newline="", encoding="utf-8") as handle:
-        reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-        missing = {"file", "reference"} - set(reader.fieldnames or [])
-        if missing:
-            raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); missing {', '.join(sorted(missing))}")
-        rows = list(reader)
+    """A tab-separated UTF-8 file with a header and at least the columns file and reference
+    (files relative to the manifest's folder; an empty reference is a clip without speech).
+    Optional: duration_seconds, and the clip's language as a language column or "lang=de"
+    in a notes column (default: English). A row that does not fit is an error naming its line."""
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is not part of "file"
+            reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
+            columns = reader.fieldnames or []
+            missing = {"file", "reference"} - set(columns)
+            if missing:
+                raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
+                                 f"missing {', '.join(sorted(missing))}")
+            rows = [(reader.line_num, row) for row in reader]
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
     clips = []
-    for row in rows:
+    for line, row in rows:
+        extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field
+        if extra or row["reference"] is None:
+            found = len(columns) + len(extra) - sum(v is None for v in row.values())
+            why = "a tab inside the reference splits it" if extra else "no reference column"
+            raise ValueError(f"{path}:{line}: {found} tab-separated fields where the header has {len(columns)} ({why})")
+        if not row["file"].strip():
+            raise ValueError(f"{path}:{line}: no file named")
         hint = re.search(r"lang=(\w+)", row.get("notes") or "")
         language = (row.get("language") or "").strip() or (hint.group(1) if hint else default_language)
         duration = (row.get("duration_seconds") or "").strip()
-        clips.append(LabelledClip(path.parent / row["file"], float(duration) if duration else None, row["reference"] or "", language))
+        try:
+            seconds = float(duration) if duration else None
+        except ValueError:
+            raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number") from None
+        clips.append(LabelledClip(path.parent / row["file"], seconds, row["reference"], language))
     return clips

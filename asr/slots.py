@@ -36,6 +36,7 @@ class DecodeStats:
     hint_proposed: int = 0  # tokens proposed from a hint, not counted as draft tokens
     hint_accepted: int = 0
     tokens_per_pass: list[int] = field(default_factory=list)  # kept by each target pass: accepted proposals + 1
+    accepted_per_pass: list[int] = field(default_factory=list)  # draft tokens accepted by each pass that verified some
 
     @property
     def acceptance_rate(self) -> float:

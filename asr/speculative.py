@@ -1,20 +1,19 @@
-"""The speculative decoding engine, one loop for CPU and GPU: the draft proposes k tokens,
-the target verifies k+1 positions in one pass, and each row keeps its longest agreeing
-prefix plus one target token. Rejected positions are rolled back by moving a row's
-length, never by copying. With k = 0 a round is plain target-only decoding.
+"""The speculative decoding engine, one loop for CPU and GPU: the draft proposes k tokens, the
+target verifies k+1 positions in one pass, and each row keeps its longest agreeing prefix plus
+one target token. Rejected positions are rolled back by moving a row's length, never by copying.
+With k = 0 a round is plain target-only decoding.
 
-A Batch holds rows (windows) in slots of a static KV cache (asr/slots.py); a row that
-finishes frees its slot, and the caller refills it at once (Batch.add). Each round is two
-steps over the whole batch, the draft's proposals and the target's verification, which
-read nothing back to the host; the host reads one small summary per round. On CUDA
-(fixed_shapes) the steps keep fixed shapes (every position of the cache attended under a
-mask, finished rows frozen in place, batches padded to a power of two) and run as CUDA
-graphs (asr/cudagraphs.py). On a CPU the same steps run eagerly in shapes fitted to the
-data: attention over the longest row, finished rows dropped, drafting stopped once every row
-has proposed end-of-text.
+A Batch holds rows (windows) in slots of a static KV cache (asr/slots.py); a row that finishes
+frees its slot, and the caller refills it at once (Batch.add). Each round is two steps over the
+whole batch, the draft's proposals and the target's verification, which read nothing back to the
+host; the host reads one small summary per round. On CUDA (fixed_shapes) the steps keep fixed
+shapes (every position of the cache attended under a mask, finished rows frozen in place, batches
+padded to a power of two) and run as CUDA graphs (asr/cudagraphs.py). On a CPU the same steps run
+eagerly in shapes fitted to the data: attention over the longest row, finished rows dropped,
+drafting stopped once every row has proposed end-of-text.
 
-Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps the
-target's distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposals."""
+Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps the target's
+distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposals."""
 
 from __future__ import annotations
 
@@ -155,10 +154,11 @@ class Batch(Slots):
             if hinted is not None:
                 stats.hint_proposed += hinted[i]
                 stats.hint_accepted += min(accepted[i], hinted[i])
-            else:
+            elif k:
                 stats.draft_proposed += k
                 stats.draft_accepted += accepted[i]
                 stats.draft_passes += k
+                stats.accepted_per_pass.append(accepted[i])
             stats.target_passes += 1
             stats.tokens += kept[i]
             stats.tokens_per_pass.append(kept[i])

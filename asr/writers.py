@@ -12,6 +12,9 @@ from pathlib import Path
 from asr.transcribe import Transcript
 
 FORMATS = ("txt", "srt", "vtt", "json")
+# Read once, at import: reading it means setting it, which races with threads creating files.
+UMASK = os.umask(0o022)
+os.umask(UMASK)
 
 
 def _clock(seconds: float, decimal: str) -> str:
@@ -76,12 +79,19 @@ def to_json(transcript: Transcript) -> str:
 RENDERERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json}
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, data: str | bytes) -> None:
+    """Writes to a temporary file beside `path`, flushed to disk, then renamed over it: a
+    crash leaves the old file or the new one, never part of one. The file gets the mode a
+    plain open() would give it (the temporary file's own is private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
     try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            out.write(text)
+        with os.fdopen(handle, "wb") as out:
+            # backslashreplace: a file name that is not UTF-8 (in a JSON transcript's source) as \udcXX
+            out.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)
+            out.flush()
+            os.fchmod(out.fileno(), 0o666 & ~UMASK)
+            os.fsync(out.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)

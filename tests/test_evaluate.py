@@ -5,7 +5,9 @@ reference, a file that fails; the transformers peers on one clip, faster-whisper
 from __future__ import annotations
 
 import json
+import re
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -35,7 +37,7 @@ from asr.evaluate import (
     transformers_assistant,
     write_report,
 )
-from asr.metrics import normalize, read_manifest
+from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import PRESETS, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from conftest import DEV, save_tiny, tiny_target
@@ -76,12 +78,13 @@ def evaluated(embedded, tmp_path_factory):
 
 
 def histogram_matches_totals(system: dict) -> None:
-    """Each target pass keeps its accepted draft tokens plus one: the histogram of accepted
-    tokens per pass must add up to the pass count and the tokens-per-pass average."""
+    """The histogram of draft tokens accepted per target pass (passes that verified some)
+    must add up to the accepted draft tokens behind the acceptance rate."""
     histogram = {int(a): n for a, n in system["accepted_per_pass_histogram"].items()}
-    passes = sum(histogram.values())
+    drafted = system["draft_tokens"]
     assert len(histogram) > 1 and min(histogram) >= 0
-    assert sum((a + 1) * n for a, n in histogram.items()) / passes == pytest.approx(system["tokens_per_target_pass"])
+    assert sum(a * n for a, n in histogram.items()) == drafted["accepted"]
+    assert system["acceptance_rate"] == pytest.approx(drafted["accepted"] / drafted["proposed"])
 
 
 def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
@@ -246,12 +249,51 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
     assert ours.info.stats.hint_proposed > 0 and ours.info.stats.hint_accepted > 0
 
 
-def test_cli_writes_a_report_when_every_file_fails_and_exits_nonzero(tmp_path: Path):
+def test_cli_keeps_the_previous_report_when_no_file_can_be_scored(tmp_path: Path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "report.md").write_text("a finished report\n")
     manifest = write_manifest(tmp_path, [BROKEN])
-    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out")]) == 1
-    report = json.loads((tmp_path / "out" / "report.json").read_text())
-    assert report["n_files"] == 0 and len(report["failures"]) == 1
-    assert all((tmp_path / "out" / name).is_file() for name in ("report.md", *PLOTS))
+    assert main(["evaluate", str(manifest), "--out", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert f"failed: {tmp_path / BROKEN} (audio)" in err and "no file could be scored" in err
+    assert [p.name for p in out.iterdir()] == ["report.md"] and (out / "report.md").read_text() == "a finished report\n"
+
+
+def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_run(tmp_path: Path, capsys, monkeypatch):
+    (tmp_path / "empty.tsv").write_text("file\treference\n")
+    assert main(["evaluate", str(tmp_path / "empty.tsv"), "--out", str(tmp_path / "out")]) == 2
+    assert f"{tmp_path / 'empty.tsv'}: no files to evaluate" in capsys.readouterr().err
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # not installed
+    manifest = write_manifest(tmp_path, [CLIPS[0]])
+    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out"), "--peers", "faster-whisper"]) == 2
+    assert "asr: --peers faster-whisper needs faster-whisper" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
+    cases = {
+        "a.wav\tIN EIGHTEEN\tTHIRTEEN\n": ":2: 3 tab-separated fields where the header has 2 (a tab inside the reference splits it)",
+        "a.wav\n": ":2: 1 tab-separated fields where the header has 2 (no reference column)",
+        "\tsome words\n": ":2: no file named",
+        "a.wav\tok\nb.wav\tok\tn/a\n": ":3: duration_seconds 'n/a' is not a number",
+        "b\xe9.wav\tok\n": ": not UTF-8 text",
+    }
+    for i, (rows, message) in enumerate(cases.items()):
+        header = "file\treference" + ("\tduration_seconds" if "n/a" in rows else "")
+        path = tmp_path / f"{i}.tsv"
+        path.write_bytes((header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
+        with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
+            read_manifest(path)
+    # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference.
+    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\r\na.wav\tHi\t\r\nsilence.wav\t\r\n".encode())
+    assert [(c.path.name, c.reference) for c in read_manifest(tmp_path / "ok.tsv")] == [("a.wav", "Hi"), ("silence.wav", "")]
+
+
+def test_wer_counts_a_transcript_of_an_empty_reference_as_insertions():
+    assert normalized_wer(["a b c d", ""], ["a b c d", "x y"]) == 0.5  # 2 insertions over 4 reference words
+    assert normalized_wer(["a b", ""], ["a x", ""]) == 0.5
+    assert normalized_wer(["", ""], ["x", ""]) is None  # no reference words: no rate
 
 
 def test_cli_refuses_a_manifest_without_references(tmp_path: Path, capsys):
