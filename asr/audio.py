@@ -8,7 +8,8 @@ from typing import Iterator
 import numpy as np
 
 SAMPLE_RATE = 16_000
-AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".opus", ".m4a", ".aac", ".webm", ".mp4", ".aiff", ".aif"}
+AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".m4b", ".aac", ".wma", ".amr", ".aiff", ".aif",
+                    ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp"}  # video containers: their audio
 MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
 
 
@@ -41,8 +42,14 @@ def load_audio(path: str | Path) -> np.ndarray:
 
 
 def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.ndarray:
-    """Any [frames] or [frames, channels] array at any rate -> 16 kHz mono float32."""
+    """Any [frames] or [frames, channels] array at any rate -> 16 kHz mono float32; integer
+    samples are PCM (their full scale becomes 1.0)."""
     samples = np.asarray(samples)
+    if samples.dtype.kind in "iu":
+        half = 2.0 ** (8 * samples.dtype.itemsize - 1)
+        samples = (samples.astype(np.float64) - (half if samples.dtype.kind == "u" else 0.0)) / half
+    elif samples.dtype.kind != "f":
+        raise AudioError(f"{name}: samples must be numbers (float or PCM integers), not {samples.dtype}")
     if samples.ndim == 2:
         samples = samples.mean(axis=1)
     elif samples.ndim != 1:

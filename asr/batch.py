@@ -133,11 +133,16 @@ class FolderSummary:
 
 
 def find_audio(root: Path, skip: Path | None = None) -> list[Path]:
-    """Audio files under root, recursively, in a stable order; `skip` (the output folder,
-    when it lies inside) is not entered."""
+    """Audio files under root, recursively (linked folders too, each once), in a stable
+    order; `skip` (the output folder, when it lies inside) is not entered."""
     found = []
     skip = skip.resolve() if skip is not None else None
-    for folder, subfolders, names in os.walk(root):
+    entered: set[Path] = set()
+    for folder, subfolders, names in os.walk(root, followlinks=True):
+        if (real := Path(folder).resolve()) in entered:  # a link back up the tree
+            subfolders[:] = []
+            continue
+        entered.add(real)
         subfolders[:] = sorted(d for d in subfolders if skip is None or (Path(folder) / d).resolve() != skip)
         found += [Path(folder) / n for n in sorted(names) if Path(n).suffix.lower() in AUDIO_EXTENSIONS]
     return found
@@ -150,6 +155,7 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFil
     planned: list[PlannedFile] = []
     failures: list[FileResult] = []
     owners: dict[Path, Path] = {}  # output stem -> the source that claimed it
+    sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
     for path in inputs:
         if path.is_dir():
             files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir)]
@@ -161,11 +167,14 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFil
             failures.append(FileResult(str(path), error="no such file or folder"))
             files = []
         for source, relative in files:
+            if source.resolve() in sources:
+                continue
             stem = out_dir / relative.parent / relative.stem
             owner = owners.setdefault(stem, source)
             if owner is source:
                 planned.append(PlannedFile(source, stem))
-            elif owner.resolve() != source.resolve():  # (the same file named twice is done once)
+                sources.add(source.resolve())
+            else:
                 failures.append(FileResult(str(source), error=f"same output name as {owner}: both would write {stem}.*"))
     return planned, failures
 
@@ -207,7 +216,8 @@ class ErrorLog:
     def add(self, file: str, reason: str) -> None:
         if self._handle is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._handle = open(self.path, "a", encoding="utf-8")
+            # A file name that is not UTF-8 is written as JSON's \udcXX escapes (its bytes, for os.fsencode).
+            self._handle = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
         record = {"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
         self._handle.flush()
@@ -271,6 +281,11 @@ def transcribe_files(
                     yield _rendered(next(iter(alone.transcribe_many([audio]))), source, formats)
                 except Exception as again:
                     yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
+
+
+def printable(name: str) -> str:
+    """A file name that prints on any UTF-8 console: bytes that are not UTF-8 become U+FFFD."""
+    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _drain(results: list[FileResult]) -> Iterator[FileResult]:
@@ -343,7 +358,7 @@ class _Recorder:
             if self.run.echo:
                 rtf = result.seconds / result.busy_seconds if result.busy_seconds else float("inf")
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
-                tqdm.write(f"{result.source} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s, {rtf:.1f}x real time"
+                tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s, {rtf:.1f}x real time"
                            f"{drafted}): {result.text}", file=sys.stdout)
         self.bar.update(1)
         elapsed = time.perf_counter() - self.started
@@ -365,7 +380,7 @@ class _Recorder:
         self.summary.failed += 1
         self.log.add(source, reason)
         if self.run.echo:
-            tqdm.write(f"error: {source}: {reason}", file=sys.stderr)
+            tqdm.write(f"error: {printable(source)}: {reason}", file=sys.stderr)
 
 
 def transcribe_folder(run: FolderRun, transcriber: Transcriber) -> FolderSummary:

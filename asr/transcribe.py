@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio
+from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.decoder import KVCache
 from asr.models import ModelPair
@@ -123,7 +123,7 @@ class _Job:
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
-    rejected: list[int] = field(default_factory=list)  # the window's last attempt's tokens, if it fell back
+    failed: list[Sequence] = field(default_factory=list)  # the window's attempts that fell back
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
@@ -156,6 +156,8 @@ class Transcriber:
         self.vocab = target.vocab
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
         # length's measurements outlive this Transcriber.
+        if min(options.max_draft_tokens, options.num_draft_tokens or 0) < 0:
+            raise ValueError("draft lengths (num_draft_tokens, max_draft_tokens) cannot be negative")
         maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
         self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
@@ -181,10 +183,13 @@ class Transcriber:
         return self.models.target.rules(timestamps)
 
     def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
+        """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM integers)."""
         if isinstance(audio, AudioInput):
             item = audio
+        elif isinstance(audio, np.ndarray):
+            item = AudioInput(name or "audio", to_model_input(audio, SAMPLE_RATE, name or "audio"))
         else:
-            item = AudioInput(name or "audio", audio) if isinstance(audio, np.ndarray) else self.read(audio, name)
+            item = self.read(audio, name)
         if self.scheduler is not None:
             return self.scheduler.run(self._start(item)).transcript()
         return next(iter(self.transcribe_many([item])))
@@ -292,6 +297,13 @@ class Transcriber:
         if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
             return True
         return low_logprob
+
+    def _likeliest(self, attempts: list[Sequence]) -> Sequence:
+        """The attempt with the highest average log-probability among those that do not
+        repeat themselves, if any do not (faster-whisper's choice; Whisper keeps the last)."""
+        threshold = self.options.compression_ratio_threshold
+        plain = [s for s in attempts if threshold is None or compression_ratio(self.vocab.decode(s.tokens)) <= threshold]
+        return max(plain or attempts, key=lambda s: s.avg_logprob)
 
     def _prompt(self, job: _Job, temperature: float) -> tuple[list[int], int]:
         """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
@@ -432,7 +444,7 @@ class _Decoding:
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
-            job.attempt, job.rejected = 0, []
+            job.attempt, job.failed = 0, []
         self._add(jobs, [cross.get(i) for i in range(len(jobs))])
 
     def _add(self, jobs: list[_Job], cross: list[tuple[list[Tensor], list[Tensor]] | None] | None = None) -> None:
@@ -447,7 +459,7 @@ class _Decoding:
             # A retry at a higher temperature mostly repeats the failed attempt (a repetition
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
             # would sample, and a loop is then verified in a few passes instead of one per token.
-            hint = job.rejected or job.hint
+            hint = job.failed[-1].tokens if job.failed else job.hint
             windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known,
                                   job.language))
         for job, tag in zip(jobs, self.batch.add(windows)):
@@ -462,10 +474,13 @@ class _Decoding:
             t, temperatures = job.transcriber, job.transcriber.options.temperatures
             job.info.decoder_seconds += sequence.seconds
             job.info.stats.add(sequence.stats)  # every attempt's
-            if job.attempt + 1 < len(temperatures) and t._needs_fallback(sequence):
-                job.attempt, job.rejected = job.attempt + 1, sequence.tokens
-                again.append(job)
-                continue
+            if t._needs_fallback(sequence):
+                job.failed.append(sequence)
+                if job.attempt + 1 < len(temperatures):
+                    job.attempt += 1
+                    again.append(job)
+                    continue
+                sequence = t._likeliest(job.failed)  # every temperature failed
             job.info.windows += 1
             temperature = temperatures[job.attempt]
             if job.window_only:

@@ -60,11 +60,17 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path):
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes(b"x")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "g.mkv").write_bytes(b"x")
+    (source / "ext").symlink_to(tmp_path / "elsewhere")  # a linked folder is walked
+    (source / "a" / "c" / "loop").symlink_to(source)  # a link back up the tree is not walked again
+    (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
     out = source / "out"  # inside the input: not walked
-    inputs = [source, source / "e.f.ogg", tmp_path / "missing", tmp_path / "empty"]  # e.f.ogg twice: done once
+    # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
+    inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty"]
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
-        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f")]
+        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
     assert reasons.keys() == {"b.wav", "missing", "empty"}
@@ -139,6 +145,7 @@ def write_bad_corpus(folder: Path) -> dict[str, str]:
     (folder / "bad" / "truncated.flac").write_bytes(flac[: len(flac) // 2])
     (folder / "bad" / "random.wav").write_bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8).tobytes())
     (folder / "bad" / "notes.mp3").write_text("meeting notes, not audio\n" * 40)
+    (folder / "bad" / os.fsdecode(b"caf\xe9.wav")).write_bytes(b"RIFF" + bytes(200))  # a Latin-1 name, not UTF-8
     soundfile.write(folder / "bad" / "silence.wav", np.zeros(SAMPLE_RATE, np.float32), SAMPLE_RATE)
     noise = np.random.default_rng(1).normal(0, 0.1, SAMPLE_RATE).astype(np.float32)
     noise[5000] = np.nan
@@ -149,6 +156,7 @@ def write_bad_corpus(folder: Path) -> dict[str, str]:
         "truncated.flac": "corrupt or truncated FLAC audio",
         "random.wav": "not a readable audio file",
         "notes.mp3": "not a readable audio file",
+        os.fsdecode(b"caf\xe9.wav"): "not a readable audio file",  # logged as JSON's \udce9: its bytes again
         "silence.wav": "contains only digital silence",
         "nan.wav": "contains NaN or infinite samples",
     }
@@ -186,7 +194,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     run = FolderRun((source,), out, **quiet(stream_above_seconds=30))
     summary = transcribe_folder(run, Transcriber(pair, batch_size=4))
 
-    assert (summary.ok, summary.failed, summary.skipped) == (4, 7, 0)
+    assert (summary.ok, summary.failed, summary.skipped) == (4, 8, 0)
     assert summary.errors_file == out / ERRORS_FILE and summary.audio_seconds > 60
     reasons = errors_of(out)
     assert reasons.keys() == expected_errors.keys()
@@ -201,7 +209,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     assert not list(out.rglob("*.part"))
 
     again = transcribe_folder(run, Transcriber(pair, batch_size=4))  # finished files are skipped, failures retried
-    assert (again.ok, again.failed, again.skipped) == (0, 7, 4)
+    assert (again.ok, again.failed, again.skipped) == (0, 8, 4)
     assert errors_of(out).keys() == expected_errors.keys()
 
 

@@ -117,6 +117,20 @@ def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
 def test_temperature_schedule():
     assert temperatures(0.0, 0.2) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     assert temperatures(0.5, 0.0) == (0.5,)
+    assert temperatures(0.3, 0.2) == (0.3, 0.5, 0.7, 0.9)  # never past 1.0
+
+
+def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path):
+    (path,) = writers.write_transcript(_transcript(), tmp_path, "talk", ["txt"])
+    assert path.stat().st_mode & 0o777 == 0o666 & ~writers.UMASK  # not the temporary file's private 0600
+
+
+def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
+    pcm = np.array([[32767, -32768], [0, 16384]], dtype=np.int16)  # two frames, two channels
+    np.testing.assert_allclose(to_model_input(pcm, SAMPLE_RATE), [-0.5 / 32768, 0.25], rtol=1e-6)
+    np.testing.assert_allclose(to_model_input(np.array([0, 128, 255], dtype=np.uint8), SAMPLE_RATE), [-1, 0, 127 / 128])
+    with pytest.raises(AudioError, match="mic: samples must be numbers"):
+        to_model_input(np.array(["a", "b"]), SAMPLE_RATE, "mic")
 
 
 def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys):
@@ -167,3 +181,8 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--device", missing]) == 2
     assert f"--device {missing}: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+    for flag, value, message in [("--num-draft-tokens", "-1", "-1 is less than 0"), ("--batch-size", "0", "0 is less than 1"),
+                                 ("--batch-size", "two", "invalid whole number value: 'two'")]:
+        with pytest.raises(SystemExit):
+            main(["transcribe", str(SAMPLES), flag, value])
+        assert f"argument {flag}: {message}" in capsys.readouterr().err

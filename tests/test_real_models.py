@@ -96,6 +96,27 @@ def test_language_detection_and_forced_language(base_pair):
     assert translated.text and translated.text != detected.text
 
 
+def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
+    """Translated, the Spanish clip's greedy attempt falls just below the log-probability
+    threshold (-1.07 < -1.0), and so does every sampled retry: the window keeps the likeliest
+    attempt, faster-whisper's choice (Whisper's was the last, at temperature 1.0: sampled
+    nonsense), and counts as decoded at the last temperature, as faster-whisper's does."""
+    spanish = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
+    options = dict(language="es", task="translate")
+    greedy = Transcriber(base_pair, TranscribeOptions(**options, temperatures=(0.0,))).transcribe(spanish)
+    fallback = Transcriber(base_pair, TranscribeOptions(**options)).transcribe(spanish)
+    assert greedy.segments[0].avg_logprob < -1.0 and greedy.text.startswith("The sand is white")
+    assert [s.tokens for s in fallback.segments] == [s.tokens for s in greedy.segments]
+    assert {s.temperature for s in fallback.segments} == {1.0}
+    assert fallback.info.stats.target_passes > 3 * greedy.info.stats.target_passes  # six attempts
+    # The same samples as an array: float64, two channels (what soundfile.read gives), or 16-bit PCM.
+    stereo = np.stack([spanish, spanish], axis=1).astype(np.float64)
+    pcm = (spanish * 32768).round().clip(-32768, 32767).astype(np.int16)
+    for audio in (stereo, pcm):
+        again = Transcriber(base_pair, TranscribeOptions(**options, temperatures=(0.0,))).transcribe(audio)
+        assert again.text == greedy.text
+
+
 def test_transcribers_over_one_pair_share_the_adaptive_draft_length(base_pair, dev_set):
     """The web page makes a Transcriber per request: each starts from the round costs and
     acceptance that earlier ones measured (their engine's draft length), not from a guess;
