@@ -183,6 +183,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)
         return 2
+    if args.out_dir.exists() and not args.out_dir.is_dir():
+        print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
+        return 2
     target, draft = model_sources(args)
     options = TranscribeOptions(
         language=args.language,

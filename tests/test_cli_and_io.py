@@ -181,6 +181,9 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--device", missing]) == 2
     assert f"--device {missing}: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+    (tmp_path / "a-file").write_text("")
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file")]) == 2
+    assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err
     for flag, value, message in [("--num-draft-tokens", "-1", "-1 is less than 0"), ("--batch-size", "0", "0 is less than 1"),
                                  ("--batch-size", "two", "invalid whole number value: 'two'")]:
         with pytest.raises(SystemExit):
