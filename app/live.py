@@ -14,7 +14,7 @@ import numpy as np
 import soxr
 
 from app.engine import Engine, Settings
-from asr.audio import SAMPLE_RATE
+from asr.audio import SAMPLE_RATE, float_mono
 from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
 IDLE_SECONDS = 30.0  # no audio for this long: the visitor left without pressing Stop
@@ -46,7 +46,7 @@ class LiveSession:
 
     def feed(self, rate: int, samples: np.ndarray) -> None:
         """Queues a chunk and returns at once."""
-        samples = to_float_mono(samples)
+        samples = float_mono(samples, "microphone chunk")
         with self._wake:
             if self._stopping or not samples.size:
                 return
@@ -113,12 +113,3 @@ class LiveSession:
             # One stream per recording, so chunk edges get no filter artefacts.
             self._resampler, self._rate = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ"), rate
         return self._resampler.resample_chunk(samples)
-
-
-def to_float_mono(samples: np.ndarray) -> np.ndarray:
-    """Integer PCM scaled to [-1, 1); channels averaged."""
-    samples = np.asarray(samples)
-    if np.issubdtype(samples.dtype, np.integer):
-        samples = samples.astype(np.float32) / float(np.iinfo(samples.dtype).max + 1)
-    samples = samples.astype(np.float32, copy=False)
-    return samples.mean(axis=1) if samples.ndim == 2 else samples.reshape(-1)

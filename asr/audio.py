@@ -41,9 +41,9 @@ def load_audio(path: str | Path) -> np.ndarray:
     return audio
 
 
-def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.ndarray:
-    """Any [frames] or [frames, channels] array at any rate -> 16 kHz mono float32; integer
-    samples are PCM (their full scale becomes 1.0)."""
+def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
+    """[frames] or [frames, channels], float or PCM integers (whose full scale becomes 1.0)
+    -> float32 [frames], channels averaged."""
     samples = np.asarray(samples)
     if samples.dtype.kind in "iu":
         half = 2.0 ** (8 * samples.dtype.itemsize - 1)
@@ -54,13 +54,18 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
         samples = samples.mean(axis=1)
     elif samples.ndim != 1:
         raise AudioError(f"{name}: expected samples shaped [frames] or [frames, channels], got {samples.shape}")
+    return samples.astype(np.float32, copy=False)
+
+
+def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.ndarray:
+    """Any array float_mono takes, at any rate -> 16 kHz mono float32, checked."""
+    samples = float_mono(samples, name)
     if samples.size == 0:
         raise AudioError(f"{name}: contains no audio samples")
     if rate <= 0:
         raise AudioError(f"{name}: invalid sample rate {rate}")
     if samples.size / rate > MAX_SECONDS:
         raise AudioError(f"{name}: {samples.size / rate / 3600:.1f} h is longer than the {MAX_SECONDS // 3600} h limit")
-    samples = samples.astype(np.float32)
     if not np.isfinite(samples).all():
         raise AudioError(f"{name}: contains NaN or infinite samples")
     if rate != SAMPLE_RATE:

@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from asr.audio import SAMPLE_RATE
+from asr.audio import SAMPLE_RATE, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio
 
@@ -163,8 +163,11 @@ class StreamingTranscriber:
         self.transcriber.transcribe_window(noise, [], self._language, None, self._encoder_frames(len(noise)))
 
     def insert_audio(self, samples: np.ndarray) -> None:
-        """samples: float32 mono at 16 kHz."""
-        samples = np.asarray(samples, dtype=np.float32).reshape(-1)
+        """samples: 16 kHz, [frames] or [frames, channels], float or PCM integers (an empty
+        chunk is nothing); AudioError for what is not audio (NaN, strings, other shapes)."""
+        if np.size(samples) == 0:
+            return
+        samples = to_model_input(samples, SAMPLE_RATE, "stream chunk")
         self._buffer = np.concatenate([self._buffer, samples])
         self._received += len(samples)
 

@@ -20,7 +20,6 @@ import pytest
 import soundfile
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from app.live import to_float_mono
 from app.views import live_html
 from asr.audio import SAMPLE_RATE, load_audio
 from conftest import REPO, SAMPLES
@@ -102,14 +101,6 @@ def page(server: str, browser: Browser) -> Iterator[Page]:
     page.goto(server)
     yield page
     context.close()
-
-
-def test_microphone_chunks_become_scaled_mono_float32() -> None:
-    stereo = np.array([[32767, -32768], [16384, 16384], [0, 0]], dtype=np.int16)
-    mono = to_float_mono(stereo)
-    assert mono.dtype == np.float32 and mono.shape == (3,)
-    np.testing.assert_allclose(mono, [-0.5 / 32768, 0.5, 0.0], atol=1e-6)
-    assert to_float_mono(np.ones(4, np.float32)).tolist() == [1.0] * 4
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:

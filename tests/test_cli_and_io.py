@@ -126,8 +126,10 @@ def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path):
 
 
 def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
-    pcm = np.array([[32767, -32768], [0, 16384]], dtype=np.int16)  # two frames, two channels
-    np.testing.assert_allclose(to_model_input(pcm, SAMPLE_RATE), [-0.5 / 32768, 0.25], rtol=1e-6)
+    pcm = np.array([[32767, -32768], [0, 16384]], dtype=np.int16)  # two frames, two channels (a microphone's chunk)
+    mono = to_model_input(pcm, SAMPLE_RATE)
+    assert mono.dtype == np.float32 and mono.shape == (2,)
+    np.testing.assert_allclose(mono, [-0.5 / 32768, 0.25], rtol=1e-6)
     np.testing.assert_allclose(to_model_input(np.array([0, 128, 255], dtype=np.uint8), SAMPLE_RATE), [-1, 0, 127 / 128])
     with pytest.raises(AudioError, match="mic: samples must be numbers"):
         to_model_input(np.array(["a", "b"]), SAMPLE_RATE, "mic")

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
-from asr.audio import SAMPLE_RATE, load_audio
+from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.cli import main
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
@@ -140,6 +141,21 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
         stream.process()
     stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
     assert stream.finish().committed_text == "Ask not what your country can do"
+
+
+def test_chunks_as_a_microphone_gives_them(transcriber):
+    """16-bit PCM and two channels are what browsers and sound cards hand over: a chunk in
+    either layout becomes the same float mono samples; an empty chunk is nothing."""
+    samples = load_audio(JFK)[:SAMPLE_RATE]
+    pcm = (samples * 32768).round().clip(-32768, 32767).astype(np.int16)
+    plain, other = StreamingTranscriber(transcriber), StreamingTranscriber(transcriber)
+    plain.insert_audio(pcm.astype(np.float32) / 32768)
+    other.insert_audio(np.zeros(0, dtype=np.int16))
+    other.insert_audio(np.stack([pcm, pcm], axis=1))
+    np.testing.assert_array_equal(other._buffer, plain._buffer)
+    assert other.audio_seconds == 1.0
+    with pytest.raises(AudioError, match="stream chunk: contains NaN"):
+        other.insert_audio(np.full(160, np.nan, dtype=np.float32))
 
 
 def test_cli_json_lines(capsys):
