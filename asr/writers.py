@@ -29,16 +29,27 @@ def to_txt(transcript: Transcript) -> str:
     return transcript.text + "\n"
 
 
+def _cues(transcript: Transcript) -> list[tuple[float, float, str]]:
+    """Segments as subtitle cues: a blank line ends a cue and "-->" starts one, so neither
+    may be in a cue's text; a segment without text is no cue."""
+    cues = []
+    for s in transcript.segments:
+        text = "\n".join(line.strip() for line in s.text.replace("-->", "->").splitlines() if line.strip())
+        if text:
+            cues.append((s.start, s.end, text))
+    return cues
+
+
 def to_srt(transcript: Transcript) -> str:
     blocks = [
-        f"{i}\n{_clock(s.start, ',')} --> {_clock(s.end, ',')}\n{s.text.strip()}\n"
-        for i, s in enumerate(transcript.segments, start=1)
+        f"{i}\n{_clock(start, ',')} --> {_clock(end, ',')}\n{text}\n"
+        for i, (start, end, text) in enumerate(_cues(transcript), start=1)
     ]
     return "\n".join(blocks)
 
 
 def to_vtt(transcript: Transcript) -> str:
-    blocks = [f"{_clock(s.start, '.')} --> {_clock(s.end, '.')}\n{s.text.strip()}\n" for s in transcript.segments]
+    blocks = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text}\n" for start, end, text in _cues(transcript)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 

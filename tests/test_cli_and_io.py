@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,18 @@ def test_writers_render_every_format(tmp_path: Path):
     assert document["segments"][1] == {"start": 2.5, "end": 3661.25, "text": "General Kenobi!", "avg_logprob": -0.3,
                                        "no_speech_prob": 0.02, "temperature": 0.0}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
+
+
+def test_subtitle_cues_hold_only_text():
+    """A blank line ends a subtitle cue and "-->" starts one: Whisper's text with either
+    would turn the rest of the file into garbage for a player; a segment without text
+    is no cue, and cues are numbered without gaps."""
+    transcript = _transcript()
+    transcript.segments[:0] = [Segment(0, 0.0, 0.0, " ", [], -0.1, 1.0, 0.0, 0.0)]
+    transcript.segments[2] = replace(transcript.segments[2], text=" x --> y\n\n z")
+    srt, vtt = writers.to_srt(transcript), writers.to_vtt(transcript)
+    assert srt == "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n2\n00:00:02,500 --> 01:01:01,250\nx -> y\nz\n"
+    assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n00:00:02.500 --> 01:01:01.250\nx -> y\nz\n"
 
 
 def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
