@@ -23,6 +23,7 @@ class Settings:
     language: str = AUTO  # a code such as "en", or AUTO to detect
     task: str = "transcribe"  # or "translate"
     draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
+    prompt: str = ""  # text said before the audio (names, spellings): TranscribeOptions.initial_prompt
 
     def options(self, engine_options: dict) -> TranscribeOptions:
         """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile)."""
@@ -30,6 +31,7 @@ class Settings:
             language=None if self.language == AUTO else self.language,
             task=self.task,
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
+            initial_prompt=self.prompt,
             **engine_options,
         )
 

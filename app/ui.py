@@ -20,6 +20,7 @@ from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.writers import FORMATS, write_transcript
 
 MAX_DRAFT_LENGTH = 8
+MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous text: the last ones
 # Each live recording holds a queue slot for as long as it lasts, so this is how many
 # people can speak at once; their windows decode in the scheduler's batches.
 LIVE_SESSIONS = 8
@@ -83,14 +84,16 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                     label="Draft length (tokens per round)",
                     info="Adaptive tunes it to the measured acceptance and cost.",
                 )
+                prompt = gr.Textbox(label="Prompt (optional)", lines=2, max_length=MAX_PROMPT_CHARACTERS, elem_id="prompt",
+                                    info="Text said before the audio: names and spellings to expect.")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length)
+                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt)
                     with gr.Tab("Microphone", id="microphone"):
-                        microphone_tab(engine, language, task, draft_length)
+                        microphone_tab(engine, language, task, draft_length, prompt)
     return demo
 
 
@@ -130,12 +133,12 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         # Shown in place of the transcript, where the visitor is looking, until the next run.
         return "", error_html(message), gr.update(value=None, visible=False)
 
-    def transcribe(path: str | None, language: str, task: str, draft_length: str) -> tuple[str, str, dict]:
+    def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str) -> tuple[str, str, dict]:
         if not path:
             return failed("Choose an audio file first.")
         name = Path(path).name  # the visitor's file name; the path is the server's upload cache
         try:
-            transcriber = engine.transcriber(Settings(language, task, draft_length))
+            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt))
         except ValueError as error:
             return failed(str(error))
         try:
@@ -183,10 +186,10 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
         return live_html("", "", listening=True), "", None  # the first chunk starts a new LiveSession
 
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
-                 draft_length: str) -> tuple[str | dict, str | dict, LiveSession | None]:
+                 draft_length: str, prompt: str) -> tuple[str | dict, str | dict, LiveSession | None]:
         if live is None:
             try:
-                live = LiveSession(engine, Settings(language, task, draft_length))
+                live = LiveSession(engine, Settings(language, task, draft_length, prompt))
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
         elif live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays

@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
     t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens (one segment per window)")
+    t.add_argument("--prompt", default="",
+                   help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     t.add_argument("--overwrite", action="store_true", help="redo files whose outputs are complete (default: skip them)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (shown when stderr is a terminal)")
@@ -207,6 +209,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         speculative=not args.no_speculation,
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
+        initial_prompt=args.prompt,
         seed=args.seed,
         **engine_options(args),
     )
@@ -288,10 +291,10 @@ def stream_command(args: argparse.Namespace) -> int:
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
                          device=device, dtype=dtype, encoder_dtype=encoder_dtype)
         transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
-                                                          **engine_options(args)))
+                                                          initial_prompt=args.prompt, **engine_options(args)))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds,
-                                      encoder_padding_seconds=args.encoder_padding_seconds, prompt=args.prompt,
+                                      encoder_padding_seconds=args.encoder_padding_seconds,
                                       clock=(lambda: time.monotonic() - started) if args.realtime else None)
         stream.warm_up()
     except (ValueError, OSError) as error:

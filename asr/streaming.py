@@ -104,6 +104,7 @@ class StreamingTranscriber:
 
     prompt: text before the stream (what was said before, names and spelling to expect),
     the first prompt (whisper_streaming's init_prompt); later the committed text follows it.
+    None: the transcriber's initial_prompt.
 
     encoder_padding_seconds: the encoder reads the buffer plus this much padding (in whole
     seconds), not Whisper's 30 s window (None), which makes an update several times cheaper
@@ -126,7 +127,7 @@ class StreamingTranscriber:
         hypothesis_draft: bool = True,
         buffer_trim_seconds: float = 15.0,
         encoder_padding_seconds: float | None = None,
-        prompt: str = "",
+        prompt: str | None = None,
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ):
@@ -156,7 +157,8 @@ class StreamingTranscriber:
         self._context: list[int] = []  # its tokens: the prompt
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._last_end = 0.0  # the audio-time clock when the last call ended
-        self._cut(0, 0, " " + prompt.strip() if prompt.strip() else "")
+        prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
+        self._cut(0, 0, " " + prompt if prompt else "")
 
     @property
     def audio_seconds(self) -> float:

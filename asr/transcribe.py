@@ -41,6 +41,10 @@ class TranscribeOptions:
     log_prob_threshold: float | None = -1.0
     no_speech_threshold: float | None = 0.6
     condition_on_previous_text: bool = True
+    # Text taken as said before the audio (names, spellings, style to expect): the first
+    # window's previous text, as Whisper's initial_prompt. Later windows follow it as long as
+    # they are conditioned on the previous text and not reset by a fallback above 0.5.
+    initial_prompt: str = ""
     without_timestamps: bool = False
     max_new_tokens: int = 224
     speculative: bool = True
@@ -270,7 +274,9 @@ class Transcriber:
             speculative=self.speculative,
             dtype=target.dtype_label,
         )
-        return _Job(self, audio, mel, frames, info, language=info.language or None)
+        prompt = self.options.initial_prompt.strip()
+        context = self.vocab.encode(" " + prompt) if prompt else []
+        return _Job(self, audio, mel, frames, info, language=info.language or None, context=context)
 
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> tuple[list[tuple[str, float]], KVCache]:
@@ -310,7 +316,7 @@ class Transcriber:
         returns it with the index of <|startoftranscript|>."""
         vocab = self.vocab
         previous: list[int] = []
-        if job.context and self.options.condition_on_previous_text and temperature <= 0.5:
+        if job.context and temperature <= 0.5:
             previous = [vocab.sot_prev] + job.context[-(self.engine.max_positions // 2 - 1) :]
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
@@ -381,7 +387,8 @@ class Transcriber:
                 )
             )
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.
-        job.context = [] if temperature > 0.5 else job.context + kept
+        reset = temperature > 0.5 or not self.options.condition_on_previous_text
+        job.context = [] if reset else job.context + kept
 
 
 class _Decoding:

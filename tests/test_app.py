@@ -27,7 +27,7 @@ from app.views import live_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
-from conftest import REPO, SAMPLES
+from conftest import DEV, REPO, SAMPLES
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -173,6 +173,17 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     assert {"jfk.txt", "jfk.srt", "jfk.vtt", "jfk.json"} <= set(by_name), links
     assert EXPECTED in words(page.request.get(by_name["jfk.txt"]).text())
     assert "00:00:00,000 -->" in page.request.get(by_name["jfk.srt"]).text()
+
+
+def test_the_prompt_box_conditions_an_upload(page: Page) -> None:
+    """Without a prompt the clip's "Concord" is heard as "Concorde"."""
+    clip = DEV / "en_short" / "6930-75918-0000.flac"
+    transcript = page.locator("#upload-transcript")
+    page.locator("#upload-file input[type=file]").set_input_files(clip)
+    expect(transcript).to_contain_text("Concorde returned", timeout=TRANSCRIBE_MS)
+    page.locator("#prompt textarea").fill("The town of Concord.")
+    page.locator("#upload-run").click()
+    expect(transcript).to_contain_text("Concord returned", timeout=TRANSCRIBE_MS)
 
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:

