@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
     t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens (one segment per window)")
+    t.add_argument("--word-timestamps", action="store_true",
+                   help="time each word (json: segments[].words), from the target's cross-attention")
     t.add_argument("--prompt", default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
@@ -210,6 +212,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
         initial_prompt=args.prompt,
+        word_timestamps=args.word_timestamps,
         seed=args.seed,
         **engine_options(args),
     )

@@ -173,6 +173,16 @@ class DecoderRunner:
         return runner
 
     @torch.inference_mode()
+    def cross_attention_scores(self, tokens: Tensor, encoder_output: Tensor, layers: set[int]) -> tuple[Tensor, dict[int, Tensor]]:
+        """One eager pass over tokens [1, q] from position 0 (word alignment, asr/words.py):
+        the logits [1, q, V] and, for these layers, the cross-attention scores before the
+        softmax [1, H, q, frames]."""
+        cache = self.new_cache(encoder_output, capacity=-(-tokens.shape[1] // 16) * 16)
+        scores: dict[int, Tensor] = {}
+        start = torch.zeros(1, dtype=torch.long, device=tokens.device)
+        return self._pass(tokens, start, cache, None, None, None, (layers, scores)), scores
+
+    @torch.inference_mode()
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
         window: int | None = None, rows: Tensor | None = None,
@@ -191,7 +201,7 @@ class DecoderRunner:
         return self._pass(tokens, start, cache, logits_at, window, rows)
 
     def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
-              rows: Tensor | None) -> Tensor:
+              rows: Tensor | None, scores: tuple[set[int], dict[int, Tensor]] | None = None) -> Tensor:
         batch, q = tokens.shape
         positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
         attended = cache.capacity if window is None else window
@@ -226,8 +236,10 @@ class DecoderRunner:
             x = x + project.out(out.transpose(1, 2).reshape(batch, q, -1))
 
             h = layer.encoder_attn_layer_norm(x)
-            out = F.scaled_dot_product_attention(self._heads(project.cross_q(h)), rows_of(cache.cross_k[i]),
-                                                 rows_of(cache.cross_v[i]))
+            cross_query = self._heads(project.cross_q(h))
+            if scores is not None and i in scores[0]:
+                scores[1][i] = cross_query @ rows_of(cache.cross_k[i]).transpose(-1, -2) * self.head_dim**-0.5
+            out = F.scaled_dot_product_attention(cross_query, rows_of(cache.cross_k[i]), rows_of(cache.cross_v[i]))
             x = x + project.cross_out(out.transpose(1, 2).reshape(batch, q, -1))
 
             h = layer.final_layer_norm(x)

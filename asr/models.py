@@ -66,6 +66,7 @@ class WhisperModel:
     suppress: list[int]
     begin_suppress: list[int]
     head_token_ids: Tensor | None = None  # a draft whose output head covers only these tokens
+    alignment_heads: list[tuple[int, int]] | None = None  # (layer, head) pairs for word timestamps (asr/words.py)
     _rules: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -226,10 +227,11 @@ def load_model(
     config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
     if "asr_draft" in config:
         model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
-        suppress, begin_suppress = [], []  # a draft follows its target's rules
+        suppress, begin_suppress, heads = [], [], None  # a draft follows its target's rules
     elif model_parts is not None or (directory / "model.bin").is_file():
         model = load_ct2_directory(directory, dtype, model_parts)
         suppress, begin_suppress = config.get("suppress_ids", []), config.get("suppress_ids_begin", [])
+        heads = config.get("alignment_heads")
     elif config:
         if config.get("model_type") != "whisper":
             raise ValueError(f"{directory}: config.json describes a {config.get('model_type')!r} model, not Whisper")
@@ -238,6 +240,7 @@ def load_model(
         model = cls.from_pretrained(directory, dtype=dtype, local_files_only=True).eval()
         generation = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
         suppress, begin_suppress = generation.get("suppress_tokens") or [], generation.get("begin_suppress_tokens") or []
+        heads = generation.get("alignment_heads")
     else:
         raise FileNotFoundError(f"{directory}: neither a save_pretrained directory (config.json) nor a CTranslate2 one (model.bin)")
     tokenizer_file = directory / "tokenizer.json"
@@ -247,7 +250,8 @@ def load_model(
     model.to(device=device, dtype=dtype)
     if head_token_ids is not None:
         head_token_ids = head_token_ids.to(device)
-    return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress), head_token_ids)
+    return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress), head_token_ids,
+                        [(int(layer), int(head)) for layer, head in heads] if heads else None)
 
 
 DRAFT_WEIGHTS = "model.safetensors"

@@ -23,6 +23,7 @@ from asr.decoder import KVCache
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
+from asr.words import Word, align
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -46,6 +47,7 @@ class TranscribeOptions:
     # they are conditioned on the previous text and not reset by a fallback above 0.5.
     initial_prompt: str = ""
     without_timestamps: bool = False
+    word_timestamps: bool = False  # each segment's words timed (asr/words.py): one more target pass per window
     max_new_tokens: int = 224
     speculative: bool = True
     num_draft_tokens: int | None = None  # None: adaptive
@@ -66,6 +68,7 @@ class Segment:
     compression_ratio: float
     no_speech_prob: float
     temperature: float
+    words: list[Word] | None = None  # with word_timestamps
 
 
 @dataclass
@@ -124,6 +127,7 @@ class _Job:
     segments: list[Segment] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # tokens that condition the next window
     hint: list[int] = field(default_factory=list)  # tokens the window is expected to give: its first draft
+    last_speech: float = 0.0  # where the last segment with timed words ended (asr/words.py)
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
@@ -367,23 +371,30 @@ class Transcriber:
             job.seek += segment_frames
 
         ratio = compression_ratio(self.vocab.decode(tokens))
+        # Whisper drops instantaneous and empty segments.
+        pieces = [(start, end, piece) for start, end, piece in pieces if start != end and self.vocab.decode(piece).strip()]
+        texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
+        words: list[list[Word] | None] = [None] * len(pieces)
+        if self.options.word_timestamps:
+            sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
+            times = [(start, end) for start, end, _ in pieces]
+            words, job.last_speech = align(self.models.target, job.encoded, sot_sequence, texts, times, segment_frames,
+                                           offset, job.language, job.info.duration, job.last_speech)
         kept: list[int] = []
-        for start, end, piece in pieces:
-            text = self.vocab.decode(piece)
-            if start == end or not text.strip():  # Whisper drops instantaneous and empty segments
-                continue
+        for (start, end, piece), text, timed in zip(pieces, texts, words):
             kept += piece
             job.segments.append(
                 Segment(
                     id=len(job.segments),
                     start=round(min(start, job.info.duration), 3),
                     end=round(min(max(end, start), job.info.duration), 3),
-                    text=text,
-                    tokens=[t for t in piece if t < self.vocab.eot],
+                    text=self.vocab.decode(piece),
+                    tokens=text,
                     avg_logprob=sequence.avg_logprob,
                     compression_ratio=ratio,
                     no_speech_prob=sequence.no_speech_prob,
                     temperature=temperature,
+                    words=timed,
                 )
             )
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.

@@ -68,6 +68,9 @@ def to_json(transcript: Transcript) -> str:
                 "avg_logprob": round(s.avg_logprob, 4),
                 "no_speech_prob": round(s.no_speech_prob, 4),
                 "temperature": s.temperature,
+                **({} if s.words is None else {"words": [
+                    {"start": w.start, "end": w.end, "word": w.text, "probability": round(w.probability, 4)} for w in s.words
+                ]}),
             }
             for s in transcript.segments
         ],

@@ -17,6 +17,7 @@ from asr.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
 from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
+from asr.words import Word
 from conftest import DEV, SAMPLES
 
 
@@ -89,13 +90,18 @@ def _transcript() -> Transcript:
 
 
 def test_writers_render_every_format(tmp_path: Path):
-    paths = writers.write_transcript(_transcript(), tmp_path, "talk", list(writers.FORMATS))
+    transcript = _transcript()
+    transcript.segments[0] = replace(transcript.segments[0], words=[Word(" Hello", 0.0, 0.62, 0.91234),
+                                                                    Word(" there.", 0.62, 2.5, 0.8)])
+    paths = writers.write_transcript(transcript, tmp_path, "talk", list(writers.FORMATS))
     assert [p.name for p in paths] == ["talk.txt", "talk.srt", "talk.vtt", "talk.json"]
     assert (tmp_path / "talk.txt").read_text() == "Hello there. General Kenobi!\n"
     srt = (tmp_path / "talk.srt").read_text()
     assert "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n" in srt and "01:01:01,250" in srt
     assert (tmp_path / "talk.vtt").read_text().startswith("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.")
     document = json.loads((tmp_path / "talk.json").read_text())
+    assert document["segments"][0]["words"] == [{"start": 0.0, "end": 0.62, "word": " Hello", "probability": 0.9123},
+                                                {"start": 0.62, "end": 2.5, "word": " there.", "probability": 0.8}]
     assert document["segments"][1] == {"start": 2.5, "end": 3661.25, "text": "General Kenobi!", "avg_logprob": -0.3,
                                        "no_speech_prob": 0.02, "temperature": 0.0}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
@@ -167,12 +173,16 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     assert 0 < document["stats"]["draft_tokens_accepted"] <= document["stats"]["draft_tokens_proposed"]
 
 
-def test_cli_prompt_conditions_the_transcript(tmp_path: Path):
+def test_cli_prompt_and_word_timestamps(tmp_path: Path):
     """Without a prompt the clip's "Concord" is heard as "Concorde" (tests/test_real_models.py)."""
     clip = DEV / "en_short" / "6930-75918-0000.flac"
-    assert main(["transcribe", str(clip), "--out-dir", str(tmp_path), "--formats", "txt", "--language", "en",
-                 "--prompt", "The town of Concord."]) == 0
-    assert (tmp_path / "6930-75918-0000.txt").read_text().startswith("Concord returned")
+    assert main(["transcribe", str(clip), "--out-dir", str(tmp_path), "--formats", "json", "--language", "en",
+                 "--prompt", "The town of Concord.", "--word-timestamps"]) == 0
+    document = json.loads((tmp_path / "6930-75918-0000.json").read_text())
+    assert document["text"].startswith("Concord returned")
+    words = [w for segment in document["segments"] for w in segment["words"]]
+    assert "".join(w["word"] for w in words).strip() == document["text"]
+    assert all(a["start"] <= a["end"] <= b["start"] for a, b in zip(words, words[1:]))
 
 
 def test_cli_transcribes_with_compiled_passes(tmp_path: Path):

