@@ -23,7 +23,7 @@ from asr.decoder import KVCache
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
-from asr.words import Word, align
+from asr.words import Word, align, speech_end
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -371,17 +371,20 @@ class Transcriber:
             job.seek += segment_frames
 
         ratio = compression_ratio(self.vocab.decode(tokens))
-        # Whisper drops instantaneous and empty segments.
-        pieces = [(start, end, piece) for start, end, piece in pieces if start != end and self.vocab.decode(piece).strip()]
         texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
+        # Whisper drops instantaneous and empty segments (after timing the words of all).
+        keep = [start != end and self.vocab.decode(piece).strip() != "" for start, end, piece in pieces]
         words: list[list[Word] | None] = [None] * len(pieces)
         if self.options.word_timestamps:
             sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
             times = [(start, end) for start, end, _ in pieces]
-            words, job.last_speech = align(self.models.target, job.encoded, sot_sequence, texts, times, segment_frames,
-                                           offset, job.language, job.info.duration, job.last_speech)
+            words = align(self.models.target, job.encoded, sot_sequence, texts, times, segment_frames, offset,
+                          job.language, job.info.duration, job.last_speech)
+            job.last_speech = speech_end([w if k else [] for w, k in zip(words, keep)], times, job.last_speech)
         kept: list[int] = []
-        for (start, end, piece), text, timed in zip(pieces, texts, words):
+        for (start, end, piece), text, timed, k in zip(pieces, texts, words, keep):
+            if not k:
+                continue
             kept += piece
             job.segments.append(
                 Segment(

@@ -44,17 +44,17 @@ class _Timed:
 
 def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], segments: list[list[int]],
           times: list[tuple[float, float]], content_frames: int, offset: float, language: str, duration: float,
-          last_speech: float) -> tuple[list[list[Word]], float]:
+          last_speech: float) -> list[list[Word]]:
     """The words of each segment of one window (its text tokens, its start and end):
     encoded [positions, width] is the window's encoder output, content_frames the mel frames
     of audio in it, offset the window's start and duration the recording's, in seconds;
-    last_speech: where the recording's last segment with words ended. Timed as
-    openai/whisper times them: punctuation joined to its word, a word much longer than the
-    median cut at a sentence end, and a segment's first and last words kept from running
-    far past its own start and end. Returns the words, and where this window's speech ends."""
+    last_speech: where the speech of the recording's windows before ended (speech_end).
+    Timed as openai/whisper times them: punctuation joined to its word, a word much longer
+    than the median cut at a sentence end, and a segment's first and last words kept from
+    running far past its own start and end."""
     text = [t for segment in segments for t in segment]
     if not text or content_frames < 2:  # nothing to time, or no 20 ms of audio to time it in
-        return [[] for _ in segments], last_speech
+        return [[] for _ in segments]
     vocab = model.vocab
     tokens = torch.tensor([sot_sequence + [vocab.no_timestamps] + text + [vocab.eot]], device=encoded.device)
     heads = alignment_heads(model)
@@ -83,7 +83,14 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     for segment, (start, end) in zip(words, times):
         if segment:
             last_speech = _fit_to_segment(segment, start, end, median, last_speech)
-    return [[Word(w.text, round(w.start, 2), round(w.end, 2), w.probability) for w in segment] for segment in words], last_speech
+    return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words]
+
+
+def speech_end(words: list[list[Word]], times: list[tuple[float, float]], before: float) -> float:
+    """Where a window's speech ends, for the next window's align: its last word's end, else
+    its last segment's, else where it ended before."""
+    ends = [w.end for segment in words for w in segment]
+    return ends[-1] if ends else times[-1][1] if times else before
 
 
 def alignment_heads(model: WhisperModel) -> list[tuple[int, int]]:
@@ -111,7 +118,7 @@ def _dtw(cost: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     indices. Each anti-diagonal depends only on the two before it, so they are computed
     one at a time, vectorised."""
     n, m = cost.shape
-    total = np.full((n + 1, m + 1), np.inf)
+    total = np.full((n + 1, m + 1), np.inf, dtype=np.float32)  # float32 sums, as openai/whisper's (ties)
     total[0, 0] = 0.0
     step = np.zeros((n + 1, m + 1), dtype=np.int8)  # 0: both, 1: a token, 2: a position
     for d in range(2, n + m + 1):

@@ -9,7 +9,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from asr.transcribe import Transcript
+from asr.transcribe import Segment, Transcript
 
 FORMATS = ("txt", "srt", "vtt", "json")
 # Read once, at import: reading it means setting it, which races with threads creating files.
@@ -60,20 +60,7 @@ def to_json(transcript: Transcript) -> str:
         "language": info.language,
         "language_probability": round(info.language_probability, 4),
         "duration": round(info.duration, 3),
-        "segments": [
-            {
-                "start": s.start,
-                "end": s.end,
-                "text": s.text.strip(),
-                "avg_logprob": round(s.avg_logprob, 4),
-                "no_speech_prob": round(s.no_speech_prob, 4),
-                "temperature": s.temperature,
-                **({} if s.words is None else {"words": [
-                    {"start": w.start, "end": w.end, "word": w.text, "probability": round(w.probability, 4)} for w in s.words
-                ]}),
-            }
-            for s in transcript.segments
-        ],
+        "segments": [_segment(s) for s in transcript.segments],
         "stats": {
             "speculative": info.speculative,
             "dtype": info.dtype,
@@ -88,6 +75,15 @@ def to_json(transcript: Transcript) -> str:
         },
     }
     return json.dumps(document, ensure_ascii=False, indent=2) + "\n"
+
+
+def _segment(s: Segment) -> dict:
+    document = {"start": s.start, "end": s.end, "text": s.text.strip(), "avg_logprob": round(s.avg_logprob, 4),
+                "no_speech_prob": round(s.no_speech_prob, 4), "temperature": s.temperature}
+    if s.words is not None:
+        document["words"] = [{"start": round(w.start, 3), "end": round(w.end, 3), "word": w.text,
+                              "probability": round(w.probability, 4)} for w in s.words]
+    return document
 
 
 RENDERERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json}
