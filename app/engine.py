@@ -24,6 +24,7 @@ class Settings:
     task: str = "transcribe"  # or "translate"
     draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
     prompt: str = ""  # text said before the audio (names, spellings): TranscribeOptions.initial_prompt
+    word_timestamps: bool = False  # uploads: each word timed (TranscribeOptions.word_timestamps)
 
     def options(self, engine_options: dict) -> TranscribeOptions:
         """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile)."""
@@ -32,6 +33,7 @@ class Settings:
             task=self.task,
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
             initial_prompt=self.prompt,
+            word_timestamps=self.word_timestamps,
             **engine_options,
         )
 

@@ -86,12 +86,14 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                 )
                 prompt = gr.Textbox(label="Prompt (optional)", lines=2, max_length=MAX_PROMPT_CHARACTERS, elem_id="prompt",
                                     info="Text said before the audio: names and spellings to expect.")
+                words = gr.Checkbox(label="Word timestamps", elem_id="word-timestamps",
+                                    info="Uploads: each word's time and probability (hover a word; in the JSON).")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt)
+                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt, words)
                     with gr.Tab("Microphone", id="microphone"):
                         microphone_tab(engine, language, task, draft_length, prompt)
     return demo
@@ -133,12 +135,13 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         # Shown in place of the transcript, where the visitor is looking, until the next run.
         return "", error_html(message), gr.update(value=None, visible=False)
 
-    def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str) -> tuple[str, str, dict]:
+    def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str,
+                   words: bool) -> tuple[str, str, dict]:
         if not path:
             return failed("Choose an audio file first.")
         name = Path(path).name  # the visitor's file name; the path is the server's upload cache
         try:
-            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt))
+            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words))
         except ValueError as error:
             return failed(str(error))
         try:

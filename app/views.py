@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from asr.streaming import StreamSummary
 from asr.transcribe import SchedulerLoad, Transcript
+from asr.words import Word
 
 PLACEHOLDER = '<div class="asr-empty">{}</div>'
 
@@ -52,10 +53,19 @@ def transcript_html(transcript: Transcript) -> str:
         return PLACEHOLDER.format("No speech found in this recording.")
     rows = "".join(
         f'<div class="asr-segment"><span class="asr-time">{clock(s.start)} – {clock(s.end)}</span>'
-        f'<span class="asr-text">{html.escape(s.text.strip())}</span></div>'
+        f'<span class="asr-text">{_words_html(s.words) if s.words else html.escape(s.text.strip())}</span></div>'
         for s in transcript.segments
     )
     return f'<div class="asr-transcript">{rows}</div>'
+
+
+def _words_html(words: list[Word]) -> str:
+    """Each word a span whose tooltip gives its time and probability."""
+    return "".join(
+        f'<span class="asr-word" title="{w.start:.2f}–{w.end:.2f} s · probability {w.probability:.0%}">'
+        f"{html.escape(w.text.lstrip() if i == 0 else w.text)}</span>"
+        for i, w in enumerate(words)
+    )
 
 
 def upload_figures(transcript: Transcript, seconds: float, language_name: str, language_detected: bool) -> list[Figure]:

@@ -5,6 +5,7 @@ into the microphone through Chromium's fake capture device. `make install` provi
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -175,15 +176,24 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     assert "00:00:00,000 -->" in page.request.get(by_name["jfk.srt"]).text()
 
 
-def test_the_prompt_box_conditions_an_upload(page: Page) -> None:
-    """Without a prompt the clip's "Concord" is heard as "Concorde"."""
+def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
+    """Without a prompt the clip's "Concord" is heard as "Concorde"; with word timestamps each
+    word of the transcript tells its time and probability, and the JSON download has them."""
     clip = DEV / "en_short" / "6930-75918-0000.flac"
     transcript = page.locator("#upload-transcript")
     page.locator("#upload-file input[type=file]").set_input_files(clip)
     expect(transcript).to_contain_text("Concorde returned", timeout=TRANSCRIBE_MS)
+    assert page.locator("#upload-transcript .asr-word").count() == 0
     page.locator("#prompt textarea").fill("The town of Concord.")
+    page.locator("#word-timestamps input").check()
     page.locator("#upload-run").click()
     expect(transcript).to_contain_text("Concord returned", timeout=TRANSCRIBE_MS)
+    words = page.locator("#upload-transcript .asr-word")
+    assert words.first.inner_text() == "Concord"
+    assert re.fullmatch(r"\d+\.\d\d–\d+\.\d\d s · probability \d+%", words.first.get_attribute("title"))
+    links = page.locator("#upload-downloads a").evaluate_all("links => links.map(a => a.href)")
+    document = json.loads(urllib.request.urlopen(next(link for link in links if ".json" in link)).read())
+    assert [w["word"] for w in document["segments"][0]["words"]][:2] == [" Concord", " returned"]
 
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:
