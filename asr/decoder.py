@@ -238,7 +238,8 @@ class DecoderRunner:
             h = layer.encoder_attn_layer_norm(x)
             cross_query = self._heads(project.cross_q(h))
             if scores is not None and i in scores[0]:
-                scores[1][i] = cross_query @ rows_of(cache.cross_k[i]).transpose(-1, -2) * self.head_dim**-0.5
+                keys = rows_of(cache.cross_k[i]).float().transpose(-1, -2)  # float32: fp16/bf16 blur near-ties
+                scores[1][i] = cross_query.float() @ keys * self.head_dim**-0.5
             out = F.scaled_dot_product_attention(cross_query, rows_of(cache.cross_k[i]), rows_of(cache.cross_v[i]))
             x = x + project.cross_out(out.transpose(1, 2).reshape(batch, q, -1))
 
