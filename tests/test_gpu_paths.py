@@ -477,17 +477,23 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: bo
 
 @cuda
 def test_transcriber_on_cuda_gives_the_same_transcripts_with_and_without_graphs(dev_clips):
-    """The packaged pair in float32 on the GPU: with CUDA graphs (the default) and without."""
+    """The packaged pair in float32 on the GPU: with CUDA graphs (the default) and without,
+    the same tokens and word timestamps (the words' pass runs eagerly beside the graphs)."""
     from asr.models import load_pair
     from asr.transcribe import TranscribeOptions, Transcriber
 
     packaged_weights()
     pair = load_pair("packaged:whisper-base", "bundled:whisper-base-2l", device="cuda")
     clips = dev_clips[:4]
-    graphed = Transcriber(pair, TranscribeOptions(language="en"), batch_size=4)
-    eager = Transcriber(pair, TranscribeOptions(language="en", cuda_graphs=False), batch_size=4)
+    graphed = Transcriber(pair, TranscribeOptions(language="en", word_timestamps=True), batch_size=4)
+    eager = Transcriber(pair, TranscribeOptions(language="en", cuda_graphs=False, word_timestamps=True), batch_size=4)
     assert graphed.engine.graphs.enabled and not eager.engine.graphs.enabled
-    with_graphs = {t.source: [s.tokens for s in t.segments] for t in graphed.transcribe_many(graphed.read(c) for c in clips)}
-    without = {t.source: [s.tokens for s in t.segments] for t in eager.transcribe_many(eager.read(c) for c in clips)}
+
+    def run(transcriber: Transcriber) -> dict:
+        return {t.source: [(s.tokens, [(w.text, w.start, w.end) for w in s.words]) for s in t.segments]
+                for t in transcriber.transcribe_many(transcriber.read(c) for c in clips)}
+
+    with_graphs, without = run(graphed), run(eager)
     assert with_graphs == without
+    assert all(words for segments in with_graphs.values() for _, words in segments)
     assert graphed.engine.graphs.counts.captures > 0 and graphed.engine.graphs.counts.failed == 0
