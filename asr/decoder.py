@@ -173,7 +173,8 @@ class DecoderRunner:
         return runner
 
     @torch.inference_mode()
-    def cross_attention_scores(self, tokens: Tensor, encoder_output: Tensor, layers: set[int]) -> tuple[Tensor, dict[int, Tensor]]:
+    def cross_attention_scores(self, tokens: Tensor, encoder_output: Tensor,
+                               layers: set[int]) -> tuple[Tensor, dict[int, Tensor]]:
         """One eager pass over tokens [1, q] from position 0 (word alignment, asr/words.py):
         the logits [1, q, V] and, for these layers, the cross-attention scores before the
         softmax [1, H, q, frames]."""

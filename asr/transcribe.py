@@ -382,7 +382,7 @@ class Transcriber:
                           job.language, job.info.duration, job.last_speech)
             job.last_speech = speech_end([w if k else [] for w, k in zip(words, keep)], times, job.last_speech)
         kept: list[int] = []
-        for (start, end, piece), text, timed, k in zip(pieces, texts, words, keep):
+        for (start, end, piece), text_tokens, timed, k in zip(pieces, texts, words, keep):
             if not k:
                 continue
             kept += piece
@@ -392,7 +392,7 @@ class Transcriber:
                     start=round(min(start, job.info.duration), 3),
                     end=round(min(max(end, start), job.info.duration), 3),
                     text=self.vocab.decode(piece),
-                    tokens=text,
+                    tokens=text_tokens,
                     avg_logprob=sequence.avg_logprob,
                     compression_ratio=ratio,
                     no_speech_prob=sequence.no_speech_prob,

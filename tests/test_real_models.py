@@ -128,12 +128,16 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, 
     assert all(ours == theirs for ours, theirs in sonnet) and sonnet[0][0] != sonnet[1][0]
 
 
-@pytest.mark.parametrize("name, language", [("en_short/jfk.flac", "en"), ("en_short/2412-153948-0000.flac", "en"),
-                                            ("multilingual/picovoice_test_fr.wav", "fr")])
+WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").glob("*"))] + [
+    (f"multilingual/{p.name}", p.stem[-2:]) for p in sorted((DEV / "multilingual").glob("*"))]
+
+
+@pytest.mark.parametrize("name, language", WORD_CLIPS)
 def test_word_timestamps_are_faster_whispers(base_pair, faster_whisper_base, name, language):
-    """Each word's text, start and end (to the 20 ms of the alignment) and probability are
-    faster-whisper's on the same weights; the French clip's first word runs from a pause and
-    is cut back (_fit_to_segment). The words change nothing else of the transcript."""
+    """On every short dev clip, each word's text, start and end (to the 20 ms of the
+    alignment) and probability are faster-whisper's on the same weights; the French clip's
+    first word runs from a pause and is cut back (_fit_to_segment). The words change nothing
+    else of the transcript."""
     audio = load_audio(DEV / name)
     options = TranscribeOptions(language=language, temperatures=(0.0,))
     plain = Transcriber(base_pair, options).transcribe(audio)
@@ -144,7 +148,7 @@ def test_word_timestamps_are_faster_whispers(base_pair, faster_whisper_base, nam
     segments, _ = faster_whisper_base.transcribe(audio, language=language, beam_size=1, best_of=1, temperature=0.0,
                                                  word_timestamps=True, vad_filter=False)
     theirs = [w for s in segments for w in s.words]
-    assert [w.text for w in ours] == [w.word for w in theirs] and len(ours) > 10
+    assert [w.text for w in ours] == [w.word for w in theirs] and ours
     for a, b in zip(ours, theirs):
         assert abs(a.start - b.start) <= 0.021 and abs(a.end - b.end) <= 0.021, (a, b)
         assert abs(a.probability - b.probability) < 0.01, (a, b)
