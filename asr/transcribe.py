@@ -372,8 +372,9 @@ class Transcriber:
 
         ratio = compression_ratio(self.vocab.decode(tokens))
         texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
+        decoded = [self.vocab.decode(piece) for _, _, piece in pieces]
         # Whisper drops instantaneous and empty segments (after timing the words of all).
-        keep = [start != end and self.vocab.decode(piece).strip() != "" for start, end, piece in pieces]
+        keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         words: list[list[Word] | None] = [None] * len(pieces)
         if self.options.word_timestamps:
             sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
@@ -382,7 +383,7 @@ class Transcriber:
                           job.language, job.info.duration, job.last_speech)
             job.last_speech = speech_end([w if k else [] for w, k in zip(words, keep)], times, job.last_speech)
         kept: list[int] = []
-        for (start, end, piece), text_tokens, timed, k in zip(pieces, texts, words, keep):
+        for (start, end, piece), text, text_tokens, timed, k in zip(pieces, decoded, texts, words, keep):
             if not k:
                 continue
             kept += piece
@@ -391,7 +392,7 @@ class Transcriber:
                     id=len(job.segments),
                     start=round(min(start, job.info.duration), 3),
                     end=round(min(max(end, start), job.info.duration), 3),
-                    text=self.vocab.decode(piece),
+                    text=text,
                     tokens=text_tokens,
                     avg_logprob=sequence.avg_logprob,
                     compression_ratio=ratio,
