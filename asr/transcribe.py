@@ -315,12 +315,13 @@ class Transcriber:
         plain = [s for s in attempts if threshold is None or compression_ratio(self.vocab.decode(s.tokens)) <= threshold]
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
-    def _prompt(self, job: _Job, temperature: float) -> tuple[list[int], int]:
+    def _prompt(self, job: _Job) -> tuple[list[int], int]:
         """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
-        returns it with the index of <|startoftranscript|>."""
+        returns it with the index of <|startoftranscript|>. Every attempt at a window has the
+        same previous text, as in Whisper: a fallback above 0.5 resets it for the next window."""
         vocab = self.vocab
         previous: list[int] = []
-        if job.context and temperature <= 0.5:
+        if job.context:
             previous = [vocab.sot_prev] + job.context[-(self.engine.max_positions // 2 - 1) :]
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
@@ -475,7 +476,7 @@ class _Decoding:
         for job, known in zip(jobs, cross or [None] * len(jobs)):
             t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
-            prompt, sot_index = t._prompt(job, temperature)
+            prompt, sot_index = t._prompt(job)
             limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)
             max_new = min(limit, self.owner.engine.max_positions - 1 - len(prompt))
             # A retry at a higher temperature mostly repeats the failed attempt (a repetition

