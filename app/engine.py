@@ -25,6 +25,7 @@ class Settings:
     draft_length: str = AUTO  # tokens the draft proposes per round, or AUTO to adapt
     prompt: str = ""  # text said before the audio (names, spellings): TranscribeOptions.initial_prompt
     word_timestamps: bool = False  # uploads: each word timed (TranscribeOptions.word_timestamps)
+    vad_filter: bool = False  # uploads: silences cut out before decoding (TranscribeOptions.vad_filter)
 
     def options(self, engine_options: dict) -> TranscribeOptions:
         """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile)."""
@@ -34,6 +35,7 @@ class Settings:
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
             initial_prompt=self.prompt,
             word_timestamps=self.word_timestamps,
+            vad_filter=self.vad_filter,
             **engine_options,
         )
 

@@ -16,6 +16,7 @@ from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
 from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, server_figures, transcript_html,
                        upload_figures)
+from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.writers import FORMATS, write_transcript
 
@@ -88,12 +89,16 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                                     info="Text said before the audio: names and spellings to expect.")
                 words = gr.Checkbox(label="Word timestamps", elem_id="word-timestamps",
                                     info="Uploads: each word's time and probability (hover a word; in the JSON).")
+                silences = gr.Checkbox(label="Skip silences (VAD)", elem_id="vad", interactive=vad.available(),
+                                       info="Uploads: Silero VAD cuts pauses out before decoding; times stay the file's."
+                                            + ("" if vad.available() else " Needs faster-whisper: pip install 'asr[vad]'."))
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt, words)
+                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt, words,
+                                   silences)
                     with gr.Tab("Microphone", id="microphone"):
                         microphone_tab(engine, language, task, draft_length, prompt)
     return demo
@@ -136,12 +141,12 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         return "", error_html(message), gr.update(value=None, visible=False)
 
     def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str,
-                   words: bool) -> tuple[str, str, dict]:
+                   words: bool, silences: bool) -> tuple[str, str, dict]:
         if not path:
             return failed("Choose an audio file first.")
         name = Path(path).name  # the visitor's file name; the path is the server's upload cache
         try:
-            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words))
+            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
         except ValueError as error:
             return failed(str(error))
         try:

@@ -72,7 +72,8 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
     info, stats = transcript.info, transcript.info.stats
     rtf = seconds / info.duration if info.duration else 0.0
     figures = [
-        Figure("Audio", f"{info.duration:.1f} s", clock(info.duration)),
+        Figure("Audio", f"{info.duration:.1f} s", clock(info.duration) if info.duration_after_vad is None
+               else f"{info.duration_after_vad:.1f} s of it speech (VAD)"),
         Figure("Processing", f"{seconds:.2f} s", f"encoder {info.encoder_seconds:.2f} s · decoder {info.decoder_seconds:.2f} s"),
         Figure("Real-time factor", f"{rtf:.2f}", speed(rtf)),
     ]

@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each word (json: segments[].words), from the target's cross-attention")
     t.add_argument("--prompt", default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
+    t.add_argument("--vad", action="store_true",
+                   help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
+                        "times stay the recording's")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     t.add_argument("--overwrite", action="store_true", help="redo files whose outputs are complete (default: skip them)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (shown when stderr is a terminal)")
@@ -213,6 +216,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         without_timestamps=args.without_timestamps,
         initial_prompt=args.prompt,
         word_timestamps=args.word_timestamps,
+        vad_filter=args.vad,
         seed=args.seed,
         **engine_options(args),
     )

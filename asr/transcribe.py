@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from asr import vad
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.decoder import KVCache
@@ -48,6 +49,9 @@ class TranscribeOptions:
     initial_prompt: str = ""
     without_timestamps: bool = False
     word_timestamps: bool = False  # each segment's words timed (asr/words.py): one more target pass per window
+    # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
+    # vad_filter); the recording is then read whole, never block by block.
+    vad_filter: bool = False
     max_new_tokens: int = 224
     speculative: bool = True
     num_draft_tokens: int | None = None  # None: adaptive
@@ -82,6 +86,7 @@ class TranscriptionInfo:
     decoder_seconds: float = 0.0
     windows: int = 0
     dtype: str = ""  # the models' dtypes, e.g. "float32, encoder bfloat16"
+    duration_after_vad: float | None = None  # the speech decoded, with vad_filter
 
 
 @dataclass
@@ -135,6 +140,7 @@ class _Job:
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
+    speech: vad.SpeechMap | None = None  # with vad_filter: where the decoded audio lies in the recording
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
@@ -145,8 +151,14 @@ class _Job:
     def done(self) -> bool:
         return self.result is not None if self.window_only else self.seek >= self.frames
 
+    @property
+    def duration(self) -> float:
+        """Of the audio decoded (the speech alone, with vad_filter)."""
+        return self.info.duration if self.speech is None else self.speech.seconds
+
     def transcript(self) -> Transcript:
-        return Transcript(self.audio.name, self.segments, self.info)
+        segments = self.segments if self.speech is None else [self.speech.restore(s) for s in self.segments]
+        return Transcript(self.audio.name, segments, self.info)
 
 
 class Transcriber:
@@ -173,6 +185,8 @@ class Transcriber:
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
         if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
             raise ValueError(f"unknown language {options.language!r}; known: {', '.join(self.vocab.languages)}")
+        if options.vad_filter and not vad.available():
+            raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and (options.task == "translate" or options.language not in (None, "en")):
             raise ValueError(f"{target.name} is English-only: it cannot translate or transcribe {options.language!r}")
 
@@ -205,9 +219,10 @@ class Transcriber:
     def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
         longer than stream_above_seconds, scanned once and then read block by block as the
-        windows advance. Raises AudioError for unusable input either way."""
+        windows advance (not with vad_filter, which reads the whole). Raises AudioError for
+        unusable input either way."""
         seconds = audio_seconds(path)
-        if seconds is None or seconds <= stream_above_seconds:
+        if seconds is None or seconds <= stream_above_seconds or self.options.vad_filter:
             return AudioInput(name or str(path), load_audio(path))
         mel = StreamedMel(lambda: stream_audio(path), self.models.target.config.num_mel_bins, str(path))
         return AudioInput(name or str(path), mel)
@@ -248,11 +263,11 @@ class Transcriber:
         lower limit than the options'."""
         if len(samples) > WINDOW_SAMPLES:
             raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
-        job = self._start(AudioInput("window", samples))
+        job = self._start(AudioInput("window", samples), window_only=True)
         if language is not None:
             job.language = job.info.language = language
         job.context, job.hint = list(context), list(hint or [])
-        job.max_new_tokens, job.window_only = max_new_tokens, True
+        job.max_new_tokens = max_new_tokens
         if self.scheduler is not None:
             return self.scheduler.run(job, encoder_frames).result
         decoding = _Decoding(self, 1, encoder_frames)
@@ -264,23 +279,32 @@ class Transcriber:
             decoding.close()
         return job.result
 
-    def _start(self, audio: AudioInput) -> _Job:
+    def _start(self, audio: AudioInput, window_only: bool = False) -> _Job:
+        """window_only: one window as it is (a stream's buffer), never filtered by vad_filter."""
         target = self.models.target
+        speech = None
         if isinstance(audio.samples, StreamedMel):
+            if self.options.vad_filter:
+                raise ValueError(f"{audio.name}: vad_filter needs the whole recording, not one read block by block")
             mel, frames, duration = audio.samples, audio.samples.frames, audio.samples.duration
         else:
-            mel = log_mel(audio.samples, target.config.num_mel_bins, device=target.device)
-            frames, duration = content_frames(audio.samples), len(audio.samples) / SAMPLE_RATE
+            samples, duration = audio.samples, len(audio.samples) / SAMPLE_RATE
+            if self.options.vad_filter and not window_only:
+                samples, speech = vad.speech_only(samples)
+            mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
+            frames = content_frames(samples)
         info = TranscriptionInfo(
             language=self.options.language or ("en" if not self.vocab.multilingual else ""),
             language_probability=1.0,
             duration=duration,
             speculative=self.speculative,
             dtype=target.dtype_label,
+            duration_after_vad=None if speech is None else speech.seconds,
         )
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []
-        return _Job(self, audio, mel, frames, info, language=info.language or None, context=context)
+        return _Job(self, audio, mel, frames, info, language=info.language or None, context=context, speech=speech,
+                    window_only=window_only)
 
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> tuple[list[tuple[str, float]], KVCache]:
@@ -381,7 +405,7 @@ class Transcriber:
             sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
             times = [(start, end) for start, end, _ in pieces]
             words = align(self.models.target, job.encoded, sot_sequence, texts, times, segment_frames, offset,
-                          job.language, job.info.duration, job.last_speech)
+                          job.language, job.duration, job.last_speech)
             job.last_speech = speech_end([w if k else [] for w, k in zip(words, keep)], times, job.last_speech)
         kept: list[int] = []
         for (start, end, piece), text, text_tokens, timed, k in zip(pieces, decoded, texts, words, keep):
@@ -391,8 +415,8 @@ class Transcriber:
             job.segments.append(
                 Segment(
                     id=len(job.segments),
-                    start=round(min(start, job.info.duration), 3),
-                    end=round(min(max(end, start), job.info.duration), 3),
+                    start=round(min(start, job.duration), 3),
+                    end=round(min(max(end, start), job.duration), 3),
                     text=text,
                     tokens=text_tokens,
                     avg_logprob=sequence.avg_logprob,

@@ -60,6 +60,7 @@ def to_json(transcript: Transcript) -> str:
         "language": info.language,
         "language_probability": round(info.language_probability, 4),
         "duration": round(info.duration, 3),
+        **({} if info.duration_after_vad is None else {"duration_after_vad": round(info.duration_after_vad, 3)}),
         "segments": [_segment(s) for s in transcript.segments],
         "stats": {
             "speculative": info.speculative,

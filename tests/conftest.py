@@ -159,3 +159,15 @@ def dev_clips() -> list[Path]:
     clips = sorted((DEV / "en_short").iterdir())
     assert clips, f"no dev clips under {DEV}"
     return clips
+
+
+def speech_between_silences(silence_seconds: float = 40.0):
+    """JFK (11 s), faint noise, a 12 s LibriSpeech clip, 5 s more of noise: a recording that is
+    mostly silence, which Whisper decodes window by window and a voice activity filter cuts."""
+    import numpy as np
+
+    from asr.audio import SAMPLE_RATE, load_audio
+
+    noise = (np.random.default_rng(0).standard_normal(int(silence_seconds * SAMPLE_RATE)) * 1e-3).astype(np.float32)
+    first, second = load_audio(DEV / "en_short" / "jfk.flac"), load_audio(DEV / "en_short" / "2412-153948-0000.flac")
+    return np.concatenate([first, noise, second, noise[: 5 * SAMPLE_RATE]])

@@ -28,7 +28,7 @@ from app.views import live_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
-from conftest import DEV, REPO, SAMPLES
+from conftest import DEV, REPO, SAMPLES, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -195,6 +195,18 @@ def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     document = json.loads(urllib.request.urlopen(next(link for link in links if ".json" in link)).read())
     assert [w["word"] for w in document["segments"][0]["words"]][:2] == [" Concord", " returned"]
 
+
+
+def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) -> None:
+    """The 40 s pause between two clips is cut out before decoding, and the transcript keeps the
+    file's times: the second clip's segment starts at 0:51."""
+    recording = tmp_path / "pauses.flac"
+    soundfile.write(recording, speech_between_silences(), SAMPLE_RATE)
+    page.locator("#vad input").check()
+    page.locator("#upload-file input[type=file]").set_input_files(recording)
+    expect(page.locator("#upload-figures")).to_contain_text("of it speech (VAD)", timeout=TRANSCRIBE_MS)
+    times = page.locator("#upload-transcript .asr-time").all_inner_texts()
+    assert len(times) == 3 and times[1].startswith("0:51.2")
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:
     broken = tmp_path / "broken.wav"

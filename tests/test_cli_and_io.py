@@ -18,7 +18,7 @@ from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
 from asr.words import Word
-from conftest import DEV, SAMPLES
+from conftest import DEV, SAMPLES, speech_between_silences
 
 
 def test_formats_and_rates_become_16k_mono(tmp_path: Path):
@@ -184,6 +184,22 @@ def test_cli_prompt_and_word_timestamps(tmp_path: Path):
     assert "".join(w["word"] for w in words).strip() == document["text"]
     assert all(a["start"] <= a["end"] <= b["start"] for a, b in zip(words, words[1:]))
 
+
+
+def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsys, monkeypatch):
+    """--vad: the recording's times in every output (tests/test_real_models.py compares them
+    with faster-whisper's), the speech's duration in the JSON; without faster-whisper it
+    stops before loading a model, saying how to install it."""
+    recording = tmp_path / "with_silences.flac"
+    soundfile.write(recording, speech_between_silences(), SAMPLE_RATE)
+    assert main(["transcribe", str(recording), "--out-dir", str(tmp_path), "--formats", "json,srt", "--vad"]) == 0
+    document = json.loads((tmp_path / "with_silences.json").read_text())
+    assert document["duration"] == 67.66 and 20 < document["duration_after_vad"] < 25
+    assert document["stats"]["windows"] == 1 and document["segments"][1]["start"] > 50
+    assert "00:00:51," in (tmp_path / "with_silences.srt").read_text()
+    monkeypatch.setattr("asr.vad.available", lambda: False)
+    assert main(["transcribe", str(recording), "--out-dir", str(tmp_path / "again"), "--vad"]) == 2
+    assert "needs faster-whisper's Silero VAD: pip install 'asr[vad]'" in capsys.readouterr().err
 
 def test_cli_transcribes_with_compiled_passes(tmp_path: Path):
     """--compile (torch.compile of the decoders' passes, meant for a GPU) reaches the engine

@@ -13,7 +13,7 @@ from asr.audio import SAMPLE_RATE, load_audio
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
-from conftest import DEV
+from conftest import DEV, speech_between_silences
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +146,34 @@ def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeyp
     assert len(windows) >= 4 and [w.temperature for w in windows] == [0.0, 1.0] * (len(windows) // 2)
     assert windows[0].prompt[: len(previous)] == windows[1].prompt[: len(previous)] == previous
     assert windows[1].prompt == windows[0].prompt and all(w.sot_index == 0 for w in windows[2:])
+
+
+def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, faster_whisper_base):
+    """vad_filter: the 40 s of noise between two clips is cut out (one window decoded instead
+    of three), the tokens are faster-whisper's with its vad_filter, and so are the segments' and
+    words' times back in the recording (within faster-whisper's rounding to 10 ms). A recording of
+    noise alone gives no segments."""
+    from faster_whisper.vad import VadOptions, get_speech_timestamps
+
+    recording = speech_between_silences()
+    options = TranscribeOptions(language="en", vad_filter=True, word_timestamps=True)
+    ours = Transcriber(base_pair, options).transcribe(recording)
+    plain = Transcriber(base_pair, replace(options, vad_filter=False)).transcribe(recording)
+    kept = sum(c["end"] - c["start"] for c in get_speech_timestamps(recording, VadOptions())) / SAMPLE_RATE
+    assert ours.info.windows == 1 and plain.info.windows == 3 and ours.info.duration_after_vad == kept < 25
+    theirs, _ = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True)
+    theirs = list(theirs)
+    assert tokens_of(ours) == [t for s in theirs for t in s.tokens if t < base_pair.target.vocab.eot]
+    assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx([t for s in theirs for t in (s.start, s.end)], abs=0.006)
+    assert ours.segments[1].start > 50  # the second clip, in the recording's time
+    timed, _ = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True,
+                                              word_timestamps=True)
+    theirs = [w for s in timed for w in s.words]
+    words = [w for s in ours.segments for w in s.words]
+    assert [w.text for w in words] == [w.word for w in theirs]
+    assert [t for w in words for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.006)
+    silence = Transcriber(base_pair, options).transcribe(recording[-5 * SAMPLE_RATE :])
+    assert silence.segments == [] and silence.info.duration_after_vad == 0.0 and silence.info.duration == 5.0
 
 WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").glob("*"))] + [
     (f"multilingual/{p.name}", p.stem[-2:]) for p in sorted((DEV / "multilingual").glob("*"))]

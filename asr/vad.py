@@ -1,0 +1,75 @@
+"""Voice activity detection (faster-whisper's vad_filter): Silero VAD finds the speech, the
+recording's silences are cut out before it is transcribed, and the transcript's times are
+mapped back onto the recording. Whisper tends to invent text over long silences or music,
+and every window of silence costs an encoder pass and a decode. The model and its rules for
+speech chunks (silences under 2 s kept, 0.4 s of padding) are faster-whisper's own, an
+optional dependency, so the filtered audio is the audio faster-whisper would decode."""
+
+from __future__ import annotations
+
+import bisect
+import importlib.util
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from asr.audio import SAMPLE_RATE
+
+if TYPE_CHECKING:
+    from asr.transcribe import Segment
+
+NEEDS = "voice activity detection (--vad) needs faster-whisper's Silero VAD: pip install 'asr[vad]'"
+
+
+def available() -> bool:
+    return all(importlib.util.find_spec(name) is not None for name in ("faster_whisper", "onnxruntime"))
+
+
+@dataclass(frozen=True)
+class SpeechMap:
+    """Where the speech that the filter kept lies in the recording."""
+
+    chunks: tuple[tuple[int, int], ...]  # (start, end) of each speech chunk, in samples of the recording
+
+    @property
+    def seconds(self) -> float:
+        """The filtered audio's duration."""
+        return sum(end - start for start, end in self.chunks) / SAMPLE_RATE
+
+    def chunk_of(self, seconds: float, is_end: bool = False) -> int:
+        """The chunk that a time in the filtered audio falls in; a time exactly at a chunk's
+        end belongs to it if it ends something (a segment), else to the next chunk."""
+        ends = np.cumsum([end - start for start, end in self.chunks]).tolist()
+        sample = round(seconds * SAMPLE_RATE)
+        index = bisect.bisect_left(ends, sample) if is_end else bisect.bisect_right(ends, sample)
+        return min(index, len(self.chunks) - 1)
+
+    def original(self, seconds: float, chunk: int) -> float:
+        """A time in the filtered audio, in chunk `chunk`, as a time in the recording."""
+        start = self.chunks[chunk][0]
+        before = sum(end - begin for begin, end in self.chunks[:chunk])
+        return round(seconds + (start - before) / SAMPLE_RATE, 3)
+
+    def restore(self, segment: Segment) -> Segment:
+        """The segment with its (and its words') times in the recording. A word keeps both
+        ends in the chunk of its middle, as faster-whisper maps them."""
+        words = None
+        if segment.words is not None:
+            words = []
+            for word in segment.words:
+                chunk = self.chunk_of((word.start + word.end) / 2)
+                words.append(replace(word, start=self.original(word.start, chunk), end=self.original(word.end, chunk)))
+        return replace(segment, start=self.original(segment.start, self.chunk_of(segment.start)),
+                       end=self.original(segment.end, self.chunk_of(segment.end, is_end=True)), words=words)
+
+
+def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
+    """The recording's speech chunks, concatenated, and where they were."""
+    try:
+        from faster_whisper.vad import VadOptions, get_speech_timestamps
+    except ImportError as error:
+        raise ValueError(NEEDS) from error
+    chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(samples, VadOptions(), SAMPLE_RATE))
+    kept = np.concatenate([samples[start:end] for start, end in chunks]) if chunks else samples[:0]
+    return kept, SpeechMap(chunks)
