@@ -21,6 +21,7 @@ from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, t
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
+from asr import vad
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
@@ -98,6 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="our engine's batch, as `asr transcribe`'s (default: %(default)s; the peers decode one file at a time)")
     e.add_argument("--limit", type=count(1), help="only the first N files of the manifest")
+    e.add_argument("--vad", action="store_true",
+                   help="every system decodes the speech kept by faster-whisper's Silero VAD (as asr transcribe --vad)")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
                    help="also run transformers' generate and its assisted generation with the same draft (transformers), "
                         "or faster-whisper on the same target weights (faster-whisper); repeat for both")
@@ -245,8 +248,12 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 2
     device, dtype, encoder_dtype = device_and_dtypes(args)
     preset = None if args.target else args.preset or DEFAULT_PRESET
+    if args.vad and not vad.available():
+        print(f"asr: {vad.NEEDS}", file=sys.stderr)
+        return 2
     options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
-                              transcribe=TranscribeOptions(**engine_options(args)), progress=sys.stderr.isatty())
+                              transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
+                              progress=sys.stderr.isatty())
     try:
         clips = read_manifest(args.manifest)[: args.limit]
         if not clips:

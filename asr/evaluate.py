@@ -24,6 +24,7 @@ from tqdm import tqdm
 from transformers import GenerationConfig, WhisperForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
+from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
@@ -62,8 +63,8 @@ NOTES = [
     "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
     "target passes (each pass keeps its accepted draft tokens plus one of its own).",
     "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
-    "CPU and float16 on a GPU, greedy (beam_size=1, best_of=1), no VAD, with the same language, task, temperatures, "
-    "thresholds and previous-text conditioning as ours, on as many CPU threads as ours; it computes its own log-mel "
+    "CPU and float16 on a GPU, greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
+    "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many CPU threads as ours; it computes its own log-mel "
     "features from the same samples; its time is end to end only (no encoder / decoder split).",
 ]
 
@@ -316,10 +317,11 @@ class TransformersSystem(_OneFileAtATime):
         counter = _TokenCounter()
         draft_decoder = self.assistant.model.decoder if self.assistant is not None else None
         started = time.perf_counter()
-        mel = log_mel(item.samples, target.config.num_mel_bins, device=target.device)
+        samples = vad.speech_only(item.samples)[0] if options.vad_filter else item.samples
+        mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
         # Up to 30 s: one window, the audio padded with silence as transformers' feature
         # extractor pads it (what its users get); longer: transformers' long-form loop.
-        features = mel[:, : max(content_frames(item.samples), WINDOW_FRAMES)][None].to(target.encoder_dtype)
+        features = mel[:, : max(content_frames(samples), WINDOW_FRAMES)][None].to(target.encoder_dtype)
         _sync(target.device)
         featured = time.perf_counter()
         torch.manual_seed(options.seed)  # its temperature fallback samples from torch's global generator: reruns agree
@@ -391,7 +393,7 @@ class FasterWhisperSystem(_OneFileAtATime):
             temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
-            vad_filter=False, word_timestamps=False)
+            vad_filter=options.vad_filter, word_timestamps=False)
         segments = list(segments)  # the generator does the work
         seconds = time.perf_counter() - started
         tokens = [t for segment in segments for t in segment.tokens if t < vocab.eot]
@@ -477,6 +479,9 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "batch_size": options.batch_size,
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
         "compiled": options.transcribe.compile,
+        # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
+        # (transformers is given those samples), timed from the whole recording.
+        "vad": options.transcribe.vad_filter,
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
@@ -618,7 +623,8 @@ def render_markdown(report: dict, title: str) -> str:
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
-        f"{', compiled passes' if env.get('compiled') else ''}, batch {env['batch_size']} "
+        f"{', compiled passes' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
+        f"batch {env['batch_size']} "
         f"(transformers: 1); {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
         "",

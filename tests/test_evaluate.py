@@ -13,10 +13,11 @@ from pathlib import Path
 
 import jiwer
 import pytest
+import soundfile
 import torch
 from whisper_normalizer.english import EnglishTextNormalizer
 
-from asr.audio import load_audio
+from asr.audio import SAMPLE_RATE, load_audio
 from asr.cli import main
 from asr.cudagraphs import GraphCounts
 from asr.evaluate import (
@@ -40,7 +41,7 @@ from asr.evaluate import (
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import PRESETS, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
-from conftest import DEV, save_tiny, tiny_target
+from conftest import DEV, save_tiny, speech_between_silences, tiny_target
 
 CLIPS = ["LJ002-0020.wav", "LJ002-0035.wav"]  # the shortest dev clips
 BROKEN = "broken.wav"
@@ -248,6 +249,26 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
     assert all(s.temperature > 0.0 for s in ours.segments[7:]) and "thou art thou art thou art" not in ours.text.lower()
     assert ours.info.stats.hint_proposed > 0 and ours.info.stats.hint_accepted > 0
 
+
+
+def test_cli_evaluates_with_the_voice_activity_filter(tmp_path: Path, monkeypatch):
+    """--vad: every system decodes the speech the filter keeps (ours, faster-whisper with its
+    vad_filter, transformers given those samples), so all give our target-only tokens on a
+    recording that is mostly silence, and the report says the silences were cut."""
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    references = {c.path.name: c.reference for c in read_manifest(DEV / "manifest.tsv")}
+    soundfile.write(tmp_path / "pauses.flac", speech_between_silences(), SAMPLE_RATE)
+    reference = f"{references['jfk.flac']} {references['2412-153948-0000.flac']}"
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\npauses.flac\t{reference}\n")
+    out = tmp_path / "out"
+    assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out), "--vad",
+                 "--peers", "faster-whisper", "--peers", "transformers"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["environment"]["vad"] is True and report["identical_fraction"] == 1.0
+    systems = report["systems"]
+    assert all(systems[name]["identical_to_target_fraction"] == 1.0 for name in (FASTER_WHISPER, TRANSFORMERS_TARGET))
+    assert systems[TARGET]["wer"] == systems[FASTER_WHISPER]["wer"] < 0.05
+    assert "silences cut (VAD)" in (out / "report.md").read_text()
 
 def test_cli_keeps_the_previous_report_when_no_file_can_be_scored(tmp_path: Path, capsys):
     out = tmp_path / "out"
