@@ -89,9 +89,10 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                                     info="Text said before the audio: names and spellings to expect.")
                 words = gr.Checkbox(label="Word timestamps", elem_id="word-timestamps",
                                     info="Uploads: each word's time and probability (hover a word; in the JSON).")
-                silences = gr.Checkbox(label="Skip silences (VAD)", elem_id="vad", interactive=vad.available(),
+                filtering = vad.available()
+                silences = gr.Checkbox(label="Skip silences (VAD)", elem_id="vad", interactive=filtering,
                                        info="Uploads: Silero VAD cuts pauses out before decoding; times stay the file's."
-                                            + ("" if vad.available() else " Needs faster-whisper: pip install 'asr[vad]'."))
+                                            + ("" if filtering else " Needs faster-whisper: pip install 'asr[vad]'."))
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):

@@ -17,11 +17,11 @@ from typing import Callable
 
 import torch
 
+from asr import vad
 from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
-from asr import vad
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
@@ -248,9 +248,6 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 2
     device, dtype, encoder_dtype = device_and_dtypes(args)
     preset = None if args.target else args.preset or DEFAULT_PRESET
-    if args.vad and not vad.available():
-        print(f"asr: {vad.NEEDS}", file=sys.stderr)
-        return 2
     options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
                               transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
                               progress=sys.stderr.isatty())
@@ -341,6 +338,8 @@ def main(argv: list[str] | None = None) -> int:
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
         return 2
     problem = device_problem(getattr(args, "device", "auto"))
+    if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
+        problem = vad.NEEDS
     if problem:
         print(f"asr: {problem}", file=sys.stderr)
         return 2

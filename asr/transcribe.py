@@ -238,7 +238,8 @@ class Transcriber:
                 new = []
                 while decoding.recordings + len(new) < self.batch_size and (item := next(pending, None)) is not None:
                     new.append(self._start(item))
-                decoding.submit(new)
+                for job in decoding.submit(new):
+                    yield job.transcript()
                 if not decoding.busy:
                     return
                 for job in decoding.step():
@@ -461,12 +462,15 @@ class _Decoding:
     def close(self) -> None:
         self.batch.close()
 
-    def submit(self, jobs: list[_Job]) -> None:
+    def submit(self, jobs: list[_Job]) -> list[_Job]:
         """Encodes the current window of each job (and of the recordings waiting for their
-        next one) and starts decoding it, at the first temperature."""
+        next one) and starts decoding it, at the first temperature. Returns the recordings
+        with nothing to decode (no audio frames, or no speech kept by vad_filter), done."""
         jobs, self.waiting = self.waiting + jobs, []
+        empty = [job for job in jobs if job.done]
+        jobs = [job for job in jobs if not job.done]
         if not jobs:
-            return
+            return empty
         o = self.owner
         target, draft = o.models.target, o.models.draft
         features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
@@ -493,6 +497,7 @@ class _Decoding:
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
             job.attempt, job.failed = 0, []
         self._add(jobs, [cross.get(i) for i in range(len(jobs))])
+        return empty
 
     def _add(self, jobs: list[_Job], cross: list[tuple[list[Tensor], list[Tensor]] | None] | None = None) -> None:
         """cross: each job's target cross-attention K/V where language detection computed them."""
@@ -632,7 +637,7 @@ class Scheduler:
         head start is bounded, so no recording waits behind later ones for ever."""
         def order(entry: tuple[_Job, int | None, float]) -> tuple[bool, float]:
             job, _, arrived = entry
-            return not job.window_only, arrived - HEAD_START_PER_AUDIO_SECOND * job.info.duration
+            return not job.window_only, arrived - HEAD_START_PER_AUDIO_SECOND * job.duration
 
         admitted: dict[tuple, list[_Job]] = {}
         kept = []

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import bisect
 import importlib.util
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,25 +31,29 @@ class SpeechMap:
     """Where the speech that the filter kept lies in the recording."""
 
     chunks: tuple[tuple[int, int], ...]  # (start, end) of each speech chunk, in samples of the recording
+    ends: tuple[int, ...] = field(init=False)  # each chunk's end in the filtered audio, in samples
+    cut: tuple[int, ...] = field(init=False)  # samples cut out before each chunk
+
+    def __post_init__(self) -> None:
+        ends = np.cumsum([end - start for start, end in self.chunks], dtype=np.int64).tolist()
+        object.__setattr__(self, "ends", tuple(ends))
+        object.__setattr__(self, "cut", tuple(end - kept for (_, end), kept in zip(self.chunks, ends)))
 
     @property
     def seconds(self) -> float:
         """The filtered audio's duration."""
-        return sum(end - start for start, end in self.chunks) / SAMPLE_RATE
+        return (self.ends[-1] if self.ends else 0) / SAMPLE_RATE
 
     def chunk_of(self, seconds: float, is_end: bool = False) -> int:
         """The chunk that a time in the filtered audio falls in; a time exactly at a chunk's
         end belongs to it if it ends something (a segment), else to the next chunk."""
-        ends = np.cumsum([end - start for start, end in self.chunks]).tolist()
         sample = round(seconds * SAMPLE_RATE)
-        index = bisect.bisect_left(ends, sample) if is_end else bisect.bisect_right(ends, sample)
+        index = bisect.bisect_left(self.ends, sample) if is_end else bisect.bisect_right(self.ends, sample)
         return min(index, len(self.chunks) - 1)
 
     def original(self, seconds: float, chunk: int) -> float:
         """A time in the filtered audio, in chunk `chunk`, as a time in the recording."""
-        start = self.chunks[chunk][0]
-        before = sum(end - begin for begin, end in self.chunks[:chunk])
-        return round(seconds + (start - before) / SAMPLE_RATE, 3)
+        return round(seconds + self.cut[chunk] / SAMPLE_RATE, 3)
 
     def restore(self, segment: Segment) -> Segment:
         """The segment with its (and its words') times in the recording. A word keeps both
@@ -66,10 +70,8 @@ class SpeechMap:
 
 def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
     """The recording's speech chunks, concatenated, and where they were."""
-    try:
-        from faster_whisper.vad import VadOptions, get_speech_timestamps
-    except ImportError as error:
-        raise ValueError(NEEDS) from error
+    from faster_whisper.vad import VadOptions, get_speech_timestamps  # optional: see available()
+
     chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(samples, VadOptions(), SAMPLE_RATE))
     kept = np.concatenate([samples[start:end] for start, end in chunks]) if chunks else samples[:0]
     return kept, SpeechMap(chunks)

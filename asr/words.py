@@ -47,7 +47,7 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
           last_speech: float) -> list[list[Word]]:
     """The words of each segment of one window (its text tokens, its start and end):
     encoded [positions, width] is the window's encoder output, content_frames the mel frames
-    of audio in it, offset the window's start and duration the recording's, in seconds;
+    of audio in it, offset the window's start and duration the decoded audio's, in seconds;
     last_speech: where the speech of the recording's windows before ended (speech_end).
     Timed as openai/whisper times them: punctuation joined to its word, a word much longer
     than the median cut at a sentence end, and a segment's first and last words kept from

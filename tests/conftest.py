@@ -14,6 +14,7 @@ import copy
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig, WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
@@ -161,11 +162,9 @@ def dev_clips() -> list[Path]:
     return clips
 
 
-def speech_between_silences(silence_seconds: float = 40.0):
+def speech_between_silences(silence_seconds: float = 40.0) -> np.ndarray:
     """JFK (11 s), faint noise, a 12 s LibriSpeech clip, 5 s more of noise: a recording that is
     mostly silence, which Whisper decodes window by window and a voice activity filter cuts."""
-    import numpy as np
-
     from asr.audio import SAMPLE_RATE, load_audio
 
     noise = (np.random.default_rng(0).standard_normal(int(silence_seconds * SAMPLE_RATE)) * 1e-3).astype(np.float32)

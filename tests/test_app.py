@@ -196,7 +196,6 @@ def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     assert [w["word"] for w in document["segments"][0]["words"]][:2] == [" Concord", " returned"]
 
 
-
 def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) -> None:
     """The 40 s pause between two clips is cut out before decoding, and the transcript keeps the
     file's times: the second clip's segment starts at 0:51."""
@@ -207,6 +206,7 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
     expect(page.locator("#upload-figures")).to_contain_text("of it speech (VAD)", timeout=TRANSCRIBE_MS)
     times = page.locator("#upload-transcript .asr-time").all_inner_texts()
     assert len(times) == 3 and times[1].startswith("0:51.2")
+
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:
     broken = tmp_path / "broken.wav"

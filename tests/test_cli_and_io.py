@@ -185,11 +185,10 @@ def test_cli_prompt_and_word_timestamps(tmp_path: Path):
     assert all(a["start"] <= a["end"] <= b["start"] for a, b in zip(words, words[1:]))
 
 
-
 def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsys, monkeypatch):
     """--vad: the recording's times in every output (tests/test_real_models.py compares them
     with faster-whisper's), the speech's duration in the JSON; without faster-whisper it
-    stops before loading a model, saying how to install it."""
+    stops before loading a model, saying how to install it (the same check guards --ray)."""
     recording = tmp_path / "with_silences.flac"
     soundfile.write(recording, speech_between_silences(), SAMPLE_RATE)
     assert main(["transcribe", str(recording), "--out-dir", str(tmp_path), "--formats", "json,srt", "--vad"]) == 0
@@ -198,8 +197,10 @@ def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsy
     assert document["stats"]["windows"] == 1 and document["segments"][1]["start"] > 50
     assert "00:00:51," in (tmp_path / "with_silences.srt").read_text()
     monkeypatch.setattr("asr.vad.available", lambda: False)
+    monkeypatch.setattr("asr.cli.transcribe_command", lambda args: pytest.fail("loaded the models first"))
     assert main(["transcribe", str(recording), "--out-dir", str(tmp_path / "again"), "--vad"]) == 2
     assert "needs faster-whisper's Silero VAD: pip install 'asr[vad]'" in capsys.readouterr().err
+
 
 def test_cli_transcribes_with_compiled_passes(tmp_path: Path):
     """--compile (torch.compile of the decoders' passes, meant for a GPU) reaches the engine

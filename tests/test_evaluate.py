@@ -250,7 +250,6 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
     assert ours.info.stats.hint_proposed > 0 and ours.info.stats.hint_accepted > 0
 
 
-
 def test_cli_evaluates_with_the_voice_activity_filter(tmp_path: Path, monkeypatch):
     """--vad: every system decodes the speech the filter keeps (ours, faster-whisper with its
     vad_filter, transformers given those samples), so all give our target-only tokens on a
@@ -269,6 +268,7 @@ def test_cli_evaluates_with_the_voice_activity_filter(tmp_path: Path, monkeypatc
     assert all(systems[name]["identical_to_target_fraction"] == 1.0 for name in (FASTER_WHISPER, TRANSFORMERS_TARGET))
     assert systems[TARGET]["wer"] == systems[FASTER_WHISPER]["wer"] < 0.05
     assert "silences cut (VAD)" in (out / "report.md").read_text()
+
 
 def test_cli_keeps_the_previous_report_when_no_file_can_be_scored(tmp_path: Path, capsys):
     out = tmp_path / "out"

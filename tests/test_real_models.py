@@ -129,7 +129,6 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, 
     assert all(ours == theirs for ours, theirs in sonnet) and sonnet[0][0] != sonnet[1][0]
 
 
-
 def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeypatch):
     """Whisper's and faster-whisper's rule: a window's retries, above temperature 0.5 too, are
     conditioned on the text before it; a window kept at a temperature above 0.5 resets it for
@@ -152,7 +151,7 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     """vad_filter: the 40 s of noise between two clips is cut out (one window decoded instead
     of three), the tokens are faster-whisper's with its vad_filter, and so are the segments' and
     words' times back in the recording (within faster-whisper's rounding to 10 ms). A recording of
-    noise alone gives no segments."""
+    noise alone has nothing to decode."""
     from faster_whisper.vad import VadOptions, get_speech_timestamps
 
     recording = speech_between_silences()
@@ -173,7 +172,9 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     assert [w.text for w in words] == [w.word for w in theirs]
     assert [t for w in words for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.006)
     silence = Transcriber(base_pair, options).transcribe(recording[-5 * SAMPLE_RATE :])
-    assert silence.segments == [] and silence.info.duration_after_vad == 0.0 and silence.info.duration == 5.0
+    assert silence.segments == [] and silence.info.windows == 0 and silence.info.duration_after_vad == 0.0
+    assert silence.info.duration == 5.0
+
 
 WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").glob("*"))] + [
     (f"multilingual/{p.name}", p.stem[-2:]) for p in sorted((DEV / "multilingual").glob("*"))]
