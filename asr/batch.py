@@ -32,7 +32,7 @@ from tqdm import tqdm
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, Transcriber, Transcript
-from asr.writers import FORMATS, RENDERERS, write_atomic
+from asr.writers import FORMATS, SubtitleLayout, render, write_atomic
 
 ERRORS_FILE = "errors.jsonl"
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
@@ -65,6 +65,7 @@ class FolderRun:
     inputs: tuple[Path, ...]  # folders (walked recursively) and files
     out_dir: Path
     formats: tuple[str, ...] = FORMATS
+    layout: SubtitleLayout = SubtitleLayout()  # of srt and vtt cues
     overwrite: bool = False  # redo files whose outputs are complete
     stream_above_seconds: float = STREAM_ABOVE_SECONDS
     progress: bool = True  # a progress bar on stderr
@@ -233,6 +234,7 @@ def transcribe_files(
     files: Iterable[Path],
     formats: Iterable[str],
     stream_above_seconds: float = STREAM_ABOVE_SECONDS,
+    layout: SubtitleLayout = SubtitleLayout(),
 ) -> Iterator[FileResult]:
     """Transcribes files in the order given, decoding transcriber.batch_size of them at a
     time, and yields each file's result as soon as it is done. A file that cannot be read
@@ -262,7 +264,7 @@ def transcribe_files(
         try:
             for transcript in transcriber.transcribe_many(inputs()):
                 yield from _drain(unreadable)
-                yield _rendered(transcript, in_flight.pop(transcript.source), formats)
+                yield _rendered(transcript, in_flight.pop(transcript.source), formats, layout)
             yield from _drain(unreadable)
             return
         except Exception:  # in decoding: retry this batch's files alone, then go on
@@ -278,7 +280,7 @@ def transcribe_files(
                     yield audio
                     continue
                 try:
-                    yield _rendered(next(iter(alone.transcribe_many([audio]))), source, formats)
+                    yield _rendered(next(iter(alone.transcribe_many([audio]))), source, formats, layout)
                 except Exception as again:
                     yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
 
@@ -298,11 +300,11 @@ def _reason(error: Exception, path: Path) -> str:
     return message if isinstance(error, AudioError) else f"{type(error).__name__}: {message}"
 
 
-def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...]) -> FileResult:
+def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], layout: SubtitleLayout) -> FileResult:
     info = transcript.info
     return FileResult(
         str(source),
-        texts={fmt: RENDERERS[fmt](transcript) for fmt in formats},
+        texts={fmt: render(transcript, fmt, layout) for fmt in formats},
         text=transcript.text,
         seconds=info.duration,
         busy_seconds=info.encoder_seconds + info.decoder_seconds,
@@ -387,7 +389,7 @@ def transcribe_folder(run: FolderRun, transcriber: Transcriber) -> FolderSummary
     """Transcribes run.inputs in this process (see the module's description)."""
     recorder = _Recorder(run)
     files = [item.source for item in recorder.todo]
-    for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds):
+    for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds, run.layout):
         recorder.record(result)
     return recorder.finish("not transcribed")
 
@@ -434,7 +436,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         results = dataset.map_batches(
             _RayWorker,
             fn_constructor_kwargs={"spec": spec, "formats": run.formats, "threads": cpus_per_worker,
-                                   "stream_above_seconds": run.stream_above_seconds},
+                                   "stream_above_seconds": run.stream_above_seconds, "layout": run.layout},
             batch_size=per_call,
             compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,
@@ -451,13 +453,15 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
 class _RayWorker:
     """One Ray actor: builds the pipeline once, then transcribes batches of files."""
 
-    def __init__(self, spec: PipelineSpec, formats: tuple[str, ...], threads: int, stream_above_seconds: float):
+    def __init__(self, spec: PipelineSpec, formats: tuple[str, ...], threads: int, stream_above_seconds: float,
+                 layout: SubtitleLayout):
         torch.set_num_threads(threads)
         self.transcriber = spec.build()
         self.formats = formats
         self.stream_above_seconds = stream_above_seconds
+        self.layout = layout
 
     def __call__(self, batch: dict) -> dict:
         files = [Path(source) for source in batch["source"]]
-        results = transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds)
+        results = transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout)
         return {"result": [json.dumps(dataclasses.asdict(result)) for result in results]}

@@ -25,7 +25,7 @@ from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
-from asr.writers import FORMATS
+from asr.writers import FORMATS, SubtitleLayout
 
 LOCAL_RAY = "local"  # --ray without an address
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -79,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each word (json: segments[].words), from the target's cross-attention")
     t.add_argument("--prompt", default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
+    t.add_argument("--max-line-width", type=count(1), metavar="N",
+                   help="srt/vtt: break each segment's text into lines of at most N characters")
+    t.add_argument("--max-line-count", type=count(1), metavar="N",
+                   help="srt/vtt, with --max-line-width and --word-timestamps: at most N lines per cue, a longer "
+                        "segment split into cues timed by its words")
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
@@ -206,6 +211,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)
         return 2
+    if args.max_line_count is not None and not (args.max_line_width and args.word_timestamps):
+        print("asr: --max-line-count needs --max-line-width (where lines break) and --word-timestamps (the cues' times)",
+              file=sys.stderr)
+        return 2
     if args.out_dir.exists() and not args.out_dir.is_dir():
         print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
         return 2
@@ -225,7 +234,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES.get(args.dtype), options, args.batch_size)
-    run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats), overwrite=args.overwrite,
+    run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats),
+                    layout=SubtitleLayout(args.max_line_width, args.max_line_count), overwrite=args.overwrite,
                     progress=not args.no_progress and sys.stderr.isatty())
     if args.ray is None:
         try:

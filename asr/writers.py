@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from asr.transcribe import Segment, Transcript
@@ -29,27 +31,78 @@ def to_txt(transcript: Transcript) -> str:
     return transcript.text + "\n"
 
 
-def _cues(transcript: Transcript) -> list[tuple[float, float, str]]:
+@dataclass(frozen=True)
+class SubtitleLayout:
+    """How srt and vtt cues are laid out. max_line_width: text broken into lines of at most
+    this many characters (a longer word has a line of its own), each segment a cue.
+    max_line_count, with word timestamps: cues of at most this many lines, timed by their
+    words, which flow across segments; a pause of more than PAUSE_SECONDS starts a new cue
+    (without word timestamps, each segment stays one cue). None: no limit."""
+
+    max_line_width: int | None = None
+    max_line_count: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.max_line_count is not None and self.max_line_width is None:
+            raise ValueError("a subtitle's line count needs a line width to break its lines at")
+        if min(self.max_line_width or 1, self.max_line_count or 1) < 1:
+            raise ValueError("subtitle line widths and counts are at least 1")
+
+
+PAUSE_SECONDS = 3.0  # a silence this long between words ends their cue (as Whisper's subtitle writer)
+
+
+def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[tuple[float, float, str]]:
     """Segments as subtitle cues: a blank line ends a cue and "-->" starts one, so neither
     may be in a cue's text; a segment without text is no cue."""
+    segments, width = transcript.segments, layout.max_line_width
+    if width is None:
+        laid_out = [(s.start, s.end, s.text) for s in segments]
+    elif layout.max_line_count is not None and all(s.words is not None for s in segments):
+        laid_out = _laid_out([(w.start, w.end, w.text) for s in segments for w in s.words], width, layout.max_line_count)
+    else:  # the words of each segment's text, all at the segment's times
+        laid_out = [cue for s in segments
+                    for cue in _laid_out([(s.start, s.end, word) for word in re.findall(r"\s*\S+", s.text)], width)]
     cues = []
-    for s in transcript.segments:
-        text = "\n".join(line.strip() for line in s.text.replace("-->", "->").splitlines() if line.strip())
+    for start, end, text in laid_out:
+        text = "\n".join(line.strip() for line in text.replace("-->", "->").splitlines() if line.strip())
         if text:
-            cues.append((s.start, s.end, text))
+            cues.append((start, end, text))
     return cues
 
 
-def to_srt(transcript: Transcript) -> str:
+def _laid_out(words: list[tuple[float, float, str]], width: int, count: int | None = None) -> list[tuple[float, float, str]]:
+    """(start, end, text) words as cues of lines filled up to `width` characters, at most `count`
+    lines each (None: one cue), a pause ending a cue. A word keeps its leading space (none in
+    Chinese or Japanese), which the line's start drops."""
+    cues: list[list[list[tuple[float, float, str]]]] = []
+    lines: list[list[tuple[float, float, str]]] = []
+    used = 0
+    for word in words:
+        pause = bool(lines) and word[0] - lines[-1][-1][1] > PAUSE_SECONDS
+        if lines and not pause and used + len(word[2]) <= width:
+            lines[-1].append(word)
+            used += len(word[2])
+            continue
+        if lines and (pause or len(lines) == count):
+            cues.append(lines)
+            lines = []
+        lines.append([word])
+        used = len(word[2].strip())
+    cues += [lines] if lines else []
+    return [(cue[0][0][0], cue[-1][-1][1], "\n".join("".join(text for _, _, text in line) for line in cue)) for cue in cues]
+
+
+def to_srt(transcript: Transcript, layout: SubtitleLayout = SubtitleLayout()) -> str:
     blocks = [
         f"{i}\n{_clock(start, ',')} --> {_clock(end, ',')}\n{text}\n"
-        for i, (start, end, text) in enumerate(_cues(transcript), start=1)
+        for i, (start, end, text) in enumerate(_cues(transcript, layout), start=1)
     ]
     return "\n".join(blocks)
 
 
-def to_vtt(transcript: Transcript) -> str:
-    blocks = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text}\n" for start, end, text in _cues(transcript)]
+def to_vtt(transcript: Transcript, layout: SubtitleLayout = SubtitleLayout()) -> str:
+    blocks = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text}\n" for start, end, text in _cues(transcript, layout)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
@@ -90,6 +143,10 @@ def _segment(s: Segment) -> dict:
 RENDERERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json}
 
 
+def render(transcript: Transcript, fmt: str, layout: SubtitleLayout = SubtitleLayout()) -> str:
+    return RENDERERS[fmt](transcript, layout) if fmt in ("srt", "vtt") else RENDERERS[fmt](transcript)
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Writes to a temporary file beside `path`, flushed to disk, then renamed over it: a
     crash leaves the old file or the new one, never part of one. The file gets the mode a
@@ -109,10 +166,11 @@ def write_atomic(path: Path, data: str | bytes) -> None:
         raise
 
 
-def write_transcript(transcript: Transcript, out_dir: Path, stem: str, formats: list[str]) -> list[Path]:
+def write_transcript(transcript: Transcript, out_dir: Path, stem: str, formats: list[str],
+                     layout: SubtitleLayout = SubtitleLayout()) -> list[Path]:
     written = []
     for fmt in formats:
         path = out_dir / f"{stem}.{fmt}"
-        write_atomic(path, RENDERERS[fmt](transcript))
+        write_atomic(path, render(transcript, fmt, layout))
         written.append(path)
     return written

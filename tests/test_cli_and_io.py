@@ -119,6 +119,51 @@ def test_subtitle_cues_hold_only_text():
     assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n00:00:02.500 --> 01:01:01.250\nx -> y\nz\n"
 
 
+def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
+    """Lines fill up to the width (a word keeps its leading space, dropped at a line's start).
+    With a line count, cues are timed by their words, which flow from one segment into the
+    next unless a pause of over 3 s comes between; without word timestamps, or without a line
+    count, each segment is one cue of as many lines as it needs."""
+    said = [(" And", 0.0, 0.5), (" so", 0.5, 0.8), (" my", 0.8, 1.2), (" fellow", 1.2, 1.6), (" Americans,", 1.6, 2.4),
+            (" ask", 3.0, 3.4), (" not", 3.4, 3.8), (" what", 3.8, 4.1), (" your", 4.1, 4.4), (" country", 4.4, 5.0)]
+
+    def segment(start: float, end: float, words: list[tuple[str, float, float]]) -> Segment:
+        return Segment(0, start, end, "".join(w for w, _, _ in words), [1], -0.2, 1.1, 0.01, 0.0,
+                       [Word(w, a, b, 0.9) for w, a, b in words])
+
+    segments = [segment(0.0, 5.2, said), segment(5.2, 5.8, [(" Ask", 5.1, 5.4), (" what", 5.4, 5.7)]),
+                segment(10.0, 10.6, [(" Thanks.", 10.0, 10.6)])]
+    timed = Transcript("talk.flac", segments, _transcript().info)
+    untimed = Transcript("talk.flac", [replace(s, words=None) for s in segments], timed.info)
+    two_lines = writers.SubtitleLayout(max_line_width=16, max_line_count=2)
+    assert writers.to_srt(timed, two_lines) == (
+        "1\n00:00:00,000 --> 00:00:03,400\nAnd so my fellow\nAmericans, ask\n\n"
+        "2\n00:00:03,400 --> 00:00:05,700\nnot what your\ncountry Ask what\n\n"
+        "3\n00:00:10,000 --> 00:00:10,600\nThanks.\n")
+    assert writers.to_vtt(untimed, two_lines) == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:05.200\nAnd so my fellow\nAmericans, ask\nnot what your\ncountry\n\n"
+        "00:00:05.200 --> 00:00:05.800\nAsk what\n\n00:00:10.000 --> 00:00:10.600\nThanks.\n")
+    assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=16)) == writers.to_vtt(untimed, two_lines)
+    long_word = Transcript("t", [replace(segments[0], text=" a Supercalifragilistic b", words=None)], timed.info)
+    assert writers.to_srt(long_word, writers.SubtitleLayout(max_line_width=5)) == (
+        "1\n00:00:00,000 --> 00:00:05,200\na\nSupercalifragilistic\nb\n")
+    with pytest.raises(ValueError, match="needs a line width"):
+        writers.SubtitleLayout(max_line_count=2)
+
+
+def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
+    clip = str(DEV / "en_short" / "jfk.flac")
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "srt,txt", "--language", "en",
+                 "--word-timestamps", "--max-line-width", "20", "--max-line-count", "1"]) == 0
+    cues = [block.split("\n") for block in (tmp_path / "jfk.srt").read_text().strip().split("\n\n")]
+    assert len(cues) > 4 and all(len(cue) == 3 and len(cue[2]) <= 20 for cue in cues)
+    assert " ".join(cue[2] for cue in cues) == (tmp_path / "jfk.txt").read_text().strip()
+    times = [t for cue in cues for t in cue[1].split(" --> ")]
+    assert times == sorted(times)
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2"]) == 2
+    assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
+
+
 def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
     finished = tmp_path / "talk.txt"
     finished.write_text("finished work\n")
