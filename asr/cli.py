@@ -57,6 +57,19 @@ def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
     return parse
 
 
+def threshold(text: str) -> float | None:
+    """An argparse type: a finite number, or "none" for no threshold."""
+    if text.lower() == "none":
+        return None
+    value = float(text)
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+    return value
+
+
+threshold.__name__ = "threshold"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -74,6 +87,17 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
+    t.add_argument("--compression-ratio-threshold", type=threshold, default=2.4, metavar="X",
+                   help="retry a window at the next temperature when its text's gzip compression ratio is above X "
+                        "(repetition); none: never (default: %(default)s)")
+    t.add_argument("--logprob-threshold", type=threshold, default=-1.0, metavar="X",
+                   help="retry a window whose average token log-probability is below X; none: never (default: %(default)s)")
+    t.add_argument("--no-speech-threshold", type=threshold, default=0.6, metavar="X",
+                   help="skip a window as silence when its no-speech probability is above X and its log-probability "
+                        "below --logprob-threshold; none: never (default: %(default)s)")
+    t.add_argument("--no-condition-on-previous-text", action="store_true",
+                   help="decode each window without the previous window's text as its prompt (less prone to "
+                        "repetition loops, less consistent in style)")
     t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens (one segment per window)")
     t.add_argument("--word-timestamps", action="store_true",
                    help="time each word (json: segments[].words), from the target's cross-attention")
@@ -223,6 +247,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
         language=args.language,
         task=args.task,
         temperatures=temperatures(args.temperature, args.temperature_increment),
+        compression_ratio_threshold=args.compression_ratio_threshold,
+        log_prob_threshold=args.logprob_threshold,
+        no_speech_threshold=args.no_speech_threshold,
+        condition_on_previous_text=not args.no_condition_on_previous_text,
         speculative=not args.no_speculation,
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,

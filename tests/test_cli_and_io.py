@@ -218,6 +218,22 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     assert 0 < document["stats"]["draft_tokens_accepted"] <= document["stats"]["draft_tokens_proposed"]
 
 
+def test_cli_passes_whispers_fallback_thresholds(tmp_path: Path, monkeypatch):
+    """--logprob-threshold 0 fails every attempt (no average log-probability reaches 0), so
+    the clip is tried at each temperature and the last is kept; none turns a threshold off."""
+    import asr.cli
+
+    built, transcribe_folder = [], asr.cli.transcribe_folder
+    monkeypatch.setattr("asr.cli.transcribe_folder", lambda run, t: built.append(t.options) or transcribe_folder(run, t))
+    assert main(["transcribe", str(DEV / "en_short" / "LJ002-0020.wav"), "--out-dir", str(tmp_path), "--formats", "json",
+                 "--language", "en", "--temperature-increment", "0.5", "--logprob-threshold", "0",
+                 "--no-speech-threshold", "none", "--compression-ratio-threshold", "3", "--no-condition-on-previous-text"]) == 0
+    assert [s["temperature"] for s in json.loads((tmp_path / "LJ002-0020.json").read_text())["segments"]] == [1.0]
+    options = built[0]
+    assert (options.temperatures, options.log_prob_threshold, options.no_speech_threshold) == ((0.0, 0.5, 1.0), 0.0, None)
+    assert options.compression_ratio_threshold == 3.0 and options.condition_on_previous_text is False
+
+
 def test_cli_prompt_and_word_timestamps(tmp_path: Path):
     """Without a prompt the clip's "Concord" is heard as "Concorde" (tests/test_real_models.py)."""
     clip = DEV / "en_short" / "6930-75918-0000.flac"
