@@ -358,10 +358,11 @@ class _Recorder:
             summary.draft_proposed += result.draft_proposed
             summary.draft_accepted += result.draft_accepted
             if self.run.echo:
-                rtf = result.seconds / result.busy_seconds if result.busy_seconds else float("inf")
+                # Nothing decoded (no speech kept by --vad) takes no time: no speed to tell.
+                rtf = f", {result.seconds / result.busy_seconds:.1f}x real time" if result.busy_seconds else ""
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
-                tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s, {rtf:.1f}x real time"
-                           f"{drafted}): {result.text}", file=sys.stdout)
+                tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
+                           f"{drafted}): {result.text or '(no speech found)'}", file=sys.stdout)
         self.bar.update(1)
         elapsed = time.perf_counter() - self.started
         self.bar.set_postfix_str(f"{self.summary.audio_seconds / 3600:.2f} h audio, RTFx "

@@ -250,9 +250,13 @@ def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsy
     """--vad: the recording's times in every output (tests/test_real_models.py compares them
     with faster-whisper's), the speech's duration in the JSON; without faster-whisper it
     stops before loading a model, saying how to install it (the same check guards --ray)."""
-    recording = tmp_path / "with_silences.flac"
+    recording, noise = tmp_path / "with_silences.flac", tmp_path / "noise.flac"
     soundfile.write(recording, speech_between_silences(), SAMPLE_RATE)
-    assert main(["transcribe", str(recording), "--out-dir", str(tmp_path), "--formats", "json,srt", "--vad"]) == 0
+    soundfile.write(noise, speech_between_silences()[-5 * SAMPLE_RATE :], SAMPLE_RATE)
+    assert main(["transcribe", str(recording), str(noise), "--out-dir", str(tmp_path), "--formats", "json,srt",
+                 "--vad"]) == 0
+    assert f"{noise} (5.0 s audio, 0.00 s): (no speech found)" in capsys.readouterr().out
+    assert json.loads((tmp_path / "noise.json").read_text())["segments"] == [] and (tmp_path / "noise.srt").read_text() == ""
     document = json.loads((tmp_path / "with_silences.json").read_text())
     assert document["duration"] == 67.66 and 20 < document["duration_after_vad"] < 25
     assert document["stats"]["windows"] == 1 and document["segments"][1]["start"] > 50
