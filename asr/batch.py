@@ -358,7 +358,7 @@ class _Recorder:
             summary.draft_proposed += result.draft_proposed
             summary.draft_accepted += result.draft_accepted
             if self.run.echo:
-                # Nothing decoded (no speech kept by --vad) takes no time: no speed to tell.
+                # Nothing decoded (no audio frames, or no speech kept by --vad) takes no time: no speed to tell.
                 rtf = f", {result.seconds / result.busy_seconds:.1f}x real time" if result.busy_seconds else ""
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
                 tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"

@@ -67,8 +67,6 @@ def threshold(text: str) -> float | None:
     return value
 
 
-threshold.__name__ = "threshold"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
@@ -91,10 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="retry a window at the next temperature when its text's gzip compression ratio is above X "
                         "(repetition); none: never (default: %(default)s)")
     t.add_argument("--logprob-threshold", type=threshold, default=-1.0, metavar="X",
-                   help="retry a window whose average token log-probability is below X; none: never (default: %(default)s)")
+                   help="retry a window whose average token log-probability is below X (unless it is judged silent); "
+                        "none: never (default: %(default)s)")
     t.add_argument("--no-speech-threshold", type=threshold, default=0.6, metavar="X",
-                   help="skip a window as silence when its no-speech probability is above X and its log-probability "
-                        "below --logprob-threshold; none: never (default: %(default)s)")
+                   help="skip a window as silence when its no-speech probability is above X, unless its average "
+                        "log-probability is above --logprob-threshold (with that none: on the no-speech probability "
+                        "alone); none: never (default: %(default)s)")
     t.add_argument("--no-condition-on-previous-text", action="store_true",
                    help="decode each window without the previous window's text as its prompt (less prone to "
                         "repetition loops, less consistent in style)")
@@ -104,10 +104,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt", default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
-                   help="srt/vtt: break each segment's text into lines of at most N characters")
+                   help="srt/vtt: break each segment's text into lines of at most N characters (a longer word has a "
+                        "line of its own)")
     t.add_argument("--max-line-count", type=count(1), metavar="N",
-                   help="srt/vtt, with --max-line-width and --word-timestamps: at most N lines per cue, a longer "
-                        "segment split into cues timed by its words")
+                   help="srt/vtt, with --max-line-width and --word-timestamps: cues of at most N lines timed by their "
+                        "words, which flow across segments; a pause of over 3 s starts a new cue")
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")

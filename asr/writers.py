@@ -10,6 +10,7 @@ import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from asr.transcribe import Segment, Transcript
 
@@ -34,10 +35,11 @@ def to_txt(transcript: Transcript) -> str:
 @dataclass(frozen=True)
 class SubtitleLayout:
     """How srt and vtt cues are laid out. max_line_width: text broken into lines of at most
-    this many characters (a longer word has a line of its own), each segment a cue.
-    max_line_count, with word timestamps: cues of at most this many lines, timed by their
-    words, which flow across segments; a pause of more than PAUSE_SECONDS starts a new cue
-    (without word timestamps, each segment stays one cue). None: no limit."""
+    this many characters (a longer word has a line of its own), each segment a cue, timed
+    by its words where they are timed. max_line_count, with word timestamps: cues of at most
+    this many lines, timed by their words, which flow across segments; a pause of more than
+    PAUSE_SECONDS between two words starts a new cue (without word timestamps, each segment
+    stays one cue). None: no limit."""
 
     max_line_width: int | None = None
     max_line_count: int | None = None
@@ -45,38 +47,50 @@ class SubtitleLayout:
     def __post_init__(self) -> None:
         if self.max_line_count is not None and self.max_line_width is None:
             raise ValueError("a subtitle's line count needs a line width to break its lines at")
-        if min(self.max_line_width or 1, self.max_line_count or 1) < 1:
+        if any(limit is not None and limit < 1 for limit in (self.max_line_width, self.max_line_count)):
             raise ValueError("subtitle line widths and counts are at least 1")
 
 
-PAUSE_SECONDS = 3.0  # a silence this long between words ends their cue (as Whisper's subtitle writer)
+# A silence this long from one word's end to the next word's start ends a cue (Whisper's
+# subtitle writer measures from one word's start to the next's, which a long word trips).
+PAUSE_SECONDS = 3.0
+Piece = tuple[float, float, str]  # a word to lay out: start, end, text (leading space included)
 
 
-def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[tuple[float, float, str]]:
-    """Segments as subtitle cues: a blank line ends a cue and "-->" starts one, so neither
-    may be in a cue's text; a segment without text is no cue."""
+def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
+    """The transcript as subtitle cues (start, end, lines) laid out as asked. A blank line ends
+    a cue and "-->" starts one, so neither may be in a cue's text; a cue without text is
+    none, and a cue never starts before the previous one ends (players would stack them)."""
     segments, width = transcript.segments, layout.max_line_width
     if width is None:
         laid_out = [(s.start, s.end, s.text) for s in segments]
     elif layout.max_line_count is not None and all(s.words is not None for s in segments):
-        laid_out = _laid_out([(w.start, w.end, w.text) for s in segments for w in s.words], width, layout.max_line_count)
-    else:  # the words of each segment's text, all at the segment's times
-        laid_out = [cue for s in segments
-                    for cue in _laid_out([(s.start, s.end, word) for word in re.findall(r"\s*\S+", s.text)], width)]
-    cues = []
+        laid_out = _laid_out([piece for s in segments for piece in _pieces(s)], width, layout.max_line_count)
+    else:
+        laid_out = [cue for s in segments for cue in _laid_out(_pieces(s), width)]
+    cues: list[Piece] = []
     for start, end, text in laid_out:
-        text = "\n".join(line.strip() for line in text.replace("-->", "->").splitlines() if line.strip())
+        text = "\n".join(line.strip() for line in re.sub(r"-{2,}>", "->", text).splitlines() if line.strip())
         if text:
-            cues.append((start, end, text))
+            start = max(start, cues[-1][1]) if cues else start
+            cues.append((start, max(end, start), text))
     return cues
 
 
-def _laid_out(words: list[tuple[float, float, str]], width: int, count: int | None = None) -> list[tuple[float, float, str]]:
-    """(start, end, text) words as cues of lines filled up to `width` characters, at most `count`
-    lines each (None: one cue), a pause ending a cue. A word keeps its leading space (none in
-    Chinese or Japanese), which the line's start drops."""
-    cues: list[list[list[tuple[float, float, str]]]] = []
-    lines: list[list[tuple[float, float, str]]] = []
+def _pieces(segment: Segment) -> list[Piece]:
+    """The segment's timed words; without them (or where the alignment timed none), the
+    words of its text, all at the segment's times."""
+    if segment.words:
+        return [(w.start, w.end, w.text) for w in segment.words]
+    return [(segment.start, segment.end, word) for word in re.findall(r"\s*\S+", segment.text)]
+
+
+def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:
+    """Words as cues of lines filled up to `width` characters, at most `count` lines each
+    (None: one cue), a pause ending a cue. A word keeps its leading space (none in Chinese
+    or Japanese), which the line's start drops."""
+    cues: list[list[list[Piece]]] = []
+    lines: list[list[Piece]] = []
     used = 0
     for word in words:
         pause = bool(lines) and word[0] - lines[-1][-1][1] > PAUSE_SECONDS
@@ -140,11 +154,13 @@ def _segment(s: Segment) -> dict:
     return document
 
 
-RENDERERS = {"txt": to_txt, "srt": to_srt, "vtt": to_vtt, "json": to_json}
+RENDERERS: dict[str, Callable[[Transcript, SubtitleLayout], str]] = {
+    "txt": lambda transcript, _: to_txt(transcript), "srt": to_srt, "vtt": to_vtt,
+    "json": lambda transcript, _: to_json(transcript)}
 
 
 def render(transcript: Transcript, fmt: str, layout: SubtitleLayout = SubtitleLayout()) -> str:
-    return RENDERERS[fmt](transcript, layout) if fmt in ("srt", "vtt") else RENDERERS[fmt](transcript)
+    return RENDERERS[fmt](transcript, layout)
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

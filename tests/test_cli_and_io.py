@@ -113,7 +113,7 @@ def test_subtitle_cues_hold_only_text():
     is no cue, and cues are numbered without gaps."""
     transcript = _transcript()
     transcript.segments[:0] = [Segment(0, 0.0, 0.0, " ", [], -0.1, 1.0, 0.0, 0.0)]
-    transcript.segments[2] = replace(transcript.segments[2], text=" x --> y\n\n z")
+    transcript.segments[2] = replace(transcript.segments[2], text=" x ---> y\n\n z")
     srt, vtt = writers.to_srt(transcript), writers.to_vtt(transcript)
     assert srt == "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n2\n00:00:02,500 --> 01:01:01,250\nx -> y\nz\n"
     assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n00:00:02.500 --> 01:01:01.250\nx -> y\nz\n"
@@ -122,33 +122,43 @@ def test_subtitle_cues_hold_only_text():
 def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     """Lines fill up to the width (a word keeps its leading space, dropped at a line's start).
     With a line count, cues are timed by their words, which flow from one segment into the
-    next unless a pause of over 3 s comes between; without word timestamps, or without a line
-    count, each segment is one cue of as many lines as it needs."""
+    next unless more than 3 s pass between two words; a segment whose words the alignment
+    could not time gives its text. Without a line count each segment is one cue, timed by
+    its words where they are timed; no cue starts before the previous one ends."""
     said = [(" And", 0.0, 0.5), (" so", 0.5, 0.8), (" my", 0.8, 1.2), (" fellow", 1.2, 1.6), (" Americans,", 1.6, 2.4),
             (" ask", 3.0, 3.4), (" not", 3.4, 3.8), (" what", 3.8, 4.1), (" your", 4.1, 4.4), (" country", 4.4, 5.0)]
 
-    def segment(start: float, end: float, words: list[tuple[str, float, float]]) -> Segment:
-        return Segment(0, start, end, "".join(w for w, _, _ in words), [1], -0.2, 1.1, 0.01, 0.0,
-                       [Word(w, a, b, 0.9) for w, a, b in words])
+    def segment(start: float, end: float, text: str, words: list[tuple[str, float, float]]) -> Segment:
+        return Segment(0, start, end, text, [1], -0.2, 1.1, 0.01, 0.0, [Word(w, a, b, 0.9) for w, a, b in words])
 
-    segments = [segment(0.0, 5.2, said), segment(5.2, 5.8, [(" Ask", 5.1, 5.4), (" what", 5.4, 5.7)]),
-                segment(10.0, 10.6, [(" Thanks.", 10.0, 10.6)])]
+    segments = [segment(0.0, 5.2, "".join(w for w, _, _ in said), said),
+                segment(5.2, 5.8, " Ask what", [(" Ask", 4.9, 5.4), (" what", 5.4, 5.7)]),
+                segment(10.0, 10.5, " Thanks.", [(" Thanks.", 10.0, 10.5)]),
+                segment(13.5, 14.0, " Bye.", [])]  # 3.0 s after "Thanks.": not a pause
     timed = Transcript("talk.flac", segments, _transcript().info)
     untimed = Transcript("talk.flac", [replace(s, words=None) for s in segments], timed.info)
     two_lines = writers.SubtitleLayout(max_line_width=16, max_line_count=2)
     assert writers.to_srt(timed, two_lines) == (
         "1\n00:00:00,000 --> 00:00:03,400\nAnd so my fellow\nAmericans, ask\n\n"
         "2\n00:00:03,400 --> 00:00:05,700\nnot what your\ncountry Ask what\n\n"
-        "3\n00:00:10,000 --> 00:00:10,600\nThanks.\n")
+        "3\n00:00:10,000 --> 00:00:14,000\nThanks. Bye.\n")
+    assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=40, max_line_count=2)) == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:05.700\nAnd so my fellow Americans, ask not what\nyour country Ask what\n\n"
+        "00:00:10.000 --> 00:00:14.000\nThanks. Bye.\n")  # "Thanks." would fit on the line: the pause ends the cue
     assert writers.to_vtt(untimed, two_lines) == (
         "WEBVTT\n\n00:00:00.000 --> 00:00:05.200\nAnd so my fellow\nAmericans, ask\nnot what your\ncountry\n\n"
-        "00:00:05.200 --> 00:00:05.800\nAsk what\n\n00:00:10.000 --> 00:00:10.600\nThanks.\n")
-    assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=16)) == writers.to_vtt(untimed, two_lines)
+        "00:00:05.200 --> 00:00:05.800\nAsk what\n\n00:00:10.000 --> 00:00:10.500\nThanks.\n\n"
+        "00:00:13.500 --> 00:00:14.000\nBye.\n")
+    assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=16)) == (
+        "WEBVTT\n\n00:00:00.000 --> 00:00:05.000\nAnd so my fellow\nAmericans, ask\nnot what your\ncountry\n\n"
+        "00:00:05.000 --> 00:00:05.700\nAsk what\n\n00:00:10.000 --> 00:00:10.500\nThanks.\n\n"
+        "00:00:13.500 --> 00:00:14.000\nBye.\n")
     long_word = Transcript("t", [replace(segments[0], text=" a Supercalifragilistic b", words=None)], timed.info)
     assert writers.to_srt(long_word, writers.SubtitleLayout(max_line_width=5)) == (
         "1\n00:00:00,000 --> 00:00:05,200\na\nSupercalifragilistic\nb\n")
-    with pytest.raises(ValueError, match="needs a line width"):
-        writers.SubtitleLayout(max_line_count=2)
+    for wrong in (dict(max_line_count=2), dict(max_line_width=0), dict(max_line_width=10, max_line_count=0)):
+        with pytest.raises(ValueError):
+            writers.SubtitleLayout(**wrong)
 
 
 def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
@@ -160,8 +170,9 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     assert " ".join(cue[2] for cue in cues) == (tmp_path / "jfk.txt").read_text().strip()
     times = [t for cue in cues for t in cue[1].split(" --> ")]
     assert times == sorted(times)
-    assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2"]) == 2
-    assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
+    for missing in (["--max-line-width", "20"], ["--word-timestamps"]):
+        assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2", *missing]) == 2
+        assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
 
 
 def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
@@ -220,7 +231,8 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
 
 def test_cli_passes_whispers_fallback_thresholds(tmp_path: Path, monkeypatch):
     """--logprob-threshold 0 fails every attempt (no average log-probability reaches 0), so
-    the clip is tried at each temperature and the last is kept; none turns a threshold off."""
+    the clip is tried at each temperature, and the segments say the last one, as faster-
+    whisper's do (the likeliest attempt is kept); none turns a threshold off."""
     import asr.cli
 
     built, transcribe_folder = [], asr.cli.transcribe_folder
@@ -228,7 +240,7 @@ def test_cli_passes_whispers_fallback_thresholds(tmp_path: Path, monkeypatch):
     assert main(["transcribe", str(DEV / "en_short" / "LJ002-0020.wav"), "--out-dir", str(tmp_path), "--formats", "json",
                  "--language", "en", "--temperature-increment", "0.5", "--logprob-threshold", "0",
                  "--no-speech-threshold", "none", "--compression-ratio-threshold", "3", "--no-condition-on-previous-text"]) == 0
-    assert [s["temperature"] for s in json.loads((tmp_path / "LJ002-0020.json").read_text())["segments"]] == [1.0]
+    assert {s["temperature"] for s in json.loads((tmp_path / "LJ002-0020.json").read_text())["segments"]} == {1.0}
     options = built[0]
     assert (options.temperatures, options.log_prob_threshold, options.no_speech_threshold) == ((0.0, 0.5, 1.0), 0.0, None)
     assert options.compression_ratio_threshold == 3.0 and options.condition_on_previous_text is False
@@ -251,8 +263,9 @@ def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsy
     with faster-whisper's), the speech's duration in the JSON; without faster-whisper it
     stops before loading a model, saying how to install it (the same check guards --ray)."""
     recording, noise = tmp_path / "with_silences.flac", tmp_path / "noise.flac"
-    soundfile.write(recording, speech_between_silences(), SAMPLE_RATE)
-    soundfile.write(noise, speech_between_silences()[-5 * SAMPLE_RATE :], SAMPLE_RATE)
+    samples = speech_between_silences()
+    soundfile.write(recording, samples, SAMPLE_RATE)
+    soundfile.write(noise, samples[-5 * SAMPLE_RATE :], SAMPLE_RATE)
     assert main(["transcribe", str(recording), str(noise), "--out-dir", str(tmp_path), "--formats", "json,srt",
                  "--vad"]) == 0
     assert f"{noise} (5.0 s audio, 0.00 s): (no speech found)" in capsys.readouterr().out
