@@ -18,7 +18,7 @@ from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live
                        upload_figures)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
-from asr.writers import FORMATS, write_transcript
+from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
 MAX_DRAFT_LENGTH = 8
 MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous text: the last ones
@@ -31,6 +31,8 @@ UPLOADS = 16
 QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
 LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
 MAX_UPLOAD = "1gb"
+# Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
+SUBTITLE_LAYOUTS = {"segments": SubtitleLayout(), "42x2": SubtitleLayout(max_line_width=42, max_line_count=2)}
 
 CSS = """
 .asr-header h1 { font-size: 1.6rem; margin: 0 0 .2rem 0; }
@@ -93,13 +95,17 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                 silences = gr.Checkbox(label="Skip silences (VAD)", elem_id="vad", interactive=filtering,
                                        info="Uploads: Silero VAD cuts pauses out before decoding; times stay the file's."
                                             + ("" if filtering else " Needs faster-whisper: pip install 'asr[vad]'."))
+                subtitles = gr.Radio(
+                    [("One cue per segment", "segments"), ("Lines of up to 42 characters", "42x2")], value="segments",
+                    label="Subtitles (srt, vtt downloads)", elem_id="subtitles",
+                    info="With word timestamps, cues of two lines timed by their words.")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
                         upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt, words,
-                                   silences)
+                                   silences, subtitles)
                     with gr.Tab("Microphone", id="microphone"):
                         microphone_tab(engine, language, task, draft_length, prompt)
     return demo
@@ -142,7 +148,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         return "", error_html(message), gr.update(value=None, visible=False)
 
     def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str,
-                   words: bool, silences: bool) -> tuple[str, str, dict]:
+                   words: bool, silences: bool, subtitles: str) -> tuple[str, str, dict]:
         if not path:
             return failed("Choose an audio file first.")
         name = Path(path).name  # the visitor's file name; the path is the server's upload cache
@@ -159,7 +165,8 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         except AudioError as error:
             return failed(str(error).replace(path, name))
         sweep(downloads_dir, keep_seconds)
-        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS))
+        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
+                                 SUBTITLE_LAYOUTS[subtitles])
         stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
         return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
 

@@ -178,7 +178,8 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
 
 def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     """Without a prompt the clip's "Concord" is heard as "Concorde"; with word timestamps each
-    word of the transcript tells its time and probability, and the JSON download has them."""
+    word of the transcript tells its time and probability, and the JSON download has them;
+    the subtitle setting lays out the srt download."""
     clip = DEV / "en_short" / "6930-75918-0000.flac"
     transcript = page.locator("#upload-transcript")
     page.locator("#upload-file input[type=file]").set_input_files(clip)
@@ -194,6 +195,15 @@ def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     links = page.locator("#upload-downloads a").evaluate_all("links => links.map(a => a.href)")
     document = json.loads(urllib.request.urlopen(next(link for link in links if ".json" in link)).read())
     assert [w["word"] for w in document["segments"][0]["words"]][:2] == [" Concord", " returned"]
+    # Subtitle lines of up to 42 characters: the 47 characters of the clip's text take two.
+    srt_link = page.locator("#upload-downloads a[download$='.srt']")
+    one_line = srt_link.get_attribute("href")
+    page.locator("#subtitles").get_by_label("Lines of up to 42 characters").check()
+    page.locator("#upload-run").click()
+    expect(srt_link).not_to_have_attribute("href", one_line, timeout=TRANSCRIBE_MS)  # Gradio names files by content
+    srt = urllib.request.urlopen(srt_link.get_attribute("href")).read().decode()
+    lines = srt.strip().split("\n")[2:]
+    assert len(lines) == 2 and all(len(line) <= 42 for line in lines) and " ".join(lines).startswith("Concord returned")
 
 
 def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) -> None:
