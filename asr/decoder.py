@@ -8,14 +8,28 @@ rejected draft tokens are rolled back, by moving a position rather than copying.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+
+def attention_without_cudnn(device: torch.device, where: bool = True) -> ContextManager:
+    """Attention by the flash and memory-efficient kernels, not cuDNN's, on CUDA. cuDNN's is
+    PyTorch's choice on an H100 and the fastest per call, but it builds a plan at the first call
+    of every new shape: 60 to 1,000 ms each, measured on an H100 (docs/gpu-check-2026-11-25.md),
+    against 0.1 ms for the others. Worth it for the target's few shapes, replayed thousands of
+    times; not for the draft's many (a catch-up of 1, 2, 4 ... 256 tokens at each batch size)
+    nor for a pass of a one-off width. where: False for a no-op."""
+    if device.type != "cuda" or not where:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 @dataclass

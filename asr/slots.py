@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from asr.decoder import KVCache
+from asr.decoder import KVCache, attention_without_cudnn
 from asr.rules import DecodingRules
 
 if TYPE_CHECKING:
@@ -311,7 +311,8 @@ class Slots:
         else:
             s.no_speech.index_copy_(0, rows, probs)
         if s.draft is not None:
-            e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
+            with attention_without_cudnn(e.device):
+                e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
 
     def _resize(self, rows: int) -> None:
         """Moves the live rows into the first slots of a state of `rows` rows."""

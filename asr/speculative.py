@@ -24,7 +24,7 @@ from torch import Tensor
 
 from asr import hints, sampling
 from asr.cudagraphs import StepGraphs
-from asr.decoder import DecoderRunner
+from asr.decoder import DecoderRunner, attention_without_cudnn
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
 from asr.slots import Row, Sequence, Slots, States, Window
@@ -102,8 +102,7 @@ class Batch(Slots):
     def __init__(self, engine: SpeculativeDecoder, rules: DecodingRules, rows: int, no_speech_token: int | None,
                  draft_length: DraftLength, generator: torch.Generator | None):
         super().__init__(engine, rules, rows, no_speech_token)
-        self.draft_length = draft_length
-        self.generator = generator
+        self.draft_length, self.generator = draft_length, generator
         self.use_draft = engine.draft is not None and draft_length.maximum > 0
         if self.use_draft and draft_length.maximum > engine.max_draft_tokens:
             raise ValueError(f"this engine proposes at most {engine.max_draft_tokens} tokens a round, not {draft_length.maximum}")
@@ -133,9 +132,10 @@ class Batch(Slots):
         width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
         if e.verify_width:
             s.k.fill_(k)
-        key = ("verify", width, sample, self.rules)
-        verify = lambda: self._verify(width, draft_probs, noise, rows)  # noqa: E731
-        representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=width == e.verify_width)
+        key, verify = ("verify", width, sample, self.rules), lambda: self._verify(width, draft_probs, noise, rows)
+        one_off = width != e.verify_width  # fitted shapes, or sampled rows' long hints: never captured
+        with attention_without_cudnn(e.device, one_off):
+            representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=not one_off)
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
@@ -241,8 +241,9 @@ class Batch(Slots):
         position = s.length + s.step  # [R] the index predicted
         start = (position - width).clamp(min=0)
         feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
-        logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None],
-                                 window=self._window(rows, i))[:, 0]
+        with attention_without_cudnn(e.device):
+            logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None],
+                                     window=self._window(rows, i))[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
         if sample:
             u = s.noise.gather(1, s.step.expand(len(position))[:, None])[:, 0]

@@ -60,7 +60,7 @@ def main() -> None:
         report["parts"][name]["part_seconds"] = round(time.perf_counter() - started, 1)
         write(report, args.out)
 
-    part("tests", lambda: tests(args.out, env))
+    part("tests", lambda: tests(args.out, {**env, "ASR_DEV_SET": str(args.dev)}))
     part("benchmark", lambda: benchmark(args, env, real))
     for dtype in args.dtypes.split(","):
         part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))

@@ -22,7 +22,8 @@ from transformers import GenerationConfig, WhisperConfig, WhisperForCausalLM, Wh
 from asr.models import packaged_directory
 
 REPO = Path(__file__).resolve().parent.parent
-DEV = REPO.parent / "shared" / "eval" / "dev"
+# The dev recordings; ASR_DEV_SET points elsewhere (a GPU machine: scripts/gpu_check.py --dev).
+DEV = Path(os.environ.get("ASR_DEV_SET") or REPO.parent / "shared" / "eval" / "dev")
 SAMPLES = REPO / "samples"
 
 EOT, SOT, EN, TRANSCRIBE, NO_TIMESTAMPS = 50257, 50258, 50259, 50359, 50363

@@ -7,6 +7,7 @@ Tests of the CUDA graphs themselves skip without CUDA."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -18,7 +19,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from asr import slots, speculative
 from asr.cudagraphs import StepGraphs
+from asr.decoder import attention_without_cudnn
 from asr.draft_length import DraftLength
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, expected_tokens_per_pass, oracle_proposals, oracle_table
 from asr.rules import DecodingRules
@@ -139,6 +142,60 @@ def test_fixed_shapes_with_previous_text_adaptive_k_plain_rounds_and_hints(pair,
     assert sum(s.stats.hint_accepted for s in result) > 0
     assert max(s.stats.hint_accepted for s in result) > fixed.max_draft_tokens  # hints span several rounds
     assert set(widths) == {fixed.verify_width}
+
+
+def test_attention_without_cudnn_turns_off_cudnn_alone_and_only_on_cuda():
+    """The switch itself (PyTorch's flags are global, so this runs without a GPU)."""
+    before = [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+              torch.backends.cuda.mem_efficient_sdp_enabled()]
+    for device, where in ((torch.device("cpu"), True), (torch.device("cuda"), False)):
+        with attention_without_cudnn(device, where):
+            assert torch.backends.cuda.cudnn_sdp_enabled() == before[0]
+    with attention_without_cudnn(torch.device("cuda")):
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert [torch.backends.cuda.cudnn_sdp_enabled(), torch.backends.cuda.flash_sdp_enabled(),
+            torch.backends.cuda.mem_efficient_sdp_enabled()] == before
+
+
+def test_only_the_targets_passes_of_captured_widths_may_use_cudnn_attention(pair, monkeypatch):
+    """cuDNN's attention builds a plan at the first call of each new shape (60 to 1,000 ms on
+    an H100): the draft's passes (its prompt, catch-ups of many widths, proposals) and a
+    verification of a one-off width (sampled rows' long hints) run without it; the target's
+    prefill and its verification of the captured width keep PyTorch's choice. The switch is
+    a no-op on a CPU, so here it is replaced by one that records where it is on."""
+    target, encoded, draft = pair[:3]
+    off = [False]
+
+    @contextlib.contextmanager
+    def switch(device, where=True):
+        before = off[0]
+        off[0] = before or where
+        try:
+            yield
+        finally:
+            off[0] = before
+
+    monkeypatch.setattr(speculative, "attention_without_cudnn", switch)
+    monkeypatch.setattr(slots, "attention_without_cudnn", switch)
+    fixed = engine(target, draft)
+    calls = []
+    for role, run in (("target", fixed.target), ("draft", fixed.draft)):
+        forward = run.forward
+        monkeypatch.setattr(run, "forward", lambda tokens, *a, _f=forward, _role=role, **k:
+                            calls.append((_role, tokens.shape[1], off[0])) or _f(tokens, *a, **k))
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    fixed.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=3), **options)
+    assert {(role, width) for role, width, _ in calls} >= {("draft", 1), ("target", fixed.verify_width)}
+    assert all(off == (role == "draft") for role, _, off in calls)
+    calls.clear()
+    hints = [list(range(400, 430))] * BATCH  # longer than a round's proposals
+    fixed.decode(encoded, [prompt] * BATCH, rules, hints=hints, temperature=1.0, generator=torch.Generator().manual_seed(0),
+                 **options)
+    wide = [off for role, width, off in calls if role == "target" and width > fixed.verify_width]
+    assert wide and all(wide)
+    assert all(off for role, width, off in calls if role == "draft")
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
