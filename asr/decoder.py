@@ -24,9 +24,11 @@ def attention_without_cudnn(device: torch.device, where: bool = True) -> Context
     """Attention by the flash and memory-efficient kernels, not cuDNN's, on CUDA. cuDNN's is
     PyTorch's choice on an H100 and the fastest per call, but it builds a plan at the first call
     of every new shape: 60 to 1,000 ms each, measured on an H100 (docs/gpu-check-2026-11-25.md),
-    against 0.1 ms for the others. Worth it for the target's few shapes, replayed thousands of
-    times; not for the draft's many (a catch-up of 1, 2, 4 ... 256 tokens at each batch size)
-    nor for a pass of a one-off width. where: False for a no-op."""
+    against 0.1 ms for the others. Worth it for the target's verification, one shape per batch
+    size replayed thousands of times; not for the draft's many shapes (catch-ups of 1 to 256
+    tokens at each batch size), nor for passes made once a window or of one-off widths. The
+    flags it sets are the process's: the engine's passes run on one thread at a time (the
+    scheduler's, or under the web page's engine lock). where: False for a no-op."""
     if device.type != "cuda" or not where:
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
@@ -195,7 +197,8 @@ class DecoderRunner:
         cache = self.new_cache(encoder_output, capacity=-(-tokens.shape[1] // 16) * 16)
         scores: dict[int, Tensor] = {}
         start = torch.zeros(1, dtype=torch.long, device=tokens.device)
-        return self._pass(tokens, start, cache, None, None, None, (layers, scores)), scores
+        with attention_without_cudnn(tokens.device):  # a new width nearly every window
+            return self._pass(tokens, start, cache, None, None, None, (layers, scores)), scores
 
     @torch.inference_mode()
     def forward(

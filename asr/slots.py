@@ -301,7 +301,10 @@ class Slots:
         tokens = pick(s.tokens)[:, :width]
         start = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         at = pick(s.sot).clamp(max=width - 1)[:, None]
-        logits = e.target.forward(tokens, start, s.target, logits_at=at, window=width, rows=rows)
+        with attention_without_cudnn(e.device):  # once a window, of up to 7 widths: cuDNN's plans would not pay
+            logits = e.target.forward(tokens, start, s.target, logits_at=at, window=width, rows=rows)
+            if s.draft is not None:
+                e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
         if self.no_speech_token is None:
             probs = torch.full_like(start, float("nan"), dtype=torch.float32)
         else:
@@ -310,9 +313,6 @@ class Slots:
             s.no_speech.copy_(probs)
         else:
             s.no_speech.index_copy_(0, rows, probs)
-        if s.draft is not None:
-            with attention_without_cudnn(e.device):
-                e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
 
     def _resize(self, rows: int) -> None:
         """Moves the live rows into the first slots of a state of `rows` rows."""

@@ -20,7 +20,7 @@ from torch import Tensor
 from asr import vad
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
-from asr.decoder import KVCache
+from asr.decoder import KVCache, attention_without_cudnn
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
@@ -315,7 +315,8 @@ class Transcriber:
         runner = self.models.target.runner
         cache = runner.new_cache(encoded, capacity=1)
         sot = torch.full((encoded.shape[0], 1), self.vocab.sot, device=encoded.device)
-        logits = runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
+        with attention_without_cudnn(encoded.device):  # once a recording: a cuDNN plan would not pay
+            logits = runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
         codes = list(self.vocab.languages)
         ids = torch.tensor([self.vocab.languages[c] for c in codes], device=encoded.device)
         probs = logits[:, ids].float().softmax(-1)

@@ -19,7 +19,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asr import slots, speculative
+from asr import decoder as asr_decoder, slots, speculative
 from asr.cudagraphs import StepGraphs
 from asr.decoder import attention_without_cudnn
 from asr.draft_length import DraftLength
@@ -158,12 +158,14 @@ def test_attention_without_cudnn_turns_off_cudnn_alone_and_only_on_cuda():
             torch.backends.cuda.mem_efficient_sdp_enabled()] == before
 
 
-def test_only_the_targets_passes_of_captured_widths_may_use_cudnn_attention(pair, monkeypatch):
+def test_only_the_targets_verification_of_the_captured_width_may_use_cudnn_attention(pair, monkeypatch):
     """cuDNN's attention builds a plan at the first call of each new shape (60 to 1,000 ms on
-    an H100): the draft's passes (its prompt, catch-ups of many widths, proposals) and a
-    verification of a one-off width (sampled rows' long hints) run without it; the target's
-    prefill and its verification of the captured width keep PyTorch's choice. The switch is
-    a no-op on a CPU, so here it is replaced by one that records where it is on."""
+    an H100): of the engine's passes only the target's verification of the captured width
+    keeps PyTorch's choice; the draft's (its prompt, catch-ups, proposals), prefills, a
+    verification of a one-off width (sampled rows' long hints) and word alignment do without.
+    The switch is a no-op on a CPU, so here it is replaced by one that records where it is on,
+    and every attention call says whether it ran under it. In the default shapes no other
+    pass has the verification's width (9): the draft's feeds and prefills are powers of two."""
     target, encoded, draft = pair[:3]
     off = [False]
 
@@ -176,26 +178,28 @@ def test_only_the_targets_passes_of_captured_widths_may_use_cudnn_attention(pair
         finally:
             off[0] = before
 
-    monkeypatch.setattr(speculative, "attention_without_cudnn", switch)
-    monkeypatch.setattr(slots, "attention_without_cudnn", switch)
-    fixed = engine(target, draft)
+    for module in (speculative, slots, asr_decoder):
+        monkeypatch.setattr(module, "attention_without_cudnn", switch)
     calls = []
-    for role, run in (("target", fixed.target), ("draft", fixed.draft)):
-        forward = run.forward
-        monkeypatch.setattr(run, "forward", lambda tokens, *a, _f=forward, _role=role, **k:
-                            calls.append((_role, tokens.shape[1], off[0])) or _f(tokens, *a, **k))
+    attention = torch.nn.functional.scaled_dot_product_attention
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention",
+                        lambda query, *a, **k: calls.append((query.shape[-2], off[0])) or attention(query, *a, **k))
+    fixed = engine(target, draft)
+    width = fixed.verify_width
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
     fixed.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=3), **options)
-    assert {(role, width) for role, width, _ in calls} >= {("draft", 1), ("target", fixed.verify_width)}
-    assert all(off == (role == "draft") for role, _, off in calls)
+    assert {q for q, _ in calls} >= {1, 8, width}  # proposals, prefills, verifications
+    assert all(off == (q != width) for q, off in calls)
     calls.clear()
     hints = [list(range(400, 430))] * BATCH  # longer than a round's proposals
     fixed.decode(encoded, [prompt] * BATCH, rules, hints=hints, temperature=1.0, generator=torch.Generator().manual_seed(0),
                  **options)
-    wide = [off for role, width, off in calls if role == "target" and width > fixed.verify_width]
-    assert wide and all(wide)
-    assert all(off for role, width, off in calls if role == "draft")
+    assert any(q > width for q, _ in calls)
+    assert all(off == (q != width) for q, off in calls)
+    calls.clear()
+    fixed.target.cross_attention_scores(torch.tensor([prompt + list(range(400, 406))]), encoded[:1], {0})
+    assert [q for q, _ in calls] == [width] * len(fixed.target.layers) * 2 and all(off for _, off in calls)
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
