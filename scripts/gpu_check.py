@@ -1,5 +1,6 @@
-"""The GPU check, in one command: the CUDA tests, the large-v3-geometry benchmark, and (where
-the packaged weights, the audio extras and the dev set are installed) the dev set through
+"""The GPU check, in one command: the CUDA tests, the cost of attention's first calls, the
+large-v3-geometry benchmark, and (where the packaged weights, the audio extras and the dev
+set are installed) the dev set through
 `asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
 (hinted rounds, captured like the draft's), all written to one report; then the same
 benchmark and evaluation with the decoders' passes compiled (torch.compile).
@@ -28,7 +29,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
-PARTS = "tests,benchmark,evaluate,transcribe,stream,compile"
+PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -61,6 +62,7 @@ def main() -> None:
         write(report, args.out)
 
     part("tests", lambda: tests(args.out, {**env, "ASR_DEV_SET": str(args.dev)}))
+    part("attention", lambda: attention(args.out, env))
     part("benchmark", lambda: benchmark(args, env, real))
     for dtype in args.dtypes.split(","):
         part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))
@@ -125,6 +127,14 @@ def tests(out: Path, env: dict) -> dict:
     code, output = run(command, env, out / "tests.log")
     lines = [line for line in output.splitlines() if re.search(r"passed|failed|SKIPPED|FAILED|error", line)]
     return {"ok": code == 0, "command": " ".join(command[1:]), "summary": lines[-12:]}
+
+
+def attention(out: Path, env: dict) -> dict:
+    """scripts/attention_first_use.py: an attention call's first and later costs, with and
+    without cuDNN (why only the target's verification uses it)."""
+    command = [sys.executable, "scripts/attention_first_use.py"]
+    code, output = run(command, env, out / "attention.log")
+    return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
 
 
 def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: bool = False) -> dict:
@@ -243,6 +253,8 @@ def write(report: dict, out: Path) -> None:
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "stream":
             lines += ["", "```", result["output"], "```"]
+        elif name == "attention":
+            lines += ["", result["output"]]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]
             lines += [f"| {i + 1} | {r['system']} | {r['seconds']} | {r['rtfx']} |" for i, r in enumerate(result["runs"])]

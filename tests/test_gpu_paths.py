@@ -202,6 +202,16 @@ def test_only_the_targets_verification_of_the_captured_width_may_use_cudnn_atten
     assert [q for q, _ in calls] == [width] * len(fixed.target.layers) * 2 and all(off for _, off in calls)
 
 
+def test_attention_first_use_script_runs_on_cpu():
+    """scripts/attention_first_use.py (the first-call costs behind attention_without_cudnn,
+    measured on a GPU) prints a row per setting and shape, here on a CPU."""
+    command = [sys.executable, str(REPO / "scripts" / "attention_first_use.py"), "--device", "cpu", "--repeats", "1"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| PyTorch") or line.startswith("| without")]
+    assert len(rows) == 32 and all(float(row.split("|")[6]) > 0 for row in rows)
+
+
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
 def test_a_long_hint_beside_a_finished_row_near_the_last_position(pair, fixed: bool, temperature: float):

@@ -1,0 +1,74 @@
+"""What an attention call costs the first time a shape is met, and afterwards, with PyTorch's
+own choice of kernel (cuDNN's on an H100) and without cuDNN (asr.decoder.attention_without_cudnn),
+at the decoder's shapes: whisper-base's 8 heads and large-v3's 20 (of 64 dimensions), a few
+query widths and batch sizes, over the self-attention cache (448 positions, masked) and the
+encoder's 1,500 frames. Each shape is new to the process when first timed, so the first call
+includes what a kernel builds for it (cuDNN builds a plan per shape).
+
+    python scripts/attention_first_use.py                 # CUDA, float16
+    python scripts/attention_first_use.py --device cpu    # runs anywhere (no cuDNN there)"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from asr.decoder import attention_without_cudnn
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--repeats", type=int, default=50, help="timed calls after the first (mean)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    dtype = torch.float16 if device.type == "cuda" else torch.float32
+    torch.ones(1, device=device)  # the device's context, before any timing
+    print(f"{device}, {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, {dtype}, torch {torch.__version__}")
+    print()
+    print("| kernels | heads | rows | queries | keys | first call ms | later calls us |")
+    print("|---|---|---|---|---|---|---|")
+    # Each setting gets shapes of its own (other row counts), so that its first calls are first.
+    for name, rows, without in (("PyTorch's choice", (8, 1), False), ("without cuDNN", (7, 2), True)):
+        for heads in (8, 20):
+            for n, queries in ((rows[0], 1), (rows[0], 16), (rows[1], 9), (rows[1], 32)):
+                for keys, masked in ((448, True), (1500, False)):
+                    query = torch.randn(n, heads, queries, 64, device=device, dtype=dtype)
+                    key, value = (torch.randn(n, heads, keys, 64, device=device, dtype=dtype) for _ in range(2))
+                    mask = torch.zeros(n, 1, queries, keys, device=device, dtype=dtype) if masked else None
+
+                    def call() -> None:
+                        with attention_without_cudnn(device, without):
+                            F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+                    first, later = timed(call, device, args.repeats)
+                    print(f"| {name} | {heads} | {n} | {queries} | {keys}{' masked' if masked else ''} "
+                          f"| {first * 1e3:.1f} | {later * 1e6:.1f} |")
+
+
+def timed(call, device: torch.device, repeats: int) -> tuple[float, float]:
+    """Seconds of the first call, and the mean of `repeats` later ones (after 3 untimed)."""
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    sync()
+    started = time.perf_counter()
+    call()
+    sync()
+    first = time.perf_counter() - started
+    for _ in range(3):
+        call()
+    sync()
+    started = time.perf_counter()
+    for _ in range(repeats):
+        call()
+    sync()
+    return first, (time.perf_counter() - started) / repeats
+
+
+if __name__ == "__main__":
+    main()
