@@ -22,13 +22,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 def attention_without_cudnn(device: torch.device, where: bool = True) -> ContextManager:
     """Attention by the flash and memory-efficient kernels, not cuDNN's, on CUDA. cuDNN's is
-    PyTorch's choice on an H100 and the fastest per call, but it builds a plan at the first call
-    of every new shape: 60 to 1,000 ms each, measured on an H100 (docs/gpu-check-2026-11-25.md;
-    scripts/attention_first_use.py), against 0.1 ms for the others. Worth it for the target's verification, one shape per batch
-    size replayed thousands of times; not for the draft's many shapes (catch-ups of 1 to 256
-    tokens at each batch size), nor for passes made once a window or of one-off widths. The
-    flags it sets are the process's: the engine's passes run on one thread at a time (the
-    scheduler's, or under the web page's engine lock). where: False for a no-op."""
+    PyTorch's choice on an H100 and the fastest per call, but it builds a plan at the first
+    call of every new shape: 60 to 1,000 ms each, measured on an H100, against 0.1 ms for the
+    others (docs/gpu-check-2026-11-25.md; scripts/attention_first_use.py). Worth it for the
+    target's verification, one shape per batch size replayed thousands of times; not for the
+    draft's many shapes (catch-ups of 1 to 256 tokens at each batch size), nor for passes made
+    once a window or of one-off widths. The flags it sets are the process's: the engine's
+    passes run on one thread at a time (the scheduler's, or under the web page's engine
+    lock). where: False for a no-op."""
     if device.type != "cuda" or not where:
         return contextlib.nullcontext()
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
