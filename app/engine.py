@@ -65,9 +65,12 @@ class Engine:
         return contextlib.nullcontext() if self.scheduler is not None else self.lock
 
     def warm_up(self) -> None:
-        """One second of silence through both models, so the first visitor does not wait for
-        the backends' one-time set-up."""
-        self.transcriber(Settings()).transcribe(np.zeros(SAMPLE_RATE, np.float32))
+        """One second of silence through both models, and on a GPU every step of the default
+        settings' batches captured (Transcriber.warm_up), so the first visitor does not wait
+        for the backends' one-time set-up."""
+        transcriber = self.transcriber(Settings())
+        transcriber.transcribe(np.zeros(SAMPLE_RATE, np.float32))
+        transcriber.warm_up()
 
     @property
     def multilingual(self) -> bool:

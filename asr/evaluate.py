@@ -50,7 +50,8 @@ PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time
 NOTES = [
     "Timing: each file is decoded by every system in one process, in an order that rotates from batch to batch; "
     "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; the first batch is "
-    "decoded once beforehand, untimed, to warm up.",
+    "decoded once beforehand, untimed, to warm up; on a GPU our engines capture every step their batches can meet "
+    "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times; "
     "for the transformers systems, the same text tokens as our target-only transcript.",
     "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
@@ -124,11 +125,16 @@ class OurSystem:
         self.options = options
         self.batch_size = batch_size
         self._transcribers: dict[str, Transcriber] = {}
+        self.warm_up = GraphCounts()  # the graph work of Transcriber.warm_up, untimed
 
     def run(self, items: list[AudioInput], language: str) -> list[Run]:
         try:
             if language not in self._transcribers:
-                self._transcribers[language] = Transcriber(self.pair, replace(self.options, language=language), self.batch_size)
+                transcriber = Transcriber(self.pair, replace(self.options, language=language), self.batch_size)
+                before = copy.copy(transcriber.engine.graphs.counts)
+                transcriber.warm_up()
+                self.warm_up += transcriber.engine.graphs.counts - before
+                self._transcribers[language] = transcriber
             transcriber = self._transcribers[language]
             graphs = copy.copy(transcriber.engine.graphs.counts)
             started = time.perf_counter()
@@ -410,11 +416,16 @@ def system_names(peers: tuple[str, ...]) -> list[str]:
 
 def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions = EvaluateOptions()) -> dict:
     """Transcribes every clip with every system and returns the report (see build_report)."""
-    results = run_systems(clips, pair, options)
-    return build_report(results, system_names(options.peers), describe_environment(pair, options))
+    warm_up: dict[str, dict] = {}
+    results = run_systems(clips, pair, options, warm_up)
+    environment = describe_environment(pair, options)
+    if environment["cuda_graphs"]:
+        environment["warm_up_graphs"] = warm_up
+    return build_report(results, system_names(options.peers), environment)
 
 
-def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions) -> list[FileResult]:
+def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions,
+                warm_up: dict[str, dict] | None = None) -> list[FileResult]:
     """Each clip's audio is read once and decoded by every system; a file that cannot be
     read, or that a system fails on, is marked and the others go on."""
     if pair.draft is None:
@@ -464,6 +475,8 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                         result.runs[name] = run
             bar.update(len(batch))
             bar.set_postfix_str(Path(batch[-1].clip.path).name)
+    if warm_up is not None:  # filled in for the report: our systems' untimed graph work
+        warm_up.update({name: asdict(s.warm_up) for name, s in systems.items() if isinstance(s, OurSystem)})
     return results
 
 
@@ -658,6 +671,11 @@ def render_markdown(report: dict, title: str) -> str:
             f"({g['capture_seconds']:.2f} s), {g['replays']} replays"
             + (f", {g['compilations']} compilations" if g.get("compilations") else "")
             + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else "") for system, g in graphed) + "."]
+    warmed = env.get("warm_up_graphs") or {}
+    if warmed:
+        lines += ["", "Before them, untimed, each engine's warm-up captured every step its batches can meet: " + "; ".join(
+            f"{LABELS[system]}: {g['eager']} first uses ({g['eager_seconds']:.2f} s), {g['captures']} captures "
+            f"({g['capture_seconds']:.2f} s)" for system, g in warmed.items()) + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",

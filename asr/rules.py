@@ -110,5 +110,5 @@ class DecodingRules:
         # If the timestamps together are likelier than any text token, emit a timestamp
         # (log-softmax's normaliser cancels out of this comparison).
         timestamp_mass = timestamps.float().logsumexp(dim=-1)
-        best_text = text.float().max(dim=-1).values
+        best_text = text.max(dim=-1).values.float()  # a max is exact in any dtype: no float copy of the text logits
         text.masked_fill_((timestamp_mass > best_text)[:, None], NEG_INF)

@@ -26,6 +26,11 @@ if TYPE_CHECKING:
 IDLE_STATES = 8  # batch states (with their graphs) kept for reuse on a GPU
 
 
+def prefill_width(length: int, capacity: int) -> int:
+    """In fixed shapes, the width a prompt of `length` tokens is cached in: one of a few."""
+    return min(max(8, 1 << (length - 1).bit_length()), capacity)
+
+
 @dataclass
 class DecodeStats:
     draft_proposed: int = 0
@@ -287,10 +292,14 @@ class Slots:
             self._prefill(None if slots == list(range(s.key[0])) else index, width)
             return
         for slot, w in zip(slots, windows):
-            width = min(max(8, 1 << (len(w.prompt) - 1).bit_length()), C)
-            s.prefill_row.fill_(slot)
-            e.graphs.run(s.graphs, ("prefill", width, self.no_speech_token), lambda: self._prefill(s.prefill_row, width),
-                         s.changed())
+            self._run_prefill(slot, prefill_width(len(w.prompt), C))
+
+    def _run_prefill(self, slot: int, width: int) -> None:
+        """In fixed shapes, the prefill of one row (a step read from the state, as a graph)."""
+        s = self.state
+        s.prefill_row.fill_(slot)
+        self.engine.graphs.run(s.graphs, ("prefill", width, self.no_speech_token),
+                               lambda: self._prefill(s.prefill_row, width), s.changed())
 
     def _prefill(self, rows: Tensor | None, width: int) -> None:
         """Caches the first `width` tokens of these rows (all if None): the target's prompt

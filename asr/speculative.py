@@ -27,7 +27,12 @@ from asr.cudagraphs import StepGraphs
 from asr.decoder import DecoderRunner, attention_without_cudnn
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
-from asr.slots import Row, Sequence, Slots, States, Window
+from asr.slots import Row, Sequence, Slots, States, Window, prefill_width
+
+
+def feed_width(gap: int, capacity: int) -> int:
+    """In fixed shapes, the width of a first draft step catching up `gap` tokens: one of a few."""
+    return min(1 << (gap - 1).bit_length(), capacity)
 
 
 class SpeculativeDecoder:
@@ -90,6 +95,21 @@ class SpeculativeDecoder:
         batch.close()
         return results  # type: ignore[return-value]
 
+    @torch.inference_mode()
+    def warm_up(self, rules: DecodingRules, *, rows: int, frames: int, draft_frames: int | None = None,
+                no_speech_token: int | None = None) -> None:
+        """In fixed shapes, runs twice every step a batch of `rows` rows can meet (prompts and
+        the draft's catch-ups of every width, the verification; greedy and sampling) over
+        windows of `frames` encoder frames (draft_frames: a draft's own encoder's): on CUDA
+        each is then captured before decoding meets it, where a first use mid-decode costs
+        tens of milliseconds (docs/gpu-check-2026-11-25.md). For long-lived processes."""
+        if self.fixed_shapes:
+            batch = self.batch(rules, rows=rows, no_speech_token=no_speech_token)
+            try:
+                batch.warm_up(frames, draft_frames)
+            finally:
+                batch.close()
+
     def rows_for(self, rows: int) -> int:
         """The rows of the state a batch of `rows` rows gets: a power of two in fixed shapes."""
         return 1 << (rows - 1).bit_length() if self.fixed_shapes else rows
@@ -117,8 +137,7 @@ class Batch(Slots):
         sample = any(row.temperature > 0 for row in rows)
         if sample:
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
-            if s.draft_probs is None:
-                s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
+            self._draft_probs()
         started = time.perf_counter()
         hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
         representative = hinted is None
@@ -132,10 +151,7 @@ class Batch(Slots):
         width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
         if e.verify_width:
             s.k.fill_(k)
-        key, verify = ("verify", width, sample, self.rules), lambda: self._verify(width, draft_probs, noise, rows)
-        one_off = width != e.verify_width  # fitted shapes, or sampled rows' long hints: never captured
-        with attention_without_cudnn(e.device, one_off):
-            representative &= e.graphs.run(s.graphs, key, verify, s.changed(), capture=not one_off)
+        representative &= self._run_verify(width, sample, draft_probs, noise, rows)
         kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
@@ -168,6 +184,31 @@ class Batch(Slots):
             if finished[i]:
                 done.append(i)
         return self._finish(done, ended) if done else []
+
+    def _draft_probs(self) -> Tensor:
+        """The state's buffer of the draft's distributions, made at the first sampled round."""
+        e, s = self.engine, self.state
+        if s.draft_probs is None:
+            s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
+        return s.draft_probs
+
+    def warm_up(self, frames: int, draft_frames: int | None) -> None:
+        """SpeculativeDecoder.warm_up, over a row of zeros; close the batch after."""
+        e, C = self.engine, self.engine.capacity
+        zeros = lambda runner, n: torch.zeros(n, runner.cross_attention_width, dtype=e.dtype, device=e.device)  # noqa: E731
+        own = None if draft_frames is None else zeros(e.draft, draft_frames)
+        self.add([Window(zeros(e.target, frames), [self.rules.eot], max_new_tokens=1, draft_encoded=own)])
+        s, draft_probs = self.state, self._draft_probs()
+        s.noise.fill_(0.5)
+        for _ in range(2):  # a first use, then a capture
+            for width in sorted({prefill_width(n, C) for n in range(1, e.max_positions)}):
+                self._run_prefill(0, width)
+            for sample in (False, True):
+                for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}) if e.draft else []:
+                    s.step.zero_()
+                    self._run_draft_step(width, sample, [], 0)
+                noise = s.noise[:, e.max_draft_tokens:] if sample else None
+                self._run_verify(e.verify_width, sample, draft_probs if sample else None, noise, [])
 
     def _window(self, rows: list[Row], extra: int) -> int | None:
         """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""
@@ -222,12 +263,16 @@ class Batch(Slots):
                 if bool(ended.all()):
                     return i + 1, True
             return k, True
-        width, representative = min(1 << (width - 1).bit_length(), e.capacity), True
+        width, representative = feed_width(width, e.capacity), True
         for i in range(k):
-            feed = width if i == 0 else 1
-            step = lambda: self._draft_step(feed, sample, rows, i)  # noqa: E731
-            representative &= e.graphs.run(s.graphs, ("draft", feed, sample, self.rules), step, s.changed())
+            representative &= self._run_draft_step(width if i == 0 else 1, sample, rows, i)
         return k, representative
+
+    def _run_draft_step(self, width: int, sample: bool, rows: list[Row], i: int) -> bool:
+        """_draft_step as a step (asr/cudagraphs.py); returns whether its time is representative."""
+        s = self.state
+        return self.engine.graphs.run(s.graphs, ("draft", width, sample, self.rules),
+                                      lambda: self._draft_step(width, sample, rows, i), s.changed())
 
     def _draft_step(self, width: int, sample: bool, rows: list[Row], i: int) -> Tensor:
         """One draft step: predicts index length + step of each row and advances the step.
@@ -255,6 +300,16 @@ class Batch(Slots):
         s.step.add_(1)
         s.draft_cached.copy_(s.length + s.step - 1)
         return proposal
+
+    def _run_verify(self, width: int, sample: bool, draft_probs: Tensor | None, noise: Tensor | None,
+                    rows: list[Row]) -> bool:
+        """_verify as a step, captured at the verification width alone (any other is fitted
+        shapes, or sampled rows' long hints); returns whether its time is representative."""
+        e, s = self.engine, self.state
+        one_off = width != e.verify_width
+        with attention_without_cudnn(e.device, one_off):
+            return e.graphs.run(s.graphs, ("verify", width, sample, self.rules),
+                                lambda: self._verify(width, draft_probs, noise, rows), s.changed(), capture=not one_off)
 
     def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[Row]) -> None:
         """The target's pass over `width` positions, the pending token and the proposals

@@ -204,6 +204,19 @@ class Transcriber:
         """Whisper's decoding rules for this target (shared by every Transcriber over it)."""
         return self.models.target.rules(timestamps)
 
+    def warm_up(self, rows: int | None = None) -> None:
+        """Readies the engine for batches of `rows` windows (default: the scheduler's rows, else
+        batch_size): on a GPU, every step they can meet is captured now rather than at its
+        first use mid-decode (SpeculativeDecoder.warm_up); nothing on a CPU. For long-lived
+        processes: the web page, a stream, `asr evaluate` (before its timed runs)."""
+        models = self.models
+        own = self.speculative and models.draft_has_own_encoder
+        rows = rows or (self.scheduler.rows if self.scheduler is not None else self.batch_size)
+        self.engine.warm_up(self.rules(not self.options.without_timestamps), rows=rows,
+                            frames=models.target.encoder.config.max_source_positions,
+                            draft_frames=models.draft.encoder.config.max_source_positions if own else None,
+                            no_speech_token=self.vocab.no_speech)
+
     def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
         """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM integers)."""
         if isinstance(audio, AudioInput):

@@ -8,7 +8,7 @@ import json
 import re
 import shutil
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import jiwer
@@ -73,7 +73,10 @@ def embedded():
 def evaluated(embedded, tmp_path_factory):
     manifest = write_manifest(tmp_path_factory.mktemp("labelled"), [CLIPS[0], BROKEN, CLIPS[1]])
     options = EvaluateOptions(batch_size=2, preset="embedded", progress=False)  # the broken file shares a batch
-    results = run_systems(read_manifest(manifest), embedded, options)
+    warm_up: dict[str, dict] = {}
+    results = run_systems(read_manifest(manifest), embedded, options, warm_up)
+    # Our systems' warm-ups (Transcriber.warm_up) capture nothing on a CPU.
+    assert warm_up == {name: asdict(GraphCounts()) for name in system_names(())}
     environment = describe_environment(embedded, options)
     return results, environment, build_report(results, system_names(()), environment)
 
@@ -165,6 +168,13 @@ def test_the_report_adds_up_the_graph_work_on_a_gpu(evaluated):
     text = render_markdown(report, "t")
     assert f"ours, target only: {3 * decoded} steps run eagerly ({0.25 * decoded:.2f} s), {2 * decoded} captured" in text
     assert f"{90 * decoded} replays, {2 * decoded} compilations, {decoded} captures failed (run eagerly)." in text
+    assert "warm-up" not in text
+    warmed = {TARGET: GraphCounts(eager=8, captures=8, eager_seconds=0.1, capture_seconds=0.2),
+              SPECULATIVE: GraphCounts(eager=48, captures=48, eager_seconds=1.5, capture_seconds=0.75)}
+    environment = {**environment, "cuda_graphs": True, "warm_up_graphs": {s: asdict(g) for s, g in warmed.items()}}
+    assert ("Before them, untimed, each engine's warm-up captured every step its batches can meet: ours, target only: "
+            "8 first uses (0.10 s), 8 captures (0.20 s); ours, speculative: 48 first uses (1.50 s), 48 captures (0.75 s)."
+            in render_markdown(build_report(graphed, system_names(()), environment), "t"))
 
 
 def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):

