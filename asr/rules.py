@@ -36,12 +36,14 @@ class Prefix:
         timestamps = torch.where(generated_region & (tokens >= timestamp_begin), tokens, -1)
         # Timestamps never decrease under the rules, so the running max is the last one.
         last_timestamp = timestamps.cummax(dim=1).values
-        before = (positions - 1).clamp(min=0)
+        # [B, q, 2]: the index before each position and the one before that, in one gather
+        before = (positions[:, :, None] - torch.arange(1, 3, device=tokens.device)).clamp(min=0)
+        last = tokens.gather(1, before.flatten(1)).view(-1, 2)
         return cls(
             generated=generated,
-            last=tokens.gather(1, before).reshape(-1),
-            penultimate=tokens.gather(1, (positions - 2).clamp(min=0)).reshape(-1),
-            last_timestamp=last_timestamp.gather(1, before).reshape(-1),
+            last=last[:, 0],
+            penultimate=last[:, 1],
+            last_timestamp=last_timestamp.gather(1, before[:, :, 0]).reshape(-1),
         )
 
 
@@ -67,7 +69,10 @@ class DecodingRules:
         self.timestamps = timestamps
         self.max_initial_timestamp_index = max_initial_timestamp_index
         self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
-        self.begin_suppress = torch.tensor(sorted(set(begin_suppress)), dtype=torch.long, device=device)
+        # With timestamps every text token is suppressed at the beginning (_timestamp_rules):
+        # those of begin_suppress need no step of their own.
+        begin_suppress = {t for t in begin_suppress if not (timestamps and t < self.timestamp_begin)}
+        self.begin_suppress = torch.tensor(sorted(begin_suppress), dtype=torch.long, device=device)
         self._timestamp_offsets = torch.arange(vocab_size - self.timestamp_begin, device=device)
 
     def prefix(self, tokens: Tensor, sample_begin: Tensor, positions: Tensor) -> Prefix:
@@ -99,9 +104,9 @@ class DecodingRules:
         # Timestamps come in pairs, except directly before end-of-text.
         timestamps.masked_fill_((last_is_ts & penultimate_is_ts)[:, None], NEG_INF)
         logits[:, : self.eot].masked_fill_(closing_pair[:, None], NEG_INF)
-        # Timestamps never decrease, and a segment has non-zero length.
-        has_ts = prefix.last_timestamp >= 0
-        lowest = torch.where(has_ts, prefix.last_timestamp + (~closing_pair).long() - ts_begin, 0)
+        # Timestamps never decrease, and a segment has non-zero length: the lowest allowed is
+        # the last one, plus one unless it opens a pair (none: last_timestamp -1, lowest 0).
+        lowest = (prefix.last_timestamp - closing_pair.long() - (ts_begin - 1)).clamp(min=0)
         timestamps.masked_fill_(self._timestamp_offsets < lowest[:, None], NEG_INF)
         # The first generated token is a timestamp, no later than max_initial_timestamp.
         text.masked_fill_(at_begin[:, None], NEG_INF)

@@ -298,7 +298,7 @@ class Batch(Slots):
             proposal = logits.argmax(-1)
         s.tokens.scatter_(1, position[:, None], proposal[:, None])
         s.step.add_(1)
-        s.draft_cached.copy_(s.length + s.step - 1)
+        s.draft_cached.copy_(position)  # it has cached every token before the one it just proposed
         return proposal
 
     def _run_verify(self, width: int, sample: bool, draft_probs: Tensor | None, noise: Tensor | None,
@@ -336,20 +336,18 @@ class Batch(Slots):
             accepted = (right if proposed is None else right & proposed).long().cumprod(1).sum(1)
         s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
-        # Keep accepted + 1 tokens, cut at end-of-text and at the length limit.
+        # Keep accepted + 1 tokens, cut after the first end-of-text and at the length limit.
         window = s.tokens.gather(1, positions)
-        is_eot = (window == rules.eot) & (steps < (accepted + 1)[:, None])
-        ends_with_eot = is_eot.any(1)
-        new = torch.where(ends_with_eot, is_eot.long().argmax(1) + 1, accepted + 1)
-        new = torch.minimum(new, s.limit - s.length) * s.live
+        first_eot = torch.where(window == rules.eot, steps, width).amin(1)  # width where there is none
+        new = torch.minimum(torch.minimum(first_eot, accepted) + 1, s.limit - s.length) * s.live
         kept = steps < new[:, None]
         scores = logits.float()
         logprobs = scores.gather(2, window[:, :, None])[:, :, 0] - scores.logsumexp(-1)
         s.sum_logprob.add_(torch.where(kept, logprobs, 0.0).sum(1).double())  # -inf * 0 would be NaN
-        eot_kept = ends_with_eot & (is_eot & kept).any(1)
+        eot_kept = first_eot < new
         s.length.add_(new)
-        s.draft_cached.copy_(torch.minimum(s.draft_cached, s.length - 1))
+        s.draft_cached.clamp_(max=s.length - 1)
         finished = s.live & (eot_kept | (s.length >= s.limit))
         s.eot.logical_or_(eot_kept)
         s.live.logical_and_(~finished)
-        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()]))
+        torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()], out=s.out)

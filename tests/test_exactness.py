@@ -336,3 +336,37 @@ def test_int8_linear_is_close_and_used_only_for_cpu_float32():
     assert (int8_linear(weight, bias)(x[:1]) - exact[:1]).abs().max() < 0.02 * exact.abs().max()
     as_double = int8_linear(weight.double(), bias.double())(x.double())  # not quantised: float64 stays exact
     assert torch.allclose(as_double, exact.double(), atol=1e-5)
+
+
+@pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
+def test_the_rules_filter_logits_as_transformers_processors_do(timestamps: bool):
+    """DecodingRules on random logits after many prefixes (the first position, text, lone
+    timestamps, closing pairs, a pair then text, timestamps late in the window, previous
+    text with timestamps before the prompt) masks exactly what transformers' processors
+    mask, and leaves the rest as it was."""
+    generator = random.Random(0)
+    vocab, ts_begin, prompt = 51865, NO_TIMESTAMPS + 1, prompt_for(timestamps)
+    rules = rules_for(timestamps)
+    for _ in range(40):
+        previous = [50361] + [generator.choice([400, 500, ts_begin + 3]) for _ in range(generator.randrange(4))]
+        start = previous + prompt if generator.random() < 0.5 else prompt
+        generated, stamp = [], generator.randrange(60)
+        for _ in range(generator.randrange(8)):
+            if generator.random() < 0.4:
+                stamp += generator.randrange(3)
+                generated.append(ts_begin + stamp)
+            else:
+                generated.append(generator.choice([220, 400, 1000, 23000]))
+        tokens = torch.tensor([start + generated])
+        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(generator.randrange(1000))) * 3
+        logits[0, ts_begin:] -= 2 * generator.random()  # timestamps' total sometimes above the best text token
+        begin = torch.tensor([len(start)])
+        ours = rules.apply(logits.clone(), rules.prefix(torch.cat([tokens, tokens[:, :1]], 1), begin,
+                                                        torch.tensor([[tokens.shape[1]]])))
+        processors = [SuppressTokensAtBeginLogitsProcessor(BEGIN_SUPPRESS, begin_index=len(start)),
+                      SuppressTokensLogitsProcessor(SUPPRESS)]
+        if timestamps:
+            processors.append(WhisperTimeStampLogitsProcessor(generation_config(True, MAX_NEW), begin_index=len(start)))
+        theirs = LogitsProcessorList(processors)(tokens, logits.clone())
+        assert torch.equal(ours.isinf(), theirs.isinf()), (start, generated)
+        assert torch.equal(ours[~ours.isinf()], logits[~ours.isinf()])

@@ -29,7 +29,7 @@ from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Window
 from asr.speculative import Batch, SpeculativeDecoder
 from conftest import (
-    BEGIN_SUPPRESS, EOT, MAX_TARGET_POSITIONS, NO_TIMESTAMPS, REPO, SOT, SUPPRESS, decoder_only_draft, packaged_weights,
+    BEGIN_SUPPRESS, DEV, EOT, MAX_TARGET_POSITIONS, NO_TIMESTAMPS, REPO, SOT, SUPPRESS, decoder_only_draft, packaged_weights,
     perturbed, save_tiny, tiny_target,
 )
 from test_exactness import BATCH, MAX_NEW, _Alternating, prompt_for, rules_for, runner, target_and_windows
@@ -394,7 +394,6 @@ def test_a_transcribers_warm_up_readies_every_step_its_batches_meet(dev_clips, m
     from asr import models as asr_models
     from asr.models import PRESETS, load_pair
     from asr.transcribe import TranscribeOptions, Transcriber
-    from conftest import DEV
 
     packaged_weights()
     monkeypatch.setattr(asr_models, "SpeculativeDecoder", functools.partial(SpeculativeDecoder, fixed_shapes=True))
@@ -585,7 +584,7 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
     command = [sys.executable, str(REPO / "scripts" / "benchmark_gpu.py"), "--device", "cpu", "--geometry", "tiny",
                "--batch-sizes", "2", "--max-new-tokens", "8", "--acceptance", "0.9", "--repeats", "1", "--fixed-shapes",
                "--real-target", str(tmp_path / "target"), "--real-draft", str(tmp_path / "draft"),
-               "--real-clips", "2", "--real-max-new-tokens", "8", "--profile", "--out", str(out)]
+               "--dev", str(DEV), "--real-clips", "2", "--real-max-new-tokens", "8", "--profile", "--out", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert "RANDOM weights" in done.stdout and "oracle" in done.stdout
