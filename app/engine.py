@@ -65,12 +65,14 @@ class Engine:
         return contextlib.nullcontext() if self.scheduler is not None else self.lock
 
     def warm_up(self) -> None:
-        """One second of silence through both models, and on a GPU every step of the default
-        settings' batches captured (Transcriber.warm_up), so the first visitor does not wait
-        for the backends' one-time set-up."""
+        """On a GPU every step of the default settings' batches captured (Transcriber.warm_up:
+        before anything decodes, so that the scheduler's batch takes the warmed state), then
+        one second of silence through both models, so the first visitor does not wait for the
+        backends' one-time set-up. Settings with a fixed draft length have engines of their
+        own, warmed by their first requests."""
         transcriber = self.transcriber(Settings())
-        transcriber.transcribe(np.zeros(SAMPLE_RATE, np.float32))
         transcriber.warm_up()
+        transcriber.transcribe(np.zeros(SAMPLE_RATE, np.float32))
 
     @property
     def multilingual(self) -> bool:

@@ -125,7 +125,7 @@ class OurSystem:
         self.options = options
         self.batch_size = batch_size
         self._transcribers: dict[str, Transcriber] = {}
-        self.warm_up = GraphCounts()  # the graph work of Transcriber.warm_up, untimed
+        self.warm_up_graphs = GraphCounts()  # the graph work of Transcriber.warm_up, untimed
 
     def run(self, items: list[AudioInput], language: str) -> list[Run]:
         try:
@@ -133,7 +133,7 @@ class OurSystem:
                 transcriber = Transcriber(self.pair, replace(self.options, language=language), self.batch_size)
                 before = copy.copy(transcriber.engine.graphs.counts)
                 transcriber.warm_up()
-                self.warm_up += transcriber.engine.graphs.counts - before
+                self.warm_up_graphs += transcriber.engine.graphs.counts - before
                 self._transcribers[language] = transcriber
             transcriber = self._transcribers[language]
             graphs = copy.copy(transcriber.engine.graphs.counts)
@@ -476,7 +476,7 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
             bar.update(len(batch))
             bar.set_postfix_str(Path(batch[-1].clip.path).name)
     if warm_up is not None:  # filled in for the report: our systems' untimed graph work
-        warm_up.update({name: asdict(s.warm_up) for name, s in systems.items() if isinstance(s, OurSystem)})
+        warm_up.update({name: asdict(s.warm_up_graphs) for name, s in systems.items() if isinstance(s, OurSystem)})
     return results
 
 
@@ -675,7 +675,9 @@ def render_markdown(report: dict, title: str) -> str:
     if warmed:
         lines += ["", "Before them, untimed, each engine's warm-up captured every step its batches can meet: " + "; ".join(
             f"{LABELS[system]}: {g['eager']} first uses ({g['eager_seconds']:.2f} s), {g['captures']} captures "
-            f"({g['capture_seconds']:.2f} s)" for system, g in warmed.items()) + "."]
+            f"({g['capture_seconds']:.2f} s)" + (f", {g['compilations']} compilations" if g.get("compilations") else "")
+            + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else "")
+            for system, g in warmed.items()) + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",

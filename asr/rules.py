@@ -105,7 +105,8 @@ class DecodingRules:
         timestamps.masked_fill_((last_is_ts & penultimate_is_ts)[:, None], NEG_INF)
         logits[:, : self.eot].masked_fill_(closing_pair[:, None], NEG_INF)
         # Timestamps never decrease, and a segment has non-zero length: the lowest allowed is
-        # the last one, plus one unless it opens a pair (none: last_timestamp -1, lowest 0).
+        # the last one plus one, or the last one itself where the next closes a pair
+        # (closing_pair); with none yet (last_timestamp -1) it is 0.
         lowest = (prefix.last_timestamp - closing_pair.long() - (ts_begin - 1)).clamp(min=0)
         timestamps.masked_fill_(self._timestamp_offsets < lowest[:, None], NEG_INF)
         # The first generated token is a timestamp, no later than max_initial_timestamp.

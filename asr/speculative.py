@@ -98,12 +98,13 @@ class SpeculativeDecoder:
     @torch.inference_mode()
     def warm_up(self, rules: DecodingRules, *, rows: int, frames: int, draft_frames: int | None = None,
                 no_speech_token: int | None = None) -> None:
-        """In fixed shapes, runs twice every step a batch of `rows` rows can meet (prompts and
-        the draft's catch-ups of every width, the verification; greedy and sampling) over
-        windows of `frames` encoder frames (draft_frames: a draft's own encoder's): on CUDA
-        each is then captured before decoding meets it, where a first use mid-decode costs
-        tens of milliseconds (docs/gpu-check-2026-11-25.md). For long-lived processes."""
-        if self.fixed_shapes:
+        """With CUDA graphs, runs twice every step a batch of `rows` rows can meet (prompts
+        and the draft's catch-ups of every width, the verification; greedy and sampling) over
+        windows of `frames` encoder frames (draft_frames: a draft's own encoder's), so that
+        each is captured before decoding meets it, where a first use mid-decode costs tens of
+        milliseconds (docs/gpu-check-2026-11-25.md). For long-lived processes; only while
+        nothing else decodes on this engine (its graphs share one memory pool)."""
+        if self.graphs.enabled:
             batch = self.batch(rules, rows=rows, no_speech_token=no_speech_token)
             try:
                 batch.warm_up(frames, draft_frames)
@@ -193,7 +194,7 @@ class Batch(Slots):
         return s.draft_probs
 
     def warm_up(self, frames: int, draft_frames: int | None) -> None:
-        """SpeculativeDecoder.warm_up, over a row of zeros; close the batch after."""
+        """SpeculativeDecoder.warm_up, over a row of zeros (the caller closes the batch)."""
         e, C = self.engine, self.engine.capacity
         zeros = lambda runner, n: torch.zeros(n, runner.cross_attention_width, dtype=e.dtype, device=e.device)  # noqa: E731
         own = None if draft_frames is None else zeros(e.draft, draft_frames)
@@ -204,9 +205,10 @@ class Batch(Slots):
             for width in sorted({prefill_width(n, C) for n in range(1, e.max_positions)}):
                 self._run_prefill(0, width)
             for sample in (False, True):
-                for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}) if e.draft else []:
-                    s.step.zero_()
-                    self._run_draft_step(width, sample, [], 0)
+                if self.use_draft:
+                    for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}):
+                        s.step.zero_()
+                        self._run_draft_step(width, sample, [], 0)
                 noise = s.noise[:, e.max_draft_tokens:] if sample else None
                 self._run_verify(e.verify_width, sample, draft_probs if sample else None, noise, [])
 

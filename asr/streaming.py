@@ -171,12 +171,14 @@ class StreamingTranscriber:
     def warm_up(self) -> None:
         """Decodes a second of noise, so that the stream's first update does not pay the
         one-time costs of the first decode (kernel selection, allocations); on a GPU, with
-        whole windows encoded, every step of the stream's one-row batches is captured too
-        (Transcriber.warm_up)."""
+        whole windows encoded and no scheduler, every step of the stream's one-row batches is
+        captured first (Transcriber.warm_up)."""
+        # With encoder padding every update has a frame count of its own: nothing fixed to warm.
+        # A scheduler's engine is warmed by its owner (app/engine.py), while its worker is idle.
+        if self.encoder_padding_seconds is None and self.transcriber.scheduler is None:
+            self.transcriber.warm_up(rows=1)  # a stream's windows decode one at a time
         noise = np.random.default_rng(0).normal(0, 0.01, SAMPLE_RATE).astype(np.float32)
         self.transcriber.transcribe_window(noise, [], self._language, None, self._encoder_frames(len(noise)))
-        if self.encoder_padding_seconds is None:  # a stream's windows decode alone, or in the scheduler's batches
-            self.transcriber.warm_up(1 if self.transcriber.scheduler is None else None)
 
     def insert_audio(self, samples: np.ndarray) -> None:
         """samples: 16 kHz, [frames] or [frames, channels], float or PCM integers (an empty

@@ -208,7 +208,8 @@ class Transcriber:
         """Readies the engine for batches of `rows` windows (default: the scheduler's rows, else
         batch_size): on a GPU, every step they can meet is captured now rather than at its
         first use mid-decode (SpeculativeDecoder.warm_up); nothing on a CPU. For long-lived
-        processes: the web page, a stream, `asr evaluate` (before its timed runs)."""
+        processes (the web page, a stream, `asr evaluate` before its timed runs), and only
+        while nothing decodes on the engine (a scheduler's worker idle)."""
         models = self.models
         own = self.speculative and models.draft_has_own_encoder
         rows = rows or (self.scheduler.rows if self.scheduler is not None else self.batch_size)

@@ -174,6 +174,7 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
             "speedup": report["speedup"], "decoder_speedup": report["decoder_speedup"],
             "acceptance": speculative.get("acceptance_rate"), "tokens_per_pass": speculative.get("tokens_per_target_pass"),
             "graphs": {"target-only": target.get("cuda_graphs"), "speculative": speculative.get("cuda_graphs")},
+            "warm_up": report["environment"].get("warm_up_graphs"),  # untimed, before the timed runs
         }
     return {"ok": ok, "runs": results}
 
@@ -250,6 +251,10 @@ def write(report: dict, out: Path) -> None:
                                      f"{g['captures']} captures ({g['capture_seconds']:.2f} s), {g['replays']} replays"
                                      + (f", {g['compilations']} compilations" if g.get("compilations") else "")
                                      + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else ""))
+                for system, g in (r.get("warm_up") or {}).items():  # asr evaluate's names: target, speculative
+                    system = "target-only" if system == "target" else system
+                    lines.append(f"- {manifest}, {system}'s warm-up before them (untimed): {g['eager']} first uses "
+                                 f"({g['eager_seconds']:.2f} s), {g['captures']} captures ({g['capture_seconds']:.2f} s)")
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "stream":
             lines += ["", "```", result["output"], "```"]

@@ -340,33 +340,40 @@ def test_int8_linear_is_close_and_used_only_for_cpu_float32():
 
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
 def test_the_rules_filter_logits_as_transformers_processors_do(timestamps: bool):
-    """DecodingRules on random logits after many prefixes (the first position, text, lone
-    timestamps, closing pairs, a pair then text, timestamps late in the window, previous
-    text with timestamps before the prompt) masks exactly what transformers' processors
-    mask, and leaves the rest as it was."""
+    """DecodingRules on random logits, for rows of different prompts (some with previous text
+    holding timestamps) and several positions each (the first, after text, lone timestamps,
+    closing pairs, a pair then text, late timestamps), as a verification asks: exactly what
+    transformers' processors mask on each position's own prefix is masked, the rest kept."""
     generator = random.Random(0)
     vocab, ts_begin, prompt = 51865, NO_TIMESTAMPS + 1, prompt_for(timestamps)
     rules = rules_for(timestamps)
-    for _ in range(40):
-        previous = [50361] + [generator.choice([400, 500, ts_begin + 3]) for _ in range(generator.randrange(4))]
-        start = previous + prompt if generator.random() < 0.5 else prompt
-        generated, stamp = [], generator.randrange(60)
-        for _ in range(generator.randrange(8)):
-            if generator.random() < 0.4:
-                stamp += generator.randrange(3)
-                generated.append(ts_begin + stamp)
-            else:
-                generated.append(generator.choice([220, 400, 1000, 23000]))
-        tokens = torch.tensor([start + generated])
-        logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(generator.randrange(1000))) * 3
-        logits[0, ts_begin:] -= 2 * generator.random()  # timestamps' total sometimes above the best text token
-        begin = torch.tensor([len(start)])
-        ours = rules.apply(logits.clone(), rules.prefix(torch.cat([tokens, tokens[:, :1]], 1), begin,
-                                                        torch.tensor([[tokens.shape[1]]])))
-        processors = [SuppressTokensAtBeginLogitsProcessor(BEGIN_SUPPRESS, begin_index=len(start)),
-                      SuppressTokensLogitsProcessor(SUPPRESS)]
-        if timestamps:
-            processors.append(WhisperTimeStampLogitsProcessor(generation_config(True, MAX_NEW), begin_index=len(start)))
-        theirs = LogitsProcessorList(processors)(tokens, logits.clone())
-        assert torch.equal(ours.isinf(), theirs.isinf()), (start, generated)
-        assert torch.equal(ours[~ours.isinf()], logits[~ours.isinf()])
+    for _ in range(12):
+        rows = []
+        for _ in range(4):
+            previous = [50361] + [generator.choice([400, 500, ts_begin + 3]) for _ in range(generator.randrange(4))]
+            start = previous + prompt if generator.random() < 0.5 else prompt
+            generated, stamp = [], generator.randrange(60)
+            for _ in range(generator.randrange(2, 9)):
+                if generator.random() < 0.4:
+                    stamp += generator.randrange(3)
+                    generated.append(ts_begin + stamp)
+                else:
+                    generated.append(generator.choice([220, 400, 1000, 23000]))
+            positions = sorted(generator.sample(range(len(generated) + 1), 3))
+            rows.append((start, generated, [len(start) + g for g in positions]))
+        width = max(len(start) + len(generated) for start, generated, _ in rows) + 1
+        tokens = torch.tensor([start + generated + [0] * (width - len(start) - len(generated)) for start, generated, _ in rows])
+        positions = torch.tensor([at for _, _, at in rows])
+        logits = torch.randn(len(rows) * 3, vocab, generator=torch.Generator().manual_seed(generator.randrange(1000))) * 3
+        logits[:, ts_begin:] -= 2 * torch.rand(len(logits), 1)  # timestamps' total sometimes above the best text token
+        ours = rules.apply(logits.clone(), rules.prefix(tokens, torch.tensor([len(start) for start, _, _ in rows]),
+                                                        positions))
+        for n, (row, position) in enumerate((r, p) for r, (_, _, at) in enumerate(rows) for p in at):
+            begin = len(rows[row][0])
+            processors = [SuppressTokensAtBeginLogitsProcessor(BEGIN_SUPPRESS, begin_index=begin),
+                          SuppressTokensLogitsProcessor(SUPPRESS)]
+            if timestamps:
+                processors.append(WhisperTimeStampLogitsProcessor(generation_config(True, MAX_NEW), begin_index=begin))
+            theirs = LogitsProcessorList(processors)(tokens[row : row + 1, :position], logits[n : n + 1].clone())[0]
+            assert torch.equal(ours[n].isinf(), theirs.isinf()), (rows[row], position)
+            assert torch.equal(ours[n][~ours[n].isinf()], logits[n][~ours[n].isinf()])
