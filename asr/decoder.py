@@ -131,9 +131,12 @@ class DecoderRunner:
     ) -> KVCache:
         """An unfilled cache: stale self-attention entries are never read (each is written
         before anything attends to it), and cross-attention rows are filled per window
-        (fill_cross). cross_from: the cache of a runner sharing cross-attention K/V
-        projections with this one (cross_layers: the layer of it each of ours shares,
-        cross_layers_shared_with), whose cross-attention K/V serve this one too."""
+        (fill_cross). Unfilled rows are zeros, not uninitialised memory: fixed shapes compute
+        empty slots too, and NaN there would reach their self-attention entries, which a
+        later window's masked attention does not stop (NaN + -inf is NaN). cross_from: the
+        cache of a runner sharing cross-attention K/V projections with this one
+        (cross_layers: the layer of it each of ours shares, cross_layers_shared_with), whose
+        cross-attention K/V serve this one too."""
         shape = (2, rows, self.num_heads, capacity, self.head_dim)
         if cross_from is not None:
             if cross_layers is None:
@@ -141,8 +144,8 @@ class DecoderRunner:
             cross_k, cross_v = [cross_from.cross_k[i] for i in cross_layers], [cross_from.cross_v[i] for i in cross_layers]
         else:
             cross_shape = (rows, self.num_heads, frames, self.head_dim)
-            cross_k = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
-            cross_v = [torch.empty(cross_shape, dtype=dtype, device=device) for _ in self.layers]
+            cross_k = [torch.zeros(cross_shape, dtype=dtype, device=device) for _ in self.layers]
+            cross_v = [torch.zeros(cross_shape, dtype=dtype, device=device) for _ in self.layers]
         return KVCache(
             self_kv=[torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers],
             cross_k=cross_k,

@@ -384,6 +384,28 @@ def test_after_a_warm_up_decoding_meets_no_first_use(pair, own_encoder: bool):
     assert after.eager == 0 and after.captures == 0 and after.replays > 0
 
 
+def test_empty_slots_hold_no_garbage_that_reaches_later_windows(pair, monkeypatch):
+    """Fixed shapes compute a batch's empty slots too (here during a warm-up, whose draft
+    catch-ups write 464 positions of every row). Were their cross-attention K/V left as
+    fresh memory, NaN there (made certain here) would reach the slots' self-attention
+    entries, and a window decoded in such a slot later would attend to it under the mask
+    (NaN + -inf is NaN): its draft's proposals would be garbage. Its tokens and acceptance
+    equal those of an engine that never had empty slots."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *shape, **options: empty(*shape, **options).fill_(float("nan")))
+    warmed, fresh = engine(target, draft), engine(target, draft)
+    warmed.graphs = _EagerGraphs()
+    warmed.warm_up(rules, rows=BATCH, frames=encoded.shape[1])
+
+    def decode(decoder: SpeculativeDecoder) -> list:
+        options = dict(max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=3), generator=torch.Generator().manual_seed(0))
+        return [(s.tokens, s.stats.draft_accepted) for s in decoder.decode(encoded, [prompt] * BATCH, rules, **options)]
+
+    assert decode(warmed) == decode(fresh)
+
+
 def test_a_transcribers_warm_up_readies_every_step_its_batches_meet(dev_clips, monkeypatch):
     """Transcriber.warm_up with the packaged pair, its engine in fixed shapes as on a GPU:
     transcribing real recordings afterwards two at a time (timestamps, previous text, the
