@@ -4,8 +4,15 @@ a hint's proposals are only kept where the target agrees, so any hint keeps the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from asr.slots import Row
+    from asr.speculative import Batch
 
 HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the hint there
 
@@ -35,3 +42,44 @@ def follow(
         shift = torch.where(realign, ends[nearest] - generated, shift)
         follows |= realign
     return follows & (generated + shift < hint_length), shift
+
+
+@dataclass
+class HintRound:
+    """A round's proposals from hints, written after each row's kept tokens."""
+
+    proposed: list[int]  # per slot: tokens its hint proposed
+    k: int  # the round's proposals per row (the verification checks k + 1 positions)
+    probs: Tensor | None = None  # when sampling: the proposals as distributions (all mass on each) [R, k, V]
+    noise: Tensor | None = None  # and the verification's uniforms [R, 2k + 1]
+
+
+def propose(batch: Batch, rows: list[Row], sample: bool) -> HintRound | None:
+    """Rows following their hints propose the rest of them; in fixed shapes, unless every row
+    samples, at most max_draft_tokens (a greedy row's logits then always come from passes of
+    one width: on a GPU, target-only's to the bit). None where no row follows its hint."""
+    s, e = batch.state, batch.engine
+    on, shift = follow(s.hint, s.hint_length, s.hint_shift, s.hint_on, s.tokens, s.length, s.sample_begin)
+    s.hint_on.copy_(on & s.live)
+    s.hint_shift.copy_(shift)
+    offset = s.length - s.sample_begin + s.hint_shift  # index in the hint of the first proposal
+    left = torch.where(s.hint_on, s.hint_length - offset, 0)
+    left_list = left.tolist()
+    if not any(left_list[i] > 0 for i, row in enumerate(batch.slots) if row is not None):
+        return None
+    remaining = min(row.limit - row.length for row in rows)
+    k = max(min(max(left_list), remaining - 1), 0)
+    if e.verify_width and any(row.temperature == 0 for row in rows):
+        k = min(k, e.max_draft_tokens)
+    proposed = left.clamp(max=k).tolist()
+    steps = torch.arange(k, device=e.device)
+    s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1)))
+    if not sample:
+        return HintRound(proposed, k)
+    proposals = s.tokens.gather(1, s.length[:, None] + steps)[:, :, None]
+    if k <= e.max_draft_tokens:  # the draft's buffers (and so a captured verification's)
+        s.draft_probs[:, :k].zero_().scatter_(2, proposals, 1.0)
+        return HintRound(proposed, k, s.draft_probs, s.noise[:, e.max_draft_tokens:])
+    probs = torch.zeros(len(batch.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals, 1.0)
+    noise = torch.rand(len(batch.slots), 2 * k + 1, device=e.device, generator=batch.generator).neg_().add_(1)
+    return HintRound(proposed, k, probs, noise)

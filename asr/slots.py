@@ -176,6 +176,10 @@ class States:
                      noise=zeros(R, 3 * e.max_draft_tokens + 1, dtype=torch.float32), out=zeros(5, R),
                      target=target, draft=draft)
 
+    def rows_for(self, rows: int) -> int:
+        """The rows of the state a batch of `rows` rows gets: a power of two in fixed shapes."""
+        return 1 << (rows - 1).bit_length() if self.engine.fixed_shapes else rows
+
     def release(self, state: State) -> None:
         if self.engine.fixed_shapes:
             self.idle[state.key] = state
@@ -227,14 +231,14 @@ class Slots:
         if self.state is not None and self.state.key[1:] != key and not self.live:
             self.close()
         if self.state is None:
-            self.state = e.states.get(e.rows_for(max(self.rows_wanted, len(windows))), *key)
+            self.state = e.states.get(e.states.rows_for(max(self.rows_wanted, len(windows))), *key)
             self.slots = [None] * self.state.key[0]
         elif self.state.key[1:] != key:
             raise ValueError(f"windows of {key[0]} frames cannot join a batch of windows of {self.state.key[1]}")
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(free) < len(windows):
             # Room for the rows wanted at once, so the next windows fill slots without copying the batch.
-            self._resize(e.rows_for(max(self.rows_wanted, self.live + len(windows))))
+            self._resize(e.states.rows_for(max(self.rows_wanted, self.live + len(windows))))
             free = [i for i, row in enumerate(self.slots) if row is None]
         slots = free[: len(windows)]
         started = time.perf_counter()
@@ -351,6 +355,35 @@ class Slots:
         them copies every live row's caches (tens of MB each), which a refill would undo."""
         if not self.engine.fixed_shapes and 2 * self.live <= len(self.slots) and self.live < len(self.slots):
             self._resize(self.live)
+
+    def _record(self, out: list[list[int]], k: int, hinted: list[int] | None, seconds: float) -> list[int]:
+        """Books a round's summary (State.out, read on the host) on its rows: tokens kept,
+        proposals accepted (the draft's k, or per slot those its hint proposed), where the
+        draft's cache ends, the round's time shared; returns the slots whose rows finished."""
+        kept, accepted, finished, gap, _ = out
+        share = seconds / self.live
+        done = []
+        for i, row in enumerate(self.slots):
+            if row is None:
+                continue
+            stats = row.stats
+            if hinted is not None:
+                stats.hint_proposed += hinted[i]
+                stats.hint_accepted += min(accepted[i], hinted[i])
+            elif k:
+                stats.draft_proposed += k
+                stats.draft_accepted += accepted[i]
+                stats.draft_passes += k
+                stats.accepted_per_pass.append(accepted[i])
+            stats.target_passes += 1
+            stats.tokens += kept[i]
+            stats.tokens_per_pass.append(kept[i])
+            row.length += kept[i]
+            row.gap = gap[i]
+            row.seconds += share
+            if finished[i]:
+                done.append(i)
+        return done
 
     def _finish(self, slots: list[int], ended: list[int]) -> list[tuple[int, Sequence]]:
         """Reads out these finished rows' results (ended: per slot, whether it ended on

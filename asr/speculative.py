@@ -111,10 +111,6 @@ class SpeculativeDecoder:
             finally:
                 batch.close()
 
-    def rows_for(self, rows: int) -> int:
-        """The rows of the state a batch of `rows` rows gets: a power of two in fixed shapes."""
-        return 1 << (rows - 1).bit_length() if self.fixed_shapes else rows
-
 
 class Batch(Slots):
     """Rows decoding together (asr/slots.py): add() puts windows in free slots; each step()
@@ -140,51 +136,29 @@ class Batch(Slots):
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
             self._draft_probs()
         started = time.perf_counter()
-        hinted, k, draft_probs, noise = self._hint_round(rows, sample) if any(r.hinted for r in rows) else (None, 0, None, None)
-        representative = hinted is None
+        hinted = hints.propose(self, rows, sample) if any(row.hinted for row in rows) else None
         if hinted is None:
             k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0
-            if k > 0:
-                k, representative = self._propose(k, max(row.gap for row in rows), sample, rows)
-            if sample:
-                draft_probs, noise = s.draft_probs, s.noise[:, e.max_draft_tokens:]
-        # Fixed shapes: verify_width positions, k read from the state (wider: see _hint_round).
+            k, representative = self._propose(k, max(row.gap for row in rows), sample, rows) if k else (0, True)
+            draft_probs, noise = (s.draft_probs, s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
+        else:
+            k, representative, draft_probs, noise = hinted.k, False, hinted.probs, hinted.noise
+        # Fixed shapes: verify_width positions, k read from the state (wider: see hints.propose).
         width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
         if e.verify_width:
             s.k.fill_(k)
         representative &= self._run_verify(width, sample, draft_probs, noise, rows)
-        kept, accepted, finished, gap, ended = s.out.tolist()  # the round's one read on the host
+        out = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
             outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
-            for i, row in enumerate(self.slots):
+            for row, accepted in zip(self.slots, out[1]):
                 if row is not None:
                     before = outcomes.get(row.language, (0, 0))
-                    outcomes[row.language] = (before[0] + accepted[i], before[1] + (accepted[i] < k))
+                    outcomes[row.language] = (before[0] + accepted, before[1] + (accepted < k))
             self.draft_length.update(k, seconds, len(self.slots), outcomes)
-        share = seconds / len(rows)
-        done = []
-        for i, row in enumerate(self.slots):
-            if row is None:
-                continue
-            stats = row.stats
-            if hinted is not None:
-                stats.hint_proposed += hinted[i]
-                stats.hint_accepted += min(accepted[i], hinted[i])
-            elif k:
-                stats.draft_proposed += k
-                stats.draft_accepted += accepted[i]
-                stats.draft_passes += k
-                stats.accepted_per_pass.append(accepted[i])
-            stats.target_passes += 1
-            stats.tokens += kept[i]
-            stats.tokens_per_pass.append(kept[i])
-            row.length += kept[i]
-            row.gap = gap[i]
-            row.seconds += share
-            if finished[i]:
-                done.append(i)
-        return self._finish(done, ended) if done else []
+        done = self._record(out, k, None if hinted is None else hinted.proposed, seconds)
+        return self._finish(done, out[4]) if done else []
 
     def _draft_probs(self) -> Tensor:
         """The state's buffer of the draft's distributions, made at the first sampled round."""
@@ -215,39 +189,6 @@ class Batch(Slots):
     def _window(self, rows: list[Row], extra: int) -> int | None:
         """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""
         return None if self.engine.fixed_shapes else max(row.length for row in rows) + extra
-
-    def _hint_round(self, rows: list[Row], sample: bool) -> tuple[list[int] | None, int, Tensor | None, Tensor | None]:
-        """Rows following their hints propose the rest of them; in fixed shapes, unless every
-        row samples, at most max_draft_tokens (a greedy row's logits always come from passes of
-        one width: on a GPU, target-only's to the bit). Returns, where any row follows its hint,
-        the tokens each row proposed, k, and for sampling the proposals' distributions (all
-        mass on each) and uniforms."""
-        s, e = self.state, self.engine
-        on, shift = hints.follow(s.hint, s.hint_length, s.hint_shift, s.hint_on, s.tokens, s.length, s.sample_begin)
-        s.hint_on.copy_(on & s.live)
-        s.hint_shift.copy_(shift)
-        offset = s.length - s.sample_begin + s.hint_shift  # index in the hint of the first proposal
-        left = torch.where(s.hint_on, s.hint_length - offset, 0)
-        left_list = left.tolist()
-        if not any(left_list[i] > 0 for i, row in enumerate(self.slots) if row is not None):
-            return None, 0, None, None
-        remaining = min(row.limit - row.length for row in rows)
-        k = max(min(max(left_list), remaining - 1), 0)
-        if e.verify_width and any(row.temperature == 0 for row in rows):
-            k = min(k, e.max_draft_tokens)
-        proposed = left.clamp(max=k).tolist()
-        steps = torch.arange(k, device=e.device)
-        s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1)))
-        if not sample:
-            return proposed, k, None, None
-        # A fixed proposal is a draft distribution with all its mass on it.
-        proposals = s.tokens.gather(1, s.length[:, None] + steps)[:, :, None]
-        if k <= e.max_draft_tokens:  # those of the draft's rounds (and so of a captured verification)
-            s.draft_probs[:, :k].zero_().scatter_(2, proposals, 1.0)
-            return proposed, k, s.draft_probs, s.noise[:, e.max_draft_tokens:]
-        probs = torch.zeros(len(self.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals, 1.0)
-        noise = torch.rand(len(self.slots), 2 * k + 1, device=e.device, generator=self.generator).neg_().add_(1)
-        return proposed, k, probs, noise
 
     def _propose(self, k: int, width: int, sample: bool, rows: list[Row]) -> tuple[int, bool]:
         """The draft's k proposals, written to tokens[length : length + k], one draft step

@@ -273,7 +273,8 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
         reference = ours(target_only)().tokens  # the oracle's right answers
         for alpha in [float(a) for a in args.acceptance.split(",")]:
             proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
-            table = oracle_table(proposals, [len(prompt)] * batch, target_only.rows_for(batch), target_only.capacity, device)
+            slots = target_only.states.rows_for(batch)
+            table = oracle_table(proposals, [len(prompt)] * batch, slots, target_only.capacity, device)
             for compile in (False, True) if args.compile else (False,):
                 oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=compile)
                 methods.append((f"ours speculative{f', {COMPILED}' if compile else ''}, oracle alpha={alpha:g}",
