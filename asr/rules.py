@@ -114,7 +114,10 @@ class DecodingRules:
         if self.max_initial_timestamp_index is not None:
             timestamps[:, self.max_initial_timestamp_index + 1 :].masked_fill_(at_begin[:, None], NEG_INF)
         # If the timestamps together are likelier than any text token, emit a timestamp
-        # (log-softmax's normaliser cancels out of this comparison).
-        timestamp_mass = timestamps.float().logsumexp(dim=-1)
+        # (log-softmax's normaliser cancels out of this comparison): logsumexp(timestamps) >
+        # best_text computed as sum(exp(timestamps - best_text)) > 1, in float32 (the
+        # subtraction promotes): 4 kernels where logsumexp is 9. Where best_text is -inf the
+        # sum is inf (or NaN with every timestamp -inf too: no timestamp, as before).
         best_text = text.max(dim=-1).values.float()  # a max is exact in any dtype: no float copy of the text logits
-        text.masked_fill_((timestamp_mass > best_text)[:, None], NEG_INF)
+        timestamp_mass = (timestamps - best_text[:, None]).exp_().sum(-1)  # relative to best_text
+        text.masked_fill_((timestamp_mass > 1)[:, None], NEG_INF)

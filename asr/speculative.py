@@ -284,8 +284,8 @@ class Batch(Slots):
         first_eot = torch.where(window == rules.eot, steps, width).amin(1)  # width where there is none
         new = torch.minimum(torch.minimum(first_eot, accepted) + 1, s.limit - s.length) * s.live
         kept = steps < new[:, None]
-        scores = logits.float()
-        logprobs = scores.gather(2, window[:, :, None])[:, :, 0] - scores.logsumexp(-1)
+        # log_softmax: one kernel, on CUDA from fp16 straight to float32 (a float copy and logsumexp were 11)
+        logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(2, window[:, :, None])[:, :, 0]
         s.sum_logprob.add_(torch.where(kept, logprobs, 0.0).sum(1).double())  # -inf * 0 would be NaN
         eot_kept = first_eot < new
         s.length.add_(new)
