@@ -50,8 +50,8 @@ class HintRound:
 
     proposed: list[int]  # per slot: tokens its hint proposed
     k: int  # the round's proposals per row (the verification checks k + 1 positions)
-    probs: Tensor | None = None  # when sampling: the proposals as distributions (all mass on each) [R, k, V]
-    noise: Tensor | None = None  # and the verification's uniforms [R, 2k + 1]
+    probs: Tensor | None = None  # when sampling: the proposals as distributions (all mass on each) [R, >= k, V]
+    noise: Tensor | None = None  # and the verification's uniforms [R, >= 2k + 1] (it reads the first k, 2k + 1)
 
 
 def propose(batch: Batch, rows: list[Row], sample: bool) -> HintRound | None:

@@ -116,8 +116,8 @@ class DecodingRules:
         # If the timestamps together are likelier than any text token, emit a timestamp
         # (log-softmax's normaliser cancels out of this comparison): logsumexp(timestamps) >
         # best_text computed as sum(exp(timestamps - best_text)) > 1, in float32 (the
-        # subtraction promotes): 4 kernels where logsumexp is 9. Where best_text is -inf the
-        # sum is inf (or NaN with every timestamp -inf too: no timestamp, as before).
+        # subtraction promotes): 4 kernels where logsumexp is 9. Where best_text is -inf, every
+        # text logit already is, so the outcome (inf, or NaN where a timestamp is -inf) changes nothing.
         best_text = text.max(dim=-1).values.float()  # a max is exact in any dtype: no float copy of the text logits
         timestamp_mass = (timestamps - best_text[:, None]).exp_().sum(-1)  # relative to best_text
         text.masked_fill_((timestamp_mass > 1)[:, None], NEG_INF)
