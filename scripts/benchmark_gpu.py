@@ -25,7 +25,10 @@ the draft's real acceptance, at fixed k and with the adaptive length.
 torch.compile (Inductor) inside the CUDA graphs (asr/decoder.py, DecoderRunner.compiled).
 
 --profile runs each method once more under torch.profiler and adds its kernels per token
-and their GPU time per token (on a CPU: operators per token and their time).
+and their GPU time per token (on a CPU: operators per token and their time), and writes
+where that time goes, per row: by kind of kernel (matrix products, attention, layer
+norms, indexing such as the KV-cache writes, reductions, elementwise; from the kernels'
+names) and the kernels that take the most (DIR/benchmark_gpu_kernels.md).
 
 The floor of each row is the time to read, at --bandwidth-gbs (default: H100 SXM's 3,350
 GB/s; --measure-bandwidth times a large device copy instead), the bytes its decoder steps
@@ -40,6 +43,7 @@ import argparse
 import csv
 import importlib.util
 import json
+import re
 import statistics
 import sys
 import time
@@ -124,6 +128,9 @@ class Row:
     oracle_alpha: float | None = None
     kernels_per_token: float | None = None  # --profile: kernels (on a CPU, operators) per token
     kernel_ms_per_token: float | None = None  # --profile: their summed time per token
+    # --profile: (kind or kernel name, kernels per token, ms per token), by kind, then the costliest kernels
+    kernel_kinds: list[tuple[str, float, float]] | None = None
+    top_kernels: list[tuple[str, float, float]] | None = None
 
     @property
     def ms_per_token(self) -> float:
@@ -206,6 +213,8 @@ def main() -> None:
     table = markdown(rows)
     (args.out / "benchmark_gpu.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
     (args.out / "benchmark_gpu.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    if args.profile:
+        (args.out / "benchmark_gpu_kernels.md").write_text("\n\n".join(header) + "\n\n" + kernel_breakdown(rows) + "\n")
     print("\n" + table)
     if importlib.util.find_spec("matplotlib") is None:  # the figures are in the table
         print(f"\nwrote {args.out}/benchmark_gpu.md, .json (no plot: matplotlib is not installed)")
@@ -386,8 +395,11 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
         else:
             floor, extra = steps * target_bytes / bandwidth, {}
         if name in profiles:
-            kernels, kernel_seconds = profiles[name]
-            extra.update(kernels_per_token=kernels / steps, kernel_ms_per_token=1000 * kernel_seconds / steps)
+            kernels = profiles[name]
+            per_token = [(kind, n / steps, 1000 * seconds / steps) for kind, n, seconds in kernels.by_kind()]
+            extra.update(kernels_per_token=len(kernels.events) / steps, kernel_ms_per_token=1000 * kernels.seconds / steps,
+                         kernel_kinds=per_token,
+                         top_kernels=[(name, n / steps, 1000 * seconds / steps) for name, n, seconds in kernels.top()])
         rows.append(Row(section, batch, name, statistics.median(runs[name]), steps, tokens, floor,
                         out.tokens == reference, **extra))
         kernels = f", {rows[-1].kernels_per_token:.0f} kernels / token" if name in profiles else ""
@@ -396,8 +408,51 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
     return rows
 
 
-def profile(run: Callable[[], Decoded], device: torch.device) -> tuple[int, float]:
-    """Kernels launched by one run and their summed time (on a CPU: top-level operators)."""
+# Kinds of kernel (on a CPU, of operator) by name, the first that matches: attention's
+# (flash, memory-efficient "fmha_cutlass", cuDNN's), then cuBLAS's (nvjet, xmma, cutlass,
+# split-K reductions) and Inductor's GEMM templates as matrix products.
+KERNEL_KINDS = [
+    ("attention", r"flash|fmha|attention|cudnn|sdpa"),
+    ("matrix products", r"gemm|nvjet|xmma|cutlass|cublas|s16816|linear|addmm|\bmm\b|matmul|triton_tem"),
+    ("layer norm", r"layer_norm"),
+    ("indexing (KV writes, gathers)", r"index|scatter|gather|embedding"),
+    ("reductions", r"reduce|softmax|sum|max|min|cum|logsumexp"),
+    ("elementwise", r"elementwise|triton|add|mul|sub|div|where|fill|copy|masked|gelu|clamp|eq|ge|lt"),
+]
+
+
+@dataclass
+class Kernels:
+    """The kernels (on a CPU, top-level operators) of one profiled run: (name, seconds) each."""
+
+    events: list[tuple[str, float]]
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds in self.events)
+
+    def by_kind(self) -> list[tuple[str, int, float]]:
+        """(kind, kernels, seconds) per kind of KERNEL_KINDS, and "other"."""
+        totals: dict[str, tuple[int, float]] = {kind: (0, 0.0) for kind, _ in KERNEL_KINDS + [("other", "")]}
+        for name, seconds in self.events:
+            kind = next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name.lower())), "other")
+            count, total = totals[kind]
+            totals[kind] = (count + 1, total + seconds)
+        return [(kind, count, total) for kind, (count, total) in totals.items() if count]
+
+    def top(self, n: int = 8) -> list[tuple[str, int, float]]:
+        """The n kernel names that take the most time: (name, kernels, seconds)."""
+        totals: dict[str, tuple[int, float]] = {}
+        for name, seconds in self.events:
+            short = name.removeprefix("void ")[:100]
+            count, total = totals.get(short, (0, 0.0))
+            totals[short] = (count + 1, total + seconds)
+        ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:n]
+        return [(name, count, total) for name, (count, total) in ranked]
+
+
+def profile(run: Callable[[], Decoded], device: torch.device) -> Kernels:
+    """The kernels launched by one run (on a CPU: its top-level operators)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity
 
@@ -409,8 +464,9 @@ def profile(run: Callable[[], Decoded], device: torch.device) -> tuple[int, floa
     if device.type == "cuda":
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     else:
-        kernels = [e for e in events if e.name.startswith("aten::") and e.cpu_parent is None]
-    return len(kernels), sum(e.time_range.elapsed_us() for e in kernels) / 1e6
+        # Our CPU matrix products are oneDNN's and fbgemm's operators (asr/decoder.py), not aten's.
+        kernels = [e for e in events if e.name.startswith(("aten::", "mkldnn::", "quantized::")) and e.cpu_parent is None]
+    return Kernels([(e.name, e.time_range.elapsed_us() / 1e6) for e in kernels])
 
 
 def random_pair(geometry: Geometry, device: torch.device, dtype: torch.dtype) -> tuple[WhisperForConditionalGeneration, WhisperForCausalLM]:
@@ -529,6 +585,25 @@ def markdown(rows: list[Row]) -> str:
             f"| {ours.seconds / row.seconds:.2f}x | {fmt(row.acceptance, '.0%')} | {alpha} | {fmt(row.tokens_per_pass, '.2f')} "
             f"| {'yes' if row.identical else 'NO'} |")
     return "\n".join(lines)
+
+
+def kernel_breakdown(rows: list[Row]) -> str:
+    """Per profiled row: its kernels per token and their ms per token by kind, then the costliest kernels."""
+    parts = []
+    for row in rows:
+        if row.kernel_kinds is None:
+            continue
+        lines = [f"### {row.section}, batch {row.batch}, {row.method}: {row.kernels_per_token:.0f} kernels, "
+                 f"{row.kernel_ms_per_token:.3f} ms per token (measured {row.ms_per_token:.3f})",
+                 "", "| kind / kernel | kernels / token | ms / token | share |", "|---|---|---|---|"]
+        for name, count, ms in row.kernel_kinds + [("**costliest kernels:**", None, None)] + row.top_kernels:
+            if count is None:
+                lines.append(f"| {name} | | | |")
+                continue
+            name = name.replace("|", "\\|")
+            lines.append(f"| {name} | {count:.1f} | {ms:.3f} | {ms / (row.kernel_ms_per_token or 1):.0%} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
 
 
 def plot(rows: list[Row], path: Path) -> None:

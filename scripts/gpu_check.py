@@ -146,8 +146,10 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: bo
                "--out", str(folder)] + (["--no-real"] if real else []) + (["--compile"] if compile else [])
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
-    return {"ok": code == 0, "command": " ".join(command[1:]), "table": table,
-            "note": f"section 2 (real weights) {real}" if real else ""}
+    kernels = folder / "benchmark_gpu_kernels.md"
+    notes = [f"section 2 (real weights) {real}." if real else "",
+             f"Each row's kernels by kind and the costliest ones: `{kernels}`." if code == 0 and kernels.is_file() else ""]
+    return {"ok": code == 0, "command": " ".join(command[1:]), "table": table, "note": " ".join(filter(None, notes))}
 
 
 def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False) -> dict:

@@ -617,6 +617,12 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
     assert all(row["floor_seconds"] > 0 for row in report["rows"])
     profiled = [row for row in report["rows"] if row["kernels_per_token"] is not None]
     assert profiled and all(row["kernels_per_token"] > 10 for row in profiled)
+    # Our matrix products are counted (oneDNN's operators on a CPU, not aten's): a pass of the
+    # tiny geometry's 4 decoder layers makes 6 each, and target-only makes a pass per token.
+    ours = next(row for row in profiled if row["method"] == "ours target-only" and row["section"].startswith("tiny"))
+    assert dict((kind, n) for kind, n, _ in ours["kernel_kinds"])["matrix products"] >= 4 * 6
+    kernels = (out / "benchmark_gpu_kernels.md").read_text()
+    assert kernels.count("\n### ") == len(profiled) and "| **costliest kernels:** |" in kernels
     assert (out / "benchmark_gpu.png").stat().st_size > 10_000
     table = (out / "benchmark_gpu.md").read_text()
     assert "| floor ms / token |" in table and "| kernels / token |" in table
