@@ -432,23 +432,25 @@ class Kernels:
         return sum(seconds for _, seconds in self.events)
 
     def by_kind(self) -> list[tuple[str, int, float]]:
-        """(kind, kernels, seconds) per kind of KERNEL_KINDS, and "other"."""
-        totals: dict[str, tuple[int, float]] = {kind: (0, 0.0) for kind, _ in KERNEL_KINDS + [("other", "")]}
-        for name, seconds in self.events:
-            kind = next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name.lower())), "other")
-            count, total = totals[kind]
-            totals[kind] = (count + 1, total + seconds)
-        return [(kind, count, total) for kind, (count, total) in totals.items() if count]
+        """(kind, kernels, seconds) per kind of KERNEL_KINDS that occurs, then "other"."""
+        def kind(name: str) -> str:
+            return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name.lower())), "other")
+
+        totals = self._totals(kind)
+        return [(k, *totals[k]) for k in [k for k, _ in KERNEL_KINDS] + ["other"] if k in totals]
 
     def top(self, n: int = 8) -> list[tuple[str, int, float]]:
         """The n kernel names that take the most time: (name, kernels, seconds)."""
+        totals = self._totals(lambda name: name.removeprefix("void ")[:100])
+        return sorted(((name, *total) for name, total in totals.items()), key=lambda item: -item[2])[:n]
+
+    def _totals(self, key: Callable[[str], str]) -> dict[str, tuple[int, float]]:
+        """(kernels, seconds) per key of the kernels' names."""
         totals: dict[str, tuple[int, float]] = {}
         for name, seconds in self.events:
-            short = name.removeprefix("void ")[:100]
-            count, total = totals.get(short, (0, 0.0))
-            totals[short] = (count + 1, total + seconds)
-        ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:n]
-        return [(name, count, total) for name, (count, total) in ranked]
+            count, total = totals.get(key(name), (0, 0.0))
+            totals[key(name)] = (count + 1, total + seconds)
+        return totals
 
 
 def profile(run: Callable[[], Decoded], device: torch.device) -> Kernels:
