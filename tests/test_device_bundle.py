@@ -1,0 +1,89 @@
+"""scripts/device_bundle.py and scripts/device_call.sh: weights cut into chunks that travel
+one per call come back together on the machine, checked by md5, and the calls run the
+weight-free parts while the chunks arrive (a GPU machine's device time is short, so this is
+checked here, with a small archive and no GPU)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import tarfile
+
+import pytest
+
+from conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    spec = importlib.util.spec_from_file_location("device_bundle", REPO / "scripts" / "device_bundle.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def packed(bundle, tmp_path):
+    """Two package folders (one with a cache, left out) packed and cut into three chunks."""
+    for name in ("weights_a", "weights_b"):
+        (tmp_path / "packages" / name / "data").mkdir(parents=True)
+        (tmp_path / "packages" / name / "__init__.py").write_text("")
+        (tmp_path / "packages" / name / "data" / "model.bin").write_bytes(os.urandom(3000))
+    (tmp_path / "packages" / "weights_a" / "__pycache__").mkdir()
+    archive = tmp_path / "weights.tar.xz"
+    bundle.pack([tmp_path / "packages" / "weights_a", tmp_path / "packages" / "weights_b"], archive)
+    with tarfile.open(archive) as tar:
+        assert not any("__pycache__" in name for name in tar.getnames())
+    size = archive.stat().st_size
+    chunks = bundle.split(archive, tmp_path / "bundle", first=size // 4, rest=size // 2)
+    assert [c.name for c in chunks] == ["w1", "w2", "w3"]
+    assert sum(c.stat().st_size for f in chunks for c in f.glob("weights.tar.xz.*")) == size
+    return chunks
+
+
+def call(tmp_path, chunk, parts: str = "none") -> subprocess.CompletedProcess:
+    """device_call.sh in a checkout that carried this chunk, as the machine would run it."""
+    checkout = tmp_path / f"checkout-{chunk.name}"
+    shutil.copytree(chunk, checkout / ".device" / chunk.name)
+    out = tmp_path / f"out-{chunk.name}"
+    out.mkdir()
+    env = {**os.environ, "DEVICE_CHECK_HOME": str(tmp_path / "machine"), "OUT": str(out)}
+    return subprocess.run(["bash", str(REPO / "scripts" / "device_call.sh"), parts], cwd=checkout, env=env,
+                          capture_output=True, text=True)
+
+
+def test_chunks_carried_one_per_call_are_unpacked_once_all_have_come(bundle, tmp_path):
+    chunks = packed(bundle, tmp_path)
+    for i, chunk in enumerate(chunks, 1):
+        done = call(tmp_path, chunk)
+        assert done.returncode == 0, done.stderr
+        assert (f"{i} of 3 chunks so far" in done.stdout) == (i < 3)
+        assert (tmp_path / f"out-{chunk.name}" / "check.tgz").is_file()  # the report folder comes back each call
+    site = tmp_path / "machine" / "site"
+    for name in ("weights_a", "weights_b"):
+        assert (site / name / "data" / "model.bin").read_bytes() == \
+            (tmp_path / "packages" / name / "data" / "model.bin").read_bytes()
+    assert "unpacked" in done.stdout
+
+
+def test_a_damaged_chunk_fails_the_call_and_is_not_unpacked(bundle, tmp_path):
+    chunks = packed(bundle, tmp_path)
+    damaged = next(chunks[1].glob("weights.tar.xz.*"))
+    damaged.write_bytes(bytes(b ^ 1 for b in damaged.read_bytes()))
+    assert call(tmp_path, chunks[0]).returncode == 0
+    assert call(tmp_path, chunks[1]).returncode == 0
+    done = call(tmp_path, chunks[2])
+    assert done.returncode != 0 and "FAILED" in done.stderr + done.stdout
+    assert not (tmp_path / "machine" / "weights.unpacked").exists()
+    assert not (tmp_path / "machine" / "site" / "weights_a").exists()
+
+
+def test_the_plan_runs_weight_free_parts_while_the_chunks_arrive(bundle):
+    plan = bundle.calls(3).splitlines()
+    assert "['.device/extras', '.device/w1']" in plan[2] and plan[2].endswith("device_call.sh benchmark`")
+    assert "['.device/w2']" in plan[3] and plan[3].endswith("device_call.sh attention`")
+    assert "['.device/w3']" in plan[4] and plan[4].endswith("device_call.sh tests,evaluate,transcribe,stream`")
+    assert plan[5].endswith("device_call.sh compile`")
+    # With more chunks than weight-free parts, the calls between only carry.
+    assert bundle.calls(4).splitlines()[4].endswith("device_call.sh none`")
