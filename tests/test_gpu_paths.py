@@ -257,16 +257,18 @@ def test_the_longest_draft_keeps_its_proposals_in_fixed_shapes(pair, maximum: in
     assert all(s.stats.draft_accepted == s.stats.draft_proposed > 0 for s in fixed)
 
 
-def test_compiled_passes_give_the_same_tokens(pair):
+@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
+def test_compiled_passes_give_the_same_tokens(pair, mode: str | None):
     """The decoders' passes compiled by torch.compile (for a GPU, inside its graphs; here
-    Inductor's CPU code), in fixed shapes: rounds without drafting and with k = 3 give the
-    eager engine's tokens, and the runners the engine was given stay eager."""
+    Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes: rounds
+    without drafting and with k = 3 give the eager engine's tokens, and the runners the
+    engine was given stay eager."""
     target, encoded, draft = pair[:3]
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
     target_runner, draft_runner = runner(target), runner(draft)
-    compiled = SpeculativeDecoder(target_runner.compiled(), draft_runner.compiled(), fixed_shapes=True)
+    compiled = SpeculativeDecoder(target_runner.compiled(mode), draft_runner.compiled(mode), fixed_shapes=True)
     assert compiled.target._pass is not target_runner._pass and compiled.target.layers is target_runner.layers
     for k in (0, 3):
         result = compiled.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options)
