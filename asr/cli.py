@@ -183,12 +183,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true",
                         help="on a GPU, run the decoder's steps eagerly rather than as CUDA graphs (slower; for debugging)")
     parser.add_argument("--compile", action="store_true",
-                        help="compile the decoders' passes with torch.compile (Inductor; fused kernels inside the CUDA "
-                             "graphs), for a GPU: each new shape compiles at first use, which takes a while; slower on a CPU")
+                        help="compile the engine's steps whole with torch.compile (Inductor; the decoder's pass, the rules "
+                             "and the bookkeeping fused into fewer kernels inside the CUDA graphs), for a GPU: each new shape "
+                             "compiles at first use, which takes a while; slower on a CPU")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The TranscribeOptions that say how the engine runs (graphs, compiled passes)."""
+    """The TranscribeOptions that say how the engine runs (graphs, compiled steps)."""
     return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
 
 

@@ -32,7 +32,7 @@ class GraphCounts:
     replays: int = 0
     eager_seconds: float = 0.0
     capture_seconds: float = 0.0  # warm-up and capture
-    compilations: int = 0  # graphs torch.compile made for compiled passes (at first uses)
+    compilations: int = 0  # graphs torch.compile made for compiled steps (at first uses)
     failed: int = 0  # captures that failed: those steps run eagerly
 
     def __add__(self, other: GraphCounts) -> GraphCounts:
@@ -120,6 +120,6 @@ class StepGraphs:
 
 
 def compilations() -> int:
-    """Graphs torch.compile has made in this process so far (DecoderRunner.compiled)."""
+    """Graphs torch.compile has made in this process so far (SpeculativeDecoder.compiled)."""
     utils = sys.modules.get("torch._dynamo.utils")  # not imported: nothing compiled yet
     return 0 if utils is None else utils.counters["stats"]["unique_graphs"]

@@ -9,7 +9,6 @@ rejected draft tokens are rolled back, by moving a position rather than copying.
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from dataclasses import dataclass
 from typing import Callable, ContextManager
@@ -179,20 +178,6 @@ class DecoderRunner:
             self.fill_cross(cache, torch.arange(rows, device=encoder_output.device), encoder_output)
         return cache
 
-    def compiled(self, mode: str | None = None) -> "DecoderRunner":
-        """This runner with its pass compiled by torch.compile (Inductor) in `mode` (one of
-        torch.compile's; None: its default): the same weights, fewer and fused kernels (a
-        layer norm with its residual add, the elementwise work around the matrix products).
-        Each new shape compiles at its first use, which a CUDA graph's capture then records
-        (asr/cudagraphs.py runs a step eagerly first, so autotuning never runs in a capture)."""
-        # Dynamo keeps its compiled graphs per function, here shared by every runner: one
-        # graph per runner and kind of call (prefill, draft step, verification), each made
-        # shape-generic once a second shape is met.
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-        runner = copy.copy(self)
-        runner._pass = torch.compile(self._pass, mode=mode)
-        return runner
-
     @torch.inference_mode()
     def cross_attention_scores(self, tokens: Tensor, encoder_output: Tensor,
                                layers: set[int]) -> tuple[Tensor, dict[int, Tensor]]:
@@ -205,7 +190,7 @@ class DecoderRunner:
         with attention_without_cudnn(tokens.device):  # a new width nearly every window
             return self._pass(tokens, start, cache, None, None, None, (layers, scores)), scores
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: a step compiled whole traces through this, and Dynamo cannot enter it
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
         window: int | None = None, rows: Tensor | None = None,

@@ -636,7 +636,7 @@ def render_markdown(report: dict, title: str) -> str:
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
-        f"{', compiled passes' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
+        f"{', compiled steps' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']} "
         f"(transformers: 1); {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",

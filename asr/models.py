@@ -164,15 +164,13 @@ class ModelPair:
                compile: bool = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
         configuration: it keeps its batch states and CUDA graphs for every Transcriber.
-        compile: over the decoders' compiled passes (DecoderRunner.compiled)."""
+        compile: its steps compiled whole by torch.compile (SpeculativeDecoder.compiled)."""
         key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile)
         if key not in self._engines:
-            target, draft = self.target.runner, self.draft.runner if key[0] else None
-            if compile:
-                target, draft = target.compiled(), draft and draft.compiled()
+            draft = self.draft.runner if key[0] else None
             # setdefault: two threads creating the same engine at once end up sharing one
-            self._engines.setdefault(key, SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
-                                                             cuda_graphs=cuda_graphs))
+            self._engines.setdefault(key, SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
+                                                             cuda_graphs=cuda_graphs, compile="default" if compile else None))
         return self._engines[key]
 
 

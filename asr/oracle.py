@@ -76,9 +76,6 @@ class OracleDraft:
     def __getattr__(self, name: str):
         return getattr(self.runner, name)
 
-    def compiled(self, mode: str | None = None) -> "OracleDraft":
-        return OracleDraft(self.runner.compiled(mode), self.table)
-
     def forward(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
                 window: int | None = None, rows: Tensor | None = None) -> Tensor:
         logits = self.runner.forward(tokens, start, cache, logits_at, window, rows)

@@ -18,6 +18,7 @@ distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposa
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -38,10 +39,11 @@ def feed_width(gap: int, capacity: int) -> int:
 class SpeculativeDecoder:
     """The engine for one target (and optionally one draft); keeps the states of its batches
     (and their CUDA graphs) for reuse. fixed_shapes: decode in fixed shapes (default: on
-    CUDA); cuda_graphs: run those as CUDA graphs on CUDA."""
+    CUDA); cuda_graphs: run those as CUDA graphs on CUDA; compile: a torch.compile mode
+    ("default", "max-autotune-no-cudagraphs", ...) in which each step is compiled whole."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
-                 fixed_shapes: bool | None = None, cuda_graphs: bool = True):
+                 fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         self.target, self.draft = target, draft
@@ -62,6 +64,24 @@ class SpeculativeDecoder:
         self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
         self.states = States(self)
         self._draft_lengths: dict[int | None, DraftLength] = {}
+        self.compile = compile
+        self._compiled: dict[Callable, Callable] = {}
+
+    def compiled(self, step: Callable) -> Callable:
+        """step (an unbound method of a batch: a prefill, a draft step, a verification) as
+        this engine runs it: as it is, or compiled whole by torch.compile in the engine's mode,
+        the decoder's pass and all around it (the rules, the choice of tokens, the state's
+        bookkeeping: half a draft step's operators, each a kernel of its own on a GPU), so
+        that Inductor fuses them. A step's first use, eager under graphs, compiles it, so
+        nothing compiles inside a capture (asr/cudagraphs.py)."""
+        if self.compile is None:
+            return step
+        if step not in self._compiled:
+            # Dynamo keeps its graphs per function, shared by every engine: one per step, rules and
+            # mode, each made shape-generic once a second shape is met.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._compiled[step] = torch.compile(step, mode=self.compile)
+        return self._compiled[step]
 
     def draft_length(self, fixed: int | None = None) -> DraftLength:
         """The adaptive draft length over this engine (or a fixed one), one for all who ask: what
@@ -200,9 +220,9 @@ class Batch(Slots):
         e, s = self.engine, self.state
         s.step.zero_()
         if not e.fixed_shapes:
-            ended = torch.zeros_like(s.live)
+            ended, step = torch.zeros_like(s.live), e.compiled(Batch._draft_step)
             for i in range(k):
-                ended |= self._draft_step(width if i == 0 else 1, sample, rows, i) == self.rules.eot
+                ended |= step(self, width if i == 0 else 1, sample, self._window(rows, i)) == self.rules.eot
                 if bool(ended.all()):
                     return i + 1, True
             return k, True
@@ -212,26 +232,26 @@ class Batch(Slots):
         return k, representative
 
     def _run_draft_step(self, width: int, sample: bool, rows: list[Row], i: int) -> bool:
-        """_draft_step as a step (asr/cudagraphs.py); returns whether its time is representative."""
-        s = self.state
-        return self.engine.graphs.run(s.graphs, ("draft", width, sample, self.rules),
-                                      lambda: self._draft_step(width, sample, rows, i), s.changed())
+        """_draft_step as a step (asr/cudagraphs.py), i the step; returns whether its time is
+        representative."""
+        e, s = self.engine, self.state
+        step, window = e.compiled(Batch._draft_step), self._window(rows, i)
+        return e.graphs.run(s.graphs, ("draft", width, sample, self.rules), lambda: step(self, width, sample, window),
+                            s.changed())
 
-    def _draft_step(self, width: int, sample: bool, rows: list[Row], i: int) -> Tensor:
+    def _draft_step(self, width: int, sample: bool, window: int | None) -> Tensor:
         """One draft step: predicts index length + step of each row and advances the step.
         It feeds the `width` tokens before that index: the last proposal, or at the first
         step the kept tokens the draft has not cached, ending at the pending one. A row with
         fewer re-feeds cached ones, which rewrites their keys and values; one with fewer
         tokens than `width` also feeds tokens past the index, whose entries are rewritten
-        before anything attends to them. i: the step (for the window attended in fitted
-        shapes). Returns the proposals [R]."""
+        before anything attends to them. window: as the pass's. Returns the proposals [R]."""
         e, s = self.engine, self.state
         position = s.length + s.step  # [R] the index predicted
         start = (position - width).clamp(min=0)
         feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
         with attention_without_cudnn(e.device):
-            logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None],
-                                     window=self._window(rows, i))[:, 0]
+            logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window)[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
         if sample:
             u = s.noise.gather(1, s.step.expand(len(position))[:, None])[:, 0]
@@ -249,12 +269,11 @@ class Batch(Slots):
         """_verify as a step, captured at the verification width alone (any other is fitted
         shapes, or sampled rows' long hints); returns whether its time is representative."""
         e, s = self.engine, self.state
-        one_off = width != e.verify_width
-        with attention_without_cudnn(e.device, one_off):
-            return e.graphs.run(s.graphs, ("verify", width, sample, self.rules),
-                                lambda: self._verify(width, draft_probs, noise, rows), s.changed(), capture=not one_off)
+        step, window = e.compiled(Batch._verify), self._window(rows, width - 1)
+        return e.graphs.run(s.graphs, ("verify", width, sample, self.rules), lambda: step(self, width, draft_probs, noise, window),
+                            s.changed(), capture=width == e.verify_width)
 
-    def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, rows: list[Row]) -> None:
+    def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, window: int | None) -> None:
         """The target's pass over `width` positions, the pending token and the proposals
         after it (k = width - 1, or in fixed shapes the state's k, the rest of the width being
         stale tokens whose results go unused): each live row keeps its longest agreeing
@@ -263,7 +282,8 @@ class Batch(Slots):
         k = width - 1
         steps = torch.arange(width, device=e.device)
         positions = s.length[:, None] + steps  # predicted indices
-        logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=self._window(rows, k))
+        with attention_without_cudnn(e.device, width != e.verify_width):  # inside the step: a compiled one then keeps it
+            logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window)
         n, _, vocab = logits.shape
         rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])
@@ -293,4 +313,4 @@ class Batch(Slots):
         finished = s.live & (eot_kept | (s.length >= s.limit))
         s.eot.logical_or_(eot_kept)
         s.live.logical_and_(~finished)
-        torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()], out=s.out)
+        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()]))  # not stack(out=): Dynamo breaks there

@@ -58,7 +58,7 @@ class TranscribeOptions:
     max_draft_tokens: int = 8
     seed: int = 0
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
-    compile: bool = False  # the decoders' passes compiled by torch.compile (DecoderRunner.compiled)
+    compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ Section 2, the real packaged pair (--real-target, --real-draft: the embedded pre
 short dev clips (one 30 s window each, greedy with timestamps, natural end-of-text), with
 the draft's real acceptance, at fixed k and with the adaptive length.
 
---compile adds our target-only and speculative rows with the decoders' passes compiled by
-torch.compile (Inductor) inside the CUDA graphs (asr/decoder.py, DecoderRunner.compiled); with
+--compile adds our target-only and speculative rows with the engine's steps compiled whole by
+torch.compile (Inductor) inside the CUDA graphs (SpeculativeDecoder.compiled); with
 MODES (torch.compile's modes, comma-separated), a set of rows per mode, side by side: e.g.
 `--compile default,max-autotune-no-cudagraphs` (Inductor times its own Triton matrix
 products against cuBLAS per shape, and can fuse the bias, GELU and residual add into them).
@@ -88,7 +88,7 @@ TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU;
 # verification (max_draft_tokens + 1 = 9), so that both give the same logits: this row
 # computes one, to show what that costs.
 ONE_POSITION = "ours target-only, 1 position per pass"
-COMPILED = "compiled"  # --compile: the decoders' passes compiled by torch.compile inside the graphs
+COMPILED = "compiled"  # --compile: the steps compiled by torch.compile inside the graphs
 
 
 @dataclass(frozen=True)
@@ -173,7 +173,7 @@ def main() -> None:
     parser.add_argument("--fixed-shapes", action="store_true", help="on a CPU too, decode in the fixed shapes a GPU uses")
     parser.add_argument("--profile", action="store_true", help="count kernels and their time per token (torch.profiler)")
     parser.add_argument("--compile", nargs="?", const="default", metavar="MODES",
-                        help="add rows with the decoders' passes compiled by torch.compile (DecoderRunner.compiled), "
+                        help="add rows with the engine's steps compiled by torch.compile (SpeculativeDecoder.compiled), "
                              "a set per torch.compile mode in MODES (comma-separated; default: default)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
@@ -188,6 +188,10 @@ def main() -> None:
     warnings.filterwarnings("error", message="a .* step could not be captured")
 
     device = torch.device(args.device)
+    if device.type == "cpu" and args.profile:  # compiled steps' kernels then show in a CPU profile
+        from torch._inductor import config as inductor
+
+        inductor.cpp.enable_kernel_profile = True
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = device.type == "cuda"
@@ -234,12 +238,10 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
               compile: str | None = None) -> SpeculativeDecoder:
-        if compile:  # a torch.compile mode
-            target, draft = target.compiled(compile), draft and draft.compiled(compile)
         if draft is not None:  # room for the rows' fixed k
             max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
         return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
-                                  fixed_shapes=fixed, cuda_graphs=graphs)
+                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile)
     return build
 
 
@@ -480,9 +482,23 @@ def profile(run: Callable[[], Decoded], device: torch.device) -> Kernels:
     if device.type == "cuda":
         kernels = [e for e in events if e.device_type == DeviceType.CUDA]
     else:
-        # Our CPU matrix products are oneDNN's and fbgemm's operators (asr/decoder.py), not aten's.
-        kernels = [e for e in events if e.name.startswith(("aten::", "mkldnn::", "quantized::")) and e.cpu_parent is None]
+        kernels = [e for e in events if cpu_operator(e.name) and not any(cpu_operator(a) for a in ancestors(e))]
     return Kernels([(e.name, e.time_range.elapsed_us() / 1e6) for e in kernels])
+
+
+def cpu_operator(name: str) -> bool:
+    """A CPU profile's operators: aten's, and oneDNN's and fbgemm's (our CPU matrix products,
+    asr/decoder.py), and Inductor's generated kernels in compiled steps (enable_kernel_profile)."""
+    return name.startswith(("aten::", "mkldnn::", "quantized::")) or "cpp_fused" in name
+
+
+def ancestors(event) -> list[str]:
+    """The names of the events an event runs inside (a compiled region's wrappers are not operators)."""
+    names, parent = [], event.cpu_parent
+    while parent is not None:
+        names.append(parent.name)
+        parent = parent.cpu_parent
+    return names
 
 
 def random_pair(geometry: Geometry, device: torch.device, dtype: torch.dtype) -> tuple[WhisperForConditionalGeneration, WhisperForCausalLM]:

@@ -3,7 +3,7 @@ large-v3-geometry benchmark, and (where the packaged weights, the audio extras a
 set are installed) the dev set through
 `asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
 (hinted rounds, captured like the draft's), all written to one report; then the same
-benchmark and evaluation with the decoders' passes compiled (torch.compile).
+benchmark and evaluation with the engine's steps compiled (torch.compile).
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe,stream, then compile
@@ -139,7 +139,7 @@ def attention(out: Path, env: dict) -> dict:
 
 
 def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: bool = False) -> dict:
-    """compile: batch 1 and 16 at acceptance 0.8, each row also with compiled passes, in
+    """compile: batch 1 and 16 at acceptance 0.8, each row also with compiled steps, in
     torch.compile's default mode and with max-autotune (Inductor's Triton matrix products
     timed against cuBLAS per shape, epilogues fused), side by side."""
     folder = args.out / ("benchmark-compiled" if compile else "benchmark")

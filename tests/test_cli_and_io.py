@@ -280,8 +280,8 @@ def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsy
     assert "needs faster-whisper's Silero VAD: pip install 'asr[vad]'" in capsys.readouterr().err
 
 
-def test_cli_transcribes_with_compiled_passes(tmp_path: Path):
-    """--compile (torch.compile of the decoders' passes, meant for a GPU) reaches the engine
+def test_cli_transcribes_with_compiled_steps(tmp_path: Path):
+    """--compile (torch.compile of the engine's steps, meant for a GPU) reaches the engine
     and gives the same transcript, the int8 draft's passes included."""
     from torch._dynamo.utils import counters
 

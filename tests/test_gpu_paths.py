@@ -257,23 +257,28 @@ def test_the_longest_draft_keeps_its_proposals_in_fixed_shapes(pair, maximum: in
     assert all(s.stats.draft_accepted == s.stats.draft_proposed > 0 for s in fixed)
 
 
-@pytest.mark.parametrize("mode", [None, "max-autotune-no-cudagraphs"])
-def test_compiled_passes_give_the_same_tokens(pair, mode: str | None):
-    """The decoders' passes compiled by torch.compile (for a GPU, inside its graphs; here
-    Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes: rounds
-    without drafting and with k = 3 give the eager engine's tokens, and the runners the
-    engine was given stay eager."""
+@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
+def test_compiled_steps_give_the_same_tokens(pair, mode: str):
+    """The engine's steps compiled whole by torch.compile (for a GPU, inside its graphs;
+    here Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes:
+    rounds without drafting and with k = 3 give the eager engine's tokens, and Dynamo
+    takes each step (the pass, the rules, the choice, the bookkeeping) as one graph."""
+    from torch._dynamo.utils import counters
+
     target, encoded, draft = pair[:3]
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
-    target_runner, draft_runner = runner(target), runner(draft)
-    compiled = SpeculativeDecoder(target_runner.compiled(mode), draft_runner.compiled(mode), fixed_shapes=True)
-    assert compiled.target._pass is not target_runner._pass and compiled.target.layers is target_runner.layers
+    compiled = engine(target, draft, compile=mode)
+    assert compiled.compiled(Batch._verify) is compiled.compiled(Batch._verify) is not Batch._verify
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     for k in (0, 3):
         result = compiled.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options)
         assert_same(result, fitted)
     assert sum(s.stats.draft_accepted for s in result) > 0
+    # prefill, verification, the draft's first step (a catch-up) and its later steps
+    assert counters["stats"]["unique_graphs"] - graphs >= 4 and sum(counters["graph_break"].values()) == breaks
+    assert engine(target).compiled(Batch._verify) is Batch._verify  # not compiling: the step itself
 
 
 def test_a_step_that_compiles_does_not_count_as_its_cost():
@@ -631,11 +636,11 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
 
 
 @cuda
-@pytest.mark.parametrize("compile", [False, True], ids=["eager-passes", "compiled-passes"])
+@pytest.mark.parametrize("compile", [None, "default"], ids=["eager-steps", "compiled-steps"])
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
-def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: bool):
+def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: str | None):
     """On a GPU: the captured graphs (captured on a step's second use, then replayed) give
-    the tokens of the engine in fitted shapes, with the decoders' passes compiled too;
+    the tokens of the engine in fitted shapes, with the steps compiled whole too;
     capture itself fails on any host synchronisation inside a step."""
     target, features = target_and_windows(0)  # rows that end at different lengths
     draft = decoder_only_draft(target, noise=0.1, seed=0).float().cuda()
@@ -646,7 +651,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: bo
     rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
                           begin_suppress=BEGIN_SUPPRESS, timestamps=timestamps, device="cuda")
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
-    graphed = SpeculativeDecoder(*(r.compiled() if compile else r for r in (runner(target), runner(draft))))
+    graphed = SpeculativeDecoder(runner(target), runner(draft), compile=compile)
     assert graphed.graphs.enabled
     for k, batch in [(0, 4), (1, 4), (4, 4), (8, 4), (3, 1), (3, 3), (4, 4), (4, 4)]:
         rows = list(range(BATCH - batch, BATCH))
