@@ -1,4 +1,4 @@
-"""Running the engine's steps as CUDA graphs.
+"""Running the engine's steps as CUDA graphs, and compiled (CompiledSteps, `--compile`).
 
 A step (a draft proposal, a verification, a prefill) is a function of fixed shapes over
 tensors that live as long as its batch's state, reading nothing back to the host: on a
@@ -117,6 +117,36 @@ class StepGraphs:
                 finally:
                     graph.capture_end()
             return graph
+
+
+class CompiledSteps:
+    """Steps (unbound methods of a batch: a prefill, a draft step, a verification) compiled
+    whole by torch.compile in one mode: the decoder's pass and all around it (the rules, the
+    choice of tokens, the state's bookkeeping: half a draft step's operators, each a kernel
+    of its own on a GPU), so that Inductor fuses them; mode None: the steps as they are. A
+    step's first use, eager under graphs, compiles it, so nothing compiles in a capture."""
+
+    def __init__(self, mode: str | None):
+        if mode is not None and mode not in compile_modes():
+            raise ValueError(f"no torch.compile mode {mode!r} for the engine's steps: use one of {', '.join(compile_modes())}")
+        self.mode = mode
+        self._steps: dict[Callable, Callable] = {}
+
+    def __call__(self, step: Callable) -> Callable:
+        if self.mode is None:
+            return step
+        if step not in self._steps:
+            # Dynamo keeps its graphs per function, shared by every engine: one per step, rules and
+            # mode, each made shape-generic once a second shape is met.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            self._steps[step] = torch.compile(step, mode=self.mode)
+        return self._steps[step]
+
+
+def compile_modes() -> list[str]:
+    """torch.compile's modes the steps can be compiled in: not those with Inductor's own CUDA
+    graphs ("reduce-overhead", "max-autotune"), which cannot run inside ours."""
+    return [mode for mode, options in torch._inductor.list_mode_options().items() if not options.get("triton.cudagraphs")]
 
 
 def compilations() -> int:

@@ -18,13 +18,12 @@ distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposa
 from __future__ import annotations
 
 import time
-from typing import Callable
 
 import torch
 from torch import Tensor
 
 from asr import hints, sampling
-from asr.cudagraphs import StepGraphs
+from asr.cudagraphs import CompiledSteps, StepGraphs, compilations
 from asr.decoder import DecoderRunner, attention_without_cudnn
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
@@ -64,24 +63,7 @@ class SpeculativeDecoder:
         self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
         self.states = States(self)
         self._draft_lengths: dict[int | None, DraftLength] = {}
-        self.compile = compile
-        self._compiled: dict[Callable, Callable] = {}
-
-    def compiled(self, step: Callable) -> Callable:
-        """step (an unbound method of a batch: a prefill, a draft step, a verification) as
-        this engine runs it: as it is, or compiled whole by torch.compile in the engine's mode,
-        the decoder's pass and all around it (the rules, the choice of tokens, the state's
-        bookkeeping: half a draft step's operators, each a kernel of its own on a GPU), so
-        that Inductor fuses them. A step's first use, eager under graphs, compiles it, so
-        nothing compiles inside a capture (asr/cudagraphs.py)."""
-        if self.compile is None:
-            return step
-        if step not in self._compiled:
-            # Dynamo keeps its graphs per function, shared by every engine: one per step, rules and
-            # mode, each made shape-generic once a second shape is met.
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._compiled[step] = torch.compile(step, mode=self.compile)
-        return self._compiled[step]
+        self.compiled = CompiledSteps(compile)  # each step as the engine runs it: compiled whole, or as it is
 
     def draft_length(self, fixed: int | None = None) -> DraftLength:
         """The adaptive draft length over this engine (or a fixed one), one for all who ask: what
@@ -220,12 +202,12 @@ class Batch(Slots):
         e, s = self.engine, self.state
         s.step.zero_()
         if not e.fixed_shapes:
-            ended, step = torch.zeros_like(s.live), e.compiled(Batch._draft_step)
+            ended, step, compiled = torch.zeros_like(s.live), e.compiled(Batch._draft_step), compilations()
             for i in range(k):
                 ended |= step(self, width if i == 0 else 1, sample, self._window(rows, i)) == self.rules.eot
                 if bool(ended.all()):
-                    return i + 1, True
-            return k, True
+                    break
+            return i + 1, compilations() == compiled  # a round whose steps compiled says nothing of their cost
         width, representative = feed_width(width, e.capacity), True
         for i in range(k):
             representative &= self._run_draft_step(width if i == 0 else 1, sample, rows, i)
@@ -277,7 +259,8 @@ class Batch(Slots):
         """The target's pass over `width` positions, the pending token and the proposals
         after it (k = width - 1, or in fixed shapes the state's k, the rest of the width being
         stale tokens whose results go unused): each live row keeps its longest agreeing
-        prefix plus the target's own next token, cut at end-of-text and at its limit."""
+        prefix plus the target's own next token, cut at end-of-text and at its limit.
+        window: as the pass's."""
         e, s, rules = self.engine, self.state, self.rules
         k = width - 1
         steps = torch.arange(width, device=e.device)
@@ -300,12 +283,12 @@ class Batch(Slots):
         s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
         # Keep accepted + 1 tokens, cut after the first end-of-text and at the length limit.
-        window = s.tokens.gather(1, positions)
-        first_eot = torch.where(window == rules.eot, steps, width).amin(1)  # width where there is none
+        verified = s.tokens.gather(1, positions)
+        first_eot = torch.where(verified == rules.eot, steps, width).amin(1)  # width where there is none
         new = torch.minimum(torch.minimum(first_eot, accepted) + 1, s.limit - s.length) * s.live
         kept = steps < new[:, None]
         # log_softmax: one kernel, on CUDA from fp16 straight to float32 (a float copy and logsumexp were 11)
-        logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(2, window[:, :, None])[:, :, 0]
+        logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(2, verified[:, :, None])[:, :, 0]
         s.sum_logprob.add_(torch.where(kept, logprobs, 0.0).sum(1).double())  # -inf * 0 would be NaN
         eot_kept = first_eot < new
         s.length.add_(new)

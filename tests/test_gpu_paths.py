@@ -19,6 +19,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 from asr import decoder as asr_decoder, slots, speculative
 from asr.cudagraphs import StepGraphs
@@ -263,8 +264,6 @@ def test_compiled_steps_give_the_same_tokens(pair, mode: str):
     here Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes:
     rounds without drafting and with k = 3 give the eager engine's tokens, and Dynamo
     takes each step (the pass, the rules, the choice, the bookkeeping) as one graph."""
-    from torch._dynamo.utils import counters
-
     target, encoded, draft = pair[:3]
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
@@ -279,6 +278,14 @@ def test_compiled_steps_give_the_same_tokens(pair, mode: str):
     # prefill, verification, the draft's first step (a catch-up) and its later steps
     assert counters["stats"]["unique_graphs"] - graphs >= 4 and sum(counters["graph_break"].values()) == breaks
     assert engine(target).compiled(Batch._verify) is Batch._verify  # not compiling: the step itself
+
+
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "fastest"])
+def test_modes_that_cannot_compile_the_steps_are_refused(pair, mode: str):
+    """Inductor's own CUDA graphs cannot run inside the engine's captures; an unknown mode
+    is refused too, when the engine is made rather than at its first step."""
+    with pytest.raises(ValueError, match=f"no torch.compile mode '{mode}'.*default"):
+        engine(pair[0], compile=mode)
 
 
 def test_a_step_that_compiles_does_not_count_as_its_cost():
@@ -653,6 +660,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
     graphed = SpeculativeDecoder(runner(target), runner(draft), compile=compile)
     assert graphed.graphs.enabled
+    breaks = sum(counters["graph_break"].values())
     for k, batch in [(0, 4), (1, 4), (4, 4), (8, 4), (3, 1), (3, 3), (4, 4), (4, 4)]:
         rows = list(range(BATCH - batch, BATCH))
         result = graphed.decode(encoded[rows], [prompt] * batch, rules, max_new_tokens=MAX_NEW,
@@ -660,6 +668,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
         assert [s.tokens for s in result] == [fitted[r].tokens for r in rows], f"k={k} batch={batch}"
     captured = [graph for state in graphed.states.idle.values() for graph in state.graphs.values() if graph != "seen"]
     assert captured and "eager" not in captured and graphed.graphs.counts.failed == 0
+    assert sum(counters["graph_break"].values()) == breaks  # compiled steps whole: attention's choice traced too
 
 
 @cuda
