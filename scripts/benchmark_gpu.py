@@ -38,6 +38,8 @@ GB/s; --measure-bandwidth times a large device copy instead), the bytes its deco
 must read: every weight a step uses, and the cached keys and values it attends to (the
 self-attention ones over the mean context, the cross-attention ones over every frame). For
 speculative rows: k draft steps and one target pass per round, over the tokens a round keeps.
+Each row also gives the time of its two untimed runs (first uses, captures, and for compiled
+rows the compilations, where a method before it has not made them already).
 Writes DIR/benchmark_gpu.md (the table), DIR/benchmark_gpu.png and DIR/benchmark_gpu.json."""
 
 from __future__ import annotations
@@ -125,6 +127,7 @@ class Row:
     tokens: int  # tokens kept by all rows (end-of-text included)
     floor_seconds: float
     identical: bool  # tokens equal ours target-only's (the loop of asr/speculative.py)
+    warm_up_seconds: float = 0.0  # its two untimed runs: first uses, captures and (compiled rows) compilations
     acceptance: float | None = None  # accepted / proposed
     alpha: float | None = None  # per-token acceptance, from tokens per target pass
     tokens_per_pass: float | None = None
@@ -167,7 +170,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128, help="tokens every row decodes (section 1)")
     parser.add_argument("--num-draft-tokens", type=int, default=4, help="k, fixed, for every speculative row")
     parser.add_argument("--acceptance", default="0.6,0.8,0.95", help="the oracle draft's per-token acceptance rates")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, after one untimed (median)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per row, after two untimed (median)")
     parser.add_argument("--bandwidth-gbs", type=float, default=H100_SXM_GBS)
     parser.add_argument("--measure-bandwidth", action="store_true", help="time a large device copy instead")
     parser.add_argument("--fixed-shapes", action="store_true", help="on a CPU too, decode in the fixed shapes a GPU uses")
@@ -382,6 +385,7 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
     and returns their rows. ends_with_eot: every row kept an end-of-text (not in its tokens)
     besides its tokens; chunks: rows per decode call."""
     runs: dict[str, list[float]] = {name: [] for name, _, _ in methods}
+    warm_up: dict[str, float] = dict.fromkeys(runs, 0.0)  # the untimed runs: first uses, captures, compilations
     results: dict[str, Decoded] = {}
     warm_ups = 2
     for repeat in range(args.repeats + warm_ups):
@@ -392,6 +396,8 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
             synchronize(device)
             if repeat >= warm_ups:
                 runs[name].append(time.perf_counter() - began)
+            else:
+                warm_up[name] += time.perf_counter() - began
     profiles = {name: profile(run, device) for name, run, _ in methods} if args.profile else {}
     chunks = chunks or [batch]
     # A caller waits, per chunk, for its longest row; a step reads the weights once per chunk.
@@ -419,7 +425,7 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
                          kernel_kinds=per_token,
                          top_kernels=[(name, n / steps, 1000 * seconds / steps) for name, n, seconds in kernels.top()])
         rows.append(Row(section, batch, name, statistics.median(runs[name]), steps, tokens, floor,
-                        out.tokens == reference, **extra))
+                        out.tokens == reference, warm_up_seconds=warm_up[name], **extra))
         kernels = f", {rows[-1].kernels_per_token:.0f} kernels / token" if name in profiles else ""
         print(f"  {section} | batch {batch} | {name}: {rows[-1].ms_per_token:.2f} ms/token "
               f"(floor {rows[-1].floor_ms_per_token:.3f}{kernels})", flush=True)
@@ -603,8 +609,8 @@ def short_clips(manifest: Path) -> list[Path]:
 def markdown(rows: list[Row]) -> str:
     lines = ["| section | batch | method | ms / token | tokens / s | floor ms / token | floor / measured "
              "| kernels / token | kernel ms / token | vs transformers | vs ours target-only | accepted / proposed "
-             "| alpha | tokens / target pass | same tokens as ours target-only |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| alpha | tokens / target pass | same tokens as ours target-only | 2 untimed runs s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
 
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else format(value, pattern)
@@ -619,7 +625,7 @@ def markdown(rows: list[Row]) -> str:
             f"| {row.floor_ms_per_token:.3f} | {row.floor_seconds / row.seconds:.0%} | {fmt(row.kernels_per_token, '.0f')} "
             f"| {fmt(row.kernel_ms_per_token, '.3f')} | {generate.seconds / row.seconds:.2f}x "
             f"| {ours.seconds / row.seconds:.2f}x | {fmt(row.acceptance, '.0%')} | {alpha} | {fmt(row.tokens_per_pass, '.2f')} "
-            f"| {'yes' if row.identical else 'NO'} |")
+            f"| {'yes' if row.identical else 'NO'} | {row.warm_up_seconds:.1f} |")
     return "\n".join(lines)
 
 
