@@ -145,8 +145,10 @@ class CompiledSteps:
 
 def compile_modes() -> list[str]:
     """torch.compile's modes the steps can be compiled in: not those with Inductor's own CUDA
-    graphs ("reduce-overhead", "max-autotune"), which cannot run inside ours."""
-    return [mode for mode, options in torch._inductor.list_mode_options().items() if not options.get("triton.cudagraphs")]
+    graphs ("reduce-overhead", "max-autotune"), which cannot run inside ours, nor those that
+    leave most operators uncompiled ("lite")."""
+    return [mode for mode, options in torch._inductor.list_mode_options().items()
+            if not options.get("triton.cudagraphs") and not options.get("fallback_by_default")]
 
 
 def compilations() -> int:

@@ -202,7 +202,7 @@ class Batch(Slots):
         e, s = self.engine, self.state
         s.step.zero_()
         if not e.fixed_shapes:
-            ended, step, compiled = torch.zeros_like(s.live), e.compiled(Batch._draft_step), compilations()
+            ended, step, compiled, i = torch.zeros_like(s.live), e.compiled(Batch._draft_step), compilations(), -1
             for i in range(k):
                 ended |= step(self, width if i == 0 else 1, sample, self._window(rows, i)) == self.rules.eot
                 if bool(ended.all()):

@@ -71,6 +71,7 @@ from transformers.modeling_outputs import BaseModelOutput
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
 
+from asr.cudagraphs import compile_modes as engine_compile_modes  # noqa: E402
 from asr.decoder import DecoderRunner  # noqa: E402
 from asr.draft_length import DraftLength  # noqa: E402
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_proposals, oracle_table  # noqa: E402
@@ -191,6 +192,8 @@ def main() -> None:
     # and so does a compiled step past Dynamo's recompile limit (it would run eagerly in a compiled row).
     warnings.filterwarnings("error", message="a .* step could not be captured")
     torch._dynamo.config.fail_on_recompile_limit_hit = True
+    if set(compile_modes(args)) - set(engine_compile_modes()):
+        parser.error(f"--compile: modes are from {', '.join(engine_compile_modes())}")
 
     device = torch.device(args.device)
     if device.type == "cpu" and args.profile:  # compiled steps' kernels then show in a CPU profile

@@ -7,7 +7,7 @@ benchmark and evaluation with the engine's steps compiled (torch.compile, `compi
 the benchmark with them compiled in max-autotune (`autotune`).
 
     python scripts/gpu_check.py --out gpu-check
-    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then --only evaluate,transcribe,stream, then compile
+    python scripts/gpu_check.py --out gpu-check --only tests,benchmark   # then evaluate,transcribe,stream, then compile, autotune
 
 Needs torch (CUDA) and transformers; nothing is downloaded. What needs more is skipped,
 and the report says why. Writes DIR/gpu_check.md (every figure, and the environment),

@@ -5,6 +5,7 @@ checked here, with a small archive and no GPU)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
 import shutil
@@ -91,3 +92,17 @@ def test_the_plan_runs_the_dev_set_parts_as_soon_as_the_weights_have_come(bundle
         ["benchmark --repeats 2`", "tests`", "compile`", "autotune`"]
     # One chunk: the dev-set parts come first, the short parts after.
     assert bundle.calls(1).splitlines()[2].endswith("device_call.sh evaluate,transcribe,stream`")
+
+
+def test_a_sound_archive_that_cannot_be_unpacked_keeps_its_chunks(tmp_path):
+    """md5 right, unpacking failed (not the carried bytes' fault: /tmp full, say): the
+    chunks stay for the next call, rather than having to be carried again."""
+    chunk = tmp_path / "bundle" / "w1"
+    chunk.mkdir(parents=True)
+    data = b"not an xz archive"
+    (chunk / "weights.tar.xz.01").write_bytes(data)
+    (chunk / "weights.info").write_text(f"1 {hashlib.md5(data).hexdigest()}\n")
+    done = call(tmp_path, chunk)
+    assert done.returncode != 0 and "sound but could not be unpacked" in done.stderr
+    assert (tmp_path / "machine" / "chunks" / "weights.tar.xz.01").is_file()
+    assert not (tmp_path / "machine" / "weights.unpacked").exists()

@@ -19,7 +19,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch._dynamo.utils import counters
 
 from asr import decoder as asr_decoder, slots, speculative
 from asr.cudagraphs import StepGraphs
@@ -264,6 +263,8 @@ def test_compiled_steps_give_the_same_tokens(pair, mode: str):
     here Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes:
     rounds without drafting and with k = 3 give the eager engine's tokens, and Dynamo
     takes each step (the pass, the rules, the choice, the bookkeeping) as one graph."""
+    from torch._dynamo.utils import counters
+
     target, encoded, draft = pair[:3]
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
@@ -280,12 +281,25 @@ def test_compiled_steps_give_the_same_tokens(pair, mode: str):
     assert engine(target).compiled(Batch._verify) is Batch._verify  # not compiling: the step itself
 
 
-@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "fastest"])
+@pytest.mark.parametrize("mode", ["reduce-overhead", "max-autotune", "lite", "fastest"])
 def test_modes_that_cannot_compile_the_steps_are_refused(pair, mode: str):
-    """Inductor's own CUDA graphs cannot run inside the engine's captures; an unknown mode
-    is refused too, when the engine is made rather than at its first step."""
+    """Inductor's own CUDA graphs cannot run inside the engine's captures, and "lite" leaves
+    most operators uncompiled; an unknown mode is refused too, when the engine is made
+    rather than at its first step."""
     with pytest.raises(ValueError, match=f"no torch.compile mode '{mode}'.*default"):
         engine(pair[0], compile=mode)
+
+
+@torch.inference_mode()
+def test_a_fitted_round_whose_draft_steps_compiled_does_not_count_as_their_cost(pair):
+    """In fitted shapes (a CPU's) the draft's steps do not go through StepGraphs: a round
+    in which they compiled is not representative of their cost either, the next one is."""
+    target, encoded, draft = pair[:3]
+    batch = engine(target, draft, fixed=False, compile="default").batch(rules_for(True), rows=2, no_speech_token=50362)
+    batch.add([Window(encoded[i], prompt_for(True), max_new_tokens=MAX_NEW) for i in range(2)])
+    rows = [row for row in batch.slots if row is not None]
+    assert [batch._propose(2, 1, False, rows)[1] for _ in range(2)] == [False, True]
+    batch.close()
 
 
 def test_a_step_that_compiles_does_not_count_as_its_cost():
@@ -658,6 +672,8 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
     rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
                           begin_suppress=BEGIN_SUPPRESS, timestamps=timestamps, device="cuda")
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
+    from torch._dynamo.utils import counters
+
     graphed = SpeculativeDecoder(runner(target), runner(draft), compile=compile)
     assert graphed.graphs.enabled
     breaks = sum(counters["graph_break"].values())
