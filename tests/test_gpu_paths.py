@@ -34,7 +34,9 @@ from conftest import (
 )
 from test_exactness import BATCH, MAX_NEW, _Alternating, prompt_for, rules_for, runner, target_and_windows
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def cuda(test):
+    """A test that needs a GPU: skipped without one, selected by `-m gpu` (scripts/gpu_check.py)."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")(test))
 
 
 @pytest.fixture(scope="module")
