@@ -120,7 +120,7 @@ class StepGraphs:
 
 
 class CompiledSteps:
-    """Steps (unbound methods of a batch: a prefill, a draft step, a verification) compiled
+    """Steps (unbound methods of a batch: a draft step, a verification) compiled
     whole by torch.compile in one mode: the decoder's pass and all around it (the rules, the
     choice of tokens, the state's bookkeeping: dozens of small operators a step, each a kernel
     of its own on a GPU), so that Inductor fuses them; mode None: the steps as they are. A

@@ -293,17 +293,19 @@ class Slots:
                 e.draft.fill_cross(s.draft, rows, own[group].to(e.dtype))
         width = max(len(w.prompt) for w in windows)
         if not e.fixed_shapes:
-            e.compiled(Slots._prefill)(self, None if slots == list(range(s.key[0])) else index, width)
+            self._prefill(None if slots == list(range(s.key[0])) else index, width)
             return
         for slot, w in zip(slots, windows):
             self._run_prefill(slot, prefill_width(len(w.prompt), C))
 
     def _run_prefill(self, slot: int, width: int) -> None:
-        """In fixed shapes, the prefill of one row (a step read from the state, as a graph)."""
+        """In fixed shapes, the prefill of one row (a step read from the state, as a graph). Never
+        compiled (--compile): it runs once a window, where compiling its 7 widths would cost
+        more than it saves."""
         e, s = self.engine, self.state
         s.prefill_row.fill_(slot)
-        step = e.compiled(Slots._prefill)
-        e.graphs.run(s.graphs, ("prefill", width, self.no_speech_token), lambda: step(self, s.prefill_row, width), s.changed())
+        e.graphs.run(s.graphs, ("prefill", width, self.no_speech_token), lambda: self._prefill(s.prefill_row, width),
+                     s.changed())
 
     def _prefill(self, rows: Tensor | None, width: int) -> None:
         """Caches the first `width` tokens of these rows (all if None): the target's prompt

@@ -278,8 +278,8 @@ def test_compiled_steps_give_the_same_tokens(pair, mode: str):
         result = compiled.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options)
         assert_same(result, fitted)
     assert sum(s.stats.draft_accepted for s in result) > 0
-    # prefill, verification, the draft's first step (a catch-up) and its later steps
-    assert counters["stats"]["unique_graphs"] - graphs >= 4 and sum(counters["graph_break"].values()) == breaks
+    # verification, the draft's first step (a catch-up) and its later steps; prefills are not compiled
+    assert counters["stats"]["unique_graphs"] - graphs >= 3 and sum(counters["graph_break"].values()) == breaks
     assert engine(target).compiled(Batch._verify) is Batch._verify  # not compiling: the step itself
 
 
