@@ -138,7 +138,8 @@ def run(command: list[str], env: dict, log: Path, timeout: float = 1800) -> tupl
 
 def tests(out: Path, env: dict) -> dict:
     """The tests that need a GPU (marked gpu; the rest run in CI, on CPU, whatever the machine)."""
-    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu_paths.py"]
+    command = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "--durations=8", "-m", "gpu",
+               "tests/test_gpu_paths.py"]  # durations: in tests.log, for sizing later calls
     code, output = run(command, env, out / "tests.log")
     lines = [line for line in output.splitlines() if re.search(r"passed|failed|SKIPPED|FAILED|error", line)]
     return {"ok": code == 0, "command": " ".join(command[1:]), "summary": lines[-12:]}
