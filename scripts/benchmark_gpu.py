@@ -397,10 +397,15 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
             began = time.perf_counter()
             results[name] = run()
             synchronize(device)
+            seconds = time.perf_counter() - began
             if repeat >= warm_ups:
-                runs[name].append(time.perf_counter() - began)
+                runs[name].append(seconds)
             else:
-                warm_up[name] += time.perf_counter() - began
+                warm_up[name] += seconds
+            # As it goes: a run stopped from outside (a machine lent for minutes) still tells this much.
+            longest = max(len(t) for t in results[name].tokens)
+            print(f"    {section} | batch {batch} | {name}: {'timed' if repeat >= warm_ups else 'untimed'} run {seconds:.2f} s, "
+                  f"{1000 * seconds / longest:.2f} ms per token of the longest row", flush=True)
     profiles = {name: profile(run, device) for name, run, _ in methods} if args.profile else {}
     chunks = chunks or [batch]
     # A caller waits, per chunk, for its longest row; a step reads the weights once per chunk.

@@ -42,15 +42,16 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # The calls, for a machine lent for DEVICE_SECONDS in all (its start, a minute or two, and
 # the waits between calls included), most wanted first: gpu_check.py's parts with options,
 # and the seconds they may take (CHECK_SECONDS). The calls that carry the first chunks only
-# carry them; the one that brings the last runs the dev-set parts (float16 first) and the
-# tests that need a GPU; then the batch-1 benchmark with the steps compiled whole (its rows
-# without compiling too), in what time is left.
+# carry them; the one that brings the last runs the dev-set parts (in float16) and the tests
+# that need a GPU; then the batch-1 benchmark with the steps compiled whole (its rows without
+# compiling too), in what time is left.
 DEVICE_SECONDS = 900
-WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16,bfloat16", 320)
+START_SECONDS = 90  # what a machine's start takes of it, about
+WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 320)
 AFTER = (("compile --batch-sizes 1 --repeats 2", 240),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("benchmark --repeats 2", 540), ("autotune", 540), ("compile --batch-sizes 16 --repeats 2", 540),
-         ("attention", 120))
+SPARE = (("evaluate --dtypes bfloat16", 180), ("benchmark --repeats 2", 540), ("autotune", 540),
+         ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240), ("attention", 120))
 CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report
 
 def main() -> None:
@@ -156,9 +157,13 @@ def calls(chunks: int) -> str:
     planned = [line(f"{i}.", ([".device/extras"] if i == 1 else []) + [f".device/w{i}"],
                     *(WITH_WEIGHTS if i == chunks else ("none", 0))) for i in range(1, chunks + 1)]
     planned += [line(f"{i}.", [], parts, seconds) for i, (parts, seconds) in enumerate(AFTER, chunks + 1)]
+    total = sum(t for _, t in planned)
+    if total > DEVICE_SECONDS - START_SECONDS:
+        print(f"warning: the planned calls may take {total} s, more than the {DEVICE_SECONDS} s of device time "
+              f"leave after the machine's start: the last will have to be cut", file=sys.stderr)
     lines = ["# GPU check calls", "",
              f"Back to back: the machine's /tmp goes when it is given back, 30 s after a call. Their "
-             f"timeouts add up to {sum(t for _, t in planned)} s of the {DEVICE_SECONDS} s of device time, "
+             f"timeouts add up to {total} s of the {DEVICE_SECONDS} s of device time, "
              "which also pays the machine's start and the waits between calls.", "",
              *(text for text, _ in planned), "",
              f"Before each call after the {chunks_word(chunks)}, ask `status`: where budget_left_s is under the "

@@ -3,8 +3,9 @@ large-v3-geometry benchmark, and (where the packaged weights, the audio extras a
 set are installed) the dev set through
 `asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
 (hinted rounds, captured like the draft's), all written to one report; then the same
-benchmark and evaluation with the engine's steps compiled (torch.compile, `compile`), and
-the benchmark with them compiled in max-autotune (`autotune`).
+benchmark with the engine's steps compiled (torch.compile, `compile`), the dev set through
+`asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
+max-autotune (`autotune`).
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -32,7 +33,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
-PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,autotune"
+PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -54,14 +55,16 @@ def main() -> None:
     parts: dict[str, list[tuple[str, Callable[[], dict]]]] = {
         "tests": [("tests", lambda: tests(args.out, {**env, "ASR_DEV_SET": str(args.dev)}))],
         "attention": [("attention", lambda: attention(args.out, env))],
-        "benchmark": [("benchmark", lambda: benchmark(args, env, real))],
+        "benchmark": [(f"benchmark, batch {batch_sizes(args)}", lambda: benchmark(args, env, real))],
         "evaluate": [(f"evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real))
                      for dtype in args.dtypes.split(",")],
         "transcribe": [("transcribe", lambda: transcribe(args, env, real))],
         "stream": [("stream", lambda: stream(args, env, real))],
-        "compile": [("compile benchmark", lambda: benchmark(args, env, real, compile="default")),
-                    ("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))],
-        "autotune": [("autotune benchmark", lambda: benchmark(args, env, real, compile="max-autotune-no-cudagraphs"))],
+        "compile": [(f"compile benchmark, batch {batch_sizes(args, True)}",
+                     lambda: benchmark(args, env, real, compile="default"))],
+        "compile-evaluate": [("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))],
+        "autotune": [(f"autotune benchmark, batch {batch_sizes(args, True)}",
+                      lambda: benchmark(args, env, real, compile="max-autotune-no-cudagraphs"))],
     }
     unknown = [name for name in only if name not in parts]
     if unknown:
@@ -153,20 +156,27 @@ def attention(out: Path, env: dict) -> dict:
     return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
 
 
+def batch_sizes(args: argparse.Namespace, compiled: bool = False) -> str:
+    """The benchmark's batch sizes: --batch-sizes, or by default 1,4,16 (compiled: 1,16)."""
+    return args.batch_sizes or ("1,16" if compiled else "1,4,16")
+
+
 def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: str | None = None) -> dict:
-    """compile (a torch.compile mode): batch 1 and 16 at acceptance 0.8, each row also with
-    the steps compiled in that mode; max-autotune-no-cudagraphs has Inductor time its own
-    Triton matrix products against cuBLAS per shape, with epilogues fused."""
-    folder = args.out / (f"benchmark-compiled-{compile}" if compile else "benchmark")
-    batch_sizes = args.batch_sizes or ("1,16" if compile else "1,4,16")
+    """compile (a torch.compile mode): at acceptance 0.8 by default, each row also with the
+    steps compiled in that mode; max-autotune-no-cudagraphs has Inductor time its own Triton
+    matrix products against cuBLAS per shape, with epilogues fused; section 1 alone (the
+    packaged pair compiled: compile-evaluate). Each set of batch sizes has its folder (a
+    later call with others keeps this one's)."""
+    sizes = batch_sizes(args, compile is not None)
+    folder = args.out / ((f"benchmark-compiled-{compile}" if compile else "benchmark") + "-b" + sizes.replace(",", "-"))
     acceptance = args.acceptance or ("0.8" if compile else "0.6,0.8,0.95")
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
-               batch_sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
-               "--out", str(folder)] + (["--no-real"] if real else []) + (["--compile", compile] if compile else [])
+               sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
+               "--out", str(folder)] + (["--no-real"] if real or compile else []) + (["--compile", compile] if compile else [])
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"
-    notes = [f"section 2 (real weights) {real}." if real else "",
+    notes = [f"section 2 (real weights) {real}." if real and not compile else "",
              f"Each row's kernels by kind and the costliest ones: `{kernels}`." if code == 0 and kernels.is_file() else ""]
     return {"ok": code == 0, "command": " ".join(command[1:]), "table": table, "note": " ".join(filter(None, notes))}
 
@@ -250,7 +260,7 @@ def write(report: dict, out: Path) -> None:
         lines.append(f"{status} in {result.get('part_seconds', '?')} s" + (f": `{result['command']}`" if "command" in result else ""))
         if name == "tests":
             lines += ["", "```", *result["summary"], "```"]
-        elif name.endswith("benchmark"):
+        elif "benchmark" in name:
             lines += ["", result["table"], result["note"]]
         elif "evaluate" in name:
             lines += ["", "| manifest | files | identical | WER target | WER speculative | delta | target s | speculative s "
