@@ -50,7 +50,7 @@ def main() -> None:
     only = list(dict.fromkeys(part.strip() for part in args.only.split(",") if part.strip()))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    real = None  # why the dev-set parts cannot run, once known (below)
+    real = real_models_reason(args.dev, [m for m in AUDIO_EXTRAS if importlib.util.find_spec(m) is None])
     # Each part's runs, by title in the report.
     parts: dict[str, list[tuple[str, Callable[[], dict]]]] = {
         "tests": [("tests", lambda: tests(args.out, {**env, "ASR_DEV_SET": str(args.dev)}))],
@@ -72,11 +72,9 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     earlier = args.out / "gpu_check.json"
     report: dict = {"environment": environment(), "parts": json.loads(earlier.read_text())["parts"] if earlier.is_file() else {}}
-    missing = [m for m in AUDIO_EXTRAS if importlib.util.find_spec(m) is None]
-    real = real_models_reason(args.dev, missing)
     report["environment"]["real weights and dev set"] = real or "present"
     for name in only:  # in the order asked: most wanted first, on a machine lent for minutes
-        for title, run_part in parts.get(name, []):
+        for title, run_part in parts[name]:
             started = time.perf_counter()
             print(f"== {title}", flush=True)
             report["parts"][title] = run_part()
