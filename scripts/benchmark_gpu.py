@@ -40,7 +40,12 @@ self-attention ones over the mean context, the cross-attention ones over every f
 speculative rows: k draft steps and one target pass per round, over the tokens a round keeps.
 Each row also gives the time of its two untimed runs (first uses, captures, and for compiled
 rows the compilations, where a method before it has not made them already).
-Writes DIR/benchmark_gpu.md (the table), DIR/benchmark_gpu.png and DIR/benchmark_gpu.json."""
+Writes DIR/benchmark_gpu.md (the table), DIR/benchmark_gpu.png and DIR/benchmark_gpu.json
+(with the command and date); --readme FILE also writes a shorter table into FILE, between
+the lines README_BEGIN and README_END, and with --from-json does so from earlier runs'
+benchmark_gpu.json alone (a GPU machine's report), measuring nothing:
+
+    python scripts/benchmark_gpu.py --readme README.md --from-json gpu-check/benchmark-b1/benchmark_gpu.json"""
 
 from __future__ import annotations
 
@@ -92,6 +97,8 @@ TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU;
 # computes one, to show what that costs.
 ONE_POSITION = "ours target-only, 1 position per pass"
 COMPILED = "compiled"  # --compile: the steps compiled by torch.compile inside the graphs
+# Where --readme writes the table in a README.
+README_BEGIN, README_END = "<!-- benchmark_gpu.py --readme: begin -->", "<!-- benchmark_gpu.py --readme: end -->"
 
 
 @dataclass(frozen=True)
@@ -187,7 +194,23 @@ def main() -> None:
     parser.add_argument("--no-real", action="store_true", help="skip section 2")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=REPO / "out" / "benchmark_gpu")
+    parser.add_argument("--readme", type=Path, metavar="FILE",
+                        help=f"also write the table into FILE, between its lines {README_BEGIN} and {README_END}")
+    parser.add_argument("--from-json", type=Path, nargs="+", metavar="JSON",
+                        help="with --readme: write the table of earlier runs (their benchmark_gpu.json, rows in this "
+                             "order), measuring nothing")
     args = parser.parse_args()
+    if args.readme:
+        readme_block(args.readme)  # before measuring: a README it cannot write fails now, not at the end
+    if args.from_json:
+        if not args.readme:
+            parser.error("--from-json writes a README's table: give --readme")
+        try:
+            reports = [json.loads(path.read_text()) for path in args.from_json]
+        except (OSError, ValueError) as error:
+            parser.error(f"--from-json: {error}")
+        write_readme(args.readme, reports)
+        return
     # Its rows time CUDA graphs: a step that could not be captured (asr/cudagraphs.py) ends the run,
     # and so does a compiled step past Dynamo's recompile limit (it would run eagerly in a compiled row).
     warnings.filterwarnings("error", message="a .* step could not be captured")
@@ -228,7 +251,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     table = markdown(rows)
     (args.out / "benchmark_gpu.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
-    (args.out / "benchmark_gpu.json").write_text(json.dumps({"header": header, "rows": [asdict(r) for r in rows]}, indent=1))
+    report = {"header": header, "rows": [asdict(r) for r in rows], "command": shown_command(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d")}
+    (args.out / "benchmark_gpu.json").write_text(json.dumps(report, indent=1))
+    if args.readme:
+        write_readme(args.readme, [report])
     if args.profile:
         (args.out / "benchmark_gpu_kernels.md").write_text("\n\n".join(header) + "\n\n" + kernel_breakdown(rows) + "\n")
     print("\n" + table)
@@ -614,27 +641,79 @@ def short_clips(manifest: Path) -> list[Path]:
     return [manifest.parent / r["file"] for r in rows if float(r.get("duration_seconds") or 0) <= 30]
 
 
-def markdown(rows: list[Row]) -> str:
-    lines = ["| section | batch | method | ms / token | tokens / s | floor ms / token | floor / measured "
-             "| kernels / token | kernel ms / token | vs transformers | vs ours target-only | accepted / proposed "
-             "| alpha | tokens / target pass | same tokens as ours target-only | 2 untimed runs s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
-
+def markdown(rows: list[Row], compact: bool = False) -> str:
+    """The table of every column, or (compact: the README's) the speeds, floors and kernels."""
     def fmt(value: float | None, pattern: str) -> str:
         return "-" if value is None else format(value, pattern)
 
+    def alpha(row: Row) -> str:
+        return fmt(row.alpha, ".2f") + (f" (oracle {row.oracle_alpha:g})" if row.oracle_alpha is not None else "")
+
+    # (header, cell of a row given its group's transformers and ours target-only rows, in the compact table)
+    columns = [
+        ("section", lambda r, gen, ours: r.section, True),
+        ("batch", lambda r, gen, ours: str(r.batch), True),
+        ("method", lambda r, gen, ours: r.method, True),
+        ("ms / token", lambda r, gen, ours: f"{r.ms_per_token:.2f}", True),
+        ("tokens / s", lambda r, gen, ours: f"{r.tokens_per_second:.0f}", False),
+        ("floor ms / token", lambda r, gen, ours: f"{r.floor_ms_per_token:.3f}", True),
+        ("floor / measured", lambda r, gen, ours: f"{r.floor_seconds / r.seconds:.0%}", True),
+        ("kernels / token", lambda r, gen, ours: fmt(r.kernels_per_token, ".0f"), True),
+        ("kernel ms / token", lambda r, gen, ours: fmt(r.kernel_ms_per_token, ".3f"), False),
+        ("vs transformers", lambda r, gen, ours: f"{gen.seconds / r.seconds:.2f}x", True),
+        ("vs ours target-only", lambda r, gen, ours: f"{ours.seconds / r.seconds:.2f}x", True),
+        ("accepted / proposed", lambda r, gen, ours: fmt(r.acceptance, ".0%"), False),
+        ("alpha", lambda r, gen, ours: alpha(r), False),
+        ("tokens / target pass", lambda r, gen, ours: fmt(r.tokens_per_pass, ".2f"), True),
+        ("same tokens as ours target-only", lambda r, gen, ours: "yes" if r.identical else "NO", True),
+        ("2 untimed runs s", lambda r, gen, ours: f"{r.warm_up_seconds:.1f}", True),
+    ]
+    columns = [(header, cell) for header, cell, in_compact in columns if in_compact or not compact]
+    lines = ["| " + " | ".join(header for header, _ in columns) + " |", "|" + "---|" * len(columns)]
     for row in rows:
         group = [r for r in rows if r.section == row.section and r.batch == row.batch]
         generate = next(r for r in group if r.method == GENERATE)
         ours = next(r for r in group if r.method == TARGET_ONLY)
-        alpha = fmt(row.alpha, ".2f") + (f" (oracle {row.oracle_alpha:g})" if row.oracle_alpha is not None else "")
-        lines.append(
-            f"| {row.section} | {row.batch} | {row.method} | {row.ms_per_token:.2f} | {row.tokens_per_second:.0f} "
-            f"| {row.floor_ms_per_token:.3f} | {row.floor_seconds / row.seconds:.0%} | {fmt(row.kernels_per_token, '.0f')} "
-            f"| {fmt(row.kernel_ms_per_token, '.3f')} | {generate.seconds / row.seconds:.2f}x "
-            f"| {ours.seconds / row.seconds:.2f}x | {fmt(row.acceptance, '.0%')} | {alpha} | {fmt(row.tokens_per_pass, '.2f')} "
-            f"| {'yes' if row.identical else 'NO'} | {row.warm_up_seconds:.1f} |")
+        lines.append("| " + " | ".join(cell(row, generate, ours) for _, cell in columns) + " |")
     return "\n".join(lines)
+
+
+def shown_command(arguments: list[str]) -> str:
+    """This run's command as a README names it: its output and dev-set folders as DIR and DEV."""
+    shown, placeholders = [], {"--out": "DIR", "--dev": "DEV"}
+    for i, argument in enumerate(arguments):
+        shown.append(placeholders.get(arguments[i - 1], argument) if i else argument)
+    return " ".join(["python scripts/benchmark_gpu.py", *shown])
+
+
+def readme_block(path: Path) -> tuple[str, int, int]:
+    """path's text, and where its table's block starts and its end line starts."""
+    try:
+        text = path.read_text()
+    except OSError as error:
+        sys.exit(f"{path}: {error.strerror or error}")
+    start, end = text.find(README_BEGIN), text.find(README_END)
+    if start < 0 or end < start:
+        sys.exit(f"{path}: no lines {README_BEGIN} ... {README_END} to write the table between")
+    return text, start, end
+
+
+def write_readme(path: Path, reports: list[dict]) -> None:
+    """Replaces the lines between README_BEGIN and README_END in path with the runs' rows in
+    one table (compact), the commands and machines that printed them above it: the README's
+    GPU table is regenerated, never copied by hand. The file is replaced whole, never left
+    half-written."""
+    text, start, end = readme_block(path)
+    # One table: each run's rows compared within that run (its transformers and target-only rows).
+    tables = [markdown([Row(**row) for row in report["rows"]], compact=True).split("\n") for report in reports]
+    table = "\n".join(tables[0][:2] + [line for lines in tables for line in lines[2:]])
+    printed = [f"- `{r['command']}`, {r['date']}: {r['header'][0]}" if "command" in r else
+               f"- benchmark_gpu.py (an earlier version: command and date not recorded): {r['header'][0]}" for r in reports]
+    block = f"{README_BEGIN}\n\nPrinted by:\n\n" + "\n".join(printed) + f"\n\n{table}\n\n"
+    written = path.with_name(path.name + ".partial")
+    written.write_text(text[:start] + block + text[end:])
+    written.replace(path)
+    print(f"wrote the table of {len(reports)} runs into {path}")
 
 
 def kernel_breakdown(rows: list[Row]) -> str:

@@ -171,7 +171,9 @@ def calls(chunks: int) -> str:
              "returns nothing).", "", "With device time to spare, in this order:", "",
              *(line("-", [], parts, seconds)[0] for parts, seconds in SPARE), "",
              "Each call returns the report so far as check.tgz (gpu_check.md inside), also when gpu_check.py "
-             "runs out of its CHECK_SECONDS. Give the machine back after the last."]
+             "runs out of its CHECK_SECONDS. Give the machine back after the last. Then, here, the README's GPU "
+             "table from the report's benchmarks: `python scripts/benchmark_gpu.py --readme README.md --from-json "
+             "REPORT/benchmark-*/benchmark_gpu.json`."]
     return "\n".join(lines) + "\n"
 
 

@@ -636,11 +636,27 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
     command = [sys.executable, str(REPO / "scripts" / "benchmark_gpu.py"), "--device", "cpu", "--geometry", "tiny",
                "--batch-sizes", "2", "--max-new-tokens", "8", "--acceptance", "0.9", "--repeats", "1", "--fixed-shapes",
                "--real-target", str(tmp_path / "target"), "--real-draft", str(tmp_path / "draft"),
-               "--dev", str(DEV), "--real-clips", "2", "--real-max-new-tokens", "8", "--profile", "--out", str(out)]
+               "--dev", str(DEV), "--real-clips", "2", "--real-max-new-tokens", "8", "--profile", "--out", str(out),
+               "--readme", str(tmp_path / "README.md")]
+    before, after = "# Speed\n<!-- benchmark_gpu.py --readme: begin -->\n", "<!-- benchmark_gpu.py --readme: end -->\nmore\n"
+    (tmp_path / "README.md").write_text(before + "| an old table |\n" + after)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "RANDOM weights" in done.stdout and "oracle" in done.stdout
     report = json.loads((out / "benchmark_gpu.json").read_text())
+    # The README's table: written by the run, its command named, the rest of the file kept.
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("# Speed\n<!-- benchmark_gpu.py") and readme.endswith(after) and "an old table" not in readme
+    assert "`python scripts/benchmark_gpu.py --device cpu --geometry tiny" in readme and "--out DIR --readme" in readme
+    assert readme.count("| ours target-only |") == 2  # one per section
+    # From the run's JSON and a slower copy of it (two runs): each run's rows compared within that run.
+    slower = {**report, "rows": [{**row, "seconds": 2 * row["seconds"]} for row in report["rows"]]}
+    (tmp_path / "slower.json").write_text(json.dumps(slower))
+    again = subprocess.run(command[:2] + ["--readme", str(tmp_path / "README.md"), "--from-json", str(out / "benchmark_gpu.json"),
+                                          str(tmp_path / "slower.json")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-3000:]
+    rows = [line for line in (tmp_path / "README.md").read_text().splitlines() if "| ours target-only |" in line]
+    assert len(rows) == 4 and all("| 1.00x |" in line for line in rows)
+    assert "RANDOM weights" in done.stdout and "oracle" in done.stdout
     sections = {row["section"] for row in report["rows"]}
     assert len(sections) == 2 and len(report["rows"]) == 5 + 5
     assert all(row["identical"] for row in report["rows"])
