@@ -109,8 +109,7 @@ class DecodingRules:
         # (closing_pair); with none yet (last_timestamp -1) it is 0.
         lowest = (prefix.last_timestamp - closing_pair.long() - (ts_begin - 1)).clamp(min=0)
         timestamps.masked_fill_(self._timestamp_offsets < lowest[:, None], NEG_INF)
-        # The first generated token is a timestamp, no later than max_initial_timestamp.
-        text.masked_fill_(at_begin[:, None], NEG_INF)
+        # The first generated token is a timestamp (text is barred below), no later than max_initial_timestamp.
         if self.max_initial_timestamp_index is not None:
             timestamps[:, self.max_initial_timestamp_index + 1 :].masked_fill_(at_begin[:, None], NEG_INF)
         # If the timestamps together are likelier than any text token, emit a timestamp
@@ -118,6 +117,9 @@ class DecodingRules:
         # best_text computed as sum(exp(timestamps - best_text)) > 1, in float32 (the
         # subtraction promotes): 4 kernels where logsumexp is 9. Where best_text is -inf, every
         # text logit already is, so the outcome (inf, or NaN where a timestamp is -inf) changes nothing.
-        best_text = text.max(dim=-1).values.float()  # a max is exact in any dtype: no float copy of the text logits
+        # amax, not max(dim): no indices (8x faster on a CPU); exact in any dtype, so no float copy
+        # of the text logits. Rows at the beginning are barred from text whatever best_text is: one
+        # fill over the text logits for both rules (each is a pass over [N, 50k] on a CPU).
+        best_text = text.amax(dim=-1).float()
         timestamp_mass = (timestamps - best_text[:, None]).exp_().sum(-1)  # relative to best_text
-        text.masked_fill_((timestamp_mass > 1)[:, None], NEG_INF)
+        text.masked_fill_((at_begin | (timestamp_mass > 1))[:, None], NEG_INF)
