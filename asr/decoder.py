@@ -81,14 +81,21 @@ class DecoderRunner:
     """Runs a transformers `WhisperDecoder`'s weights over our own static cache."""
 
     def __init__(
-        self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None, int8: bool = False
+        self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None, int8: bool = False,
+        cross_dtype: torch.dtype | None = None,
     ):
         """head_token_ids: for a draft whose output head covers only some tokens, the token
         id of each head row; logits of the other tokens come back as -inf.
 
         int8: run the linear maps with int8 weights (dynamic quantisation, CPU only): a
-        draft's step is bound by reading its weights, and its proposals need not be exact."""
+        draft's step is bound by reading its weights, and its proposals need not be exact.
+
+        cross_dtype: the dtype the cross-attention keys and values are projected in (default:
+        the decoder's), kept in the decoder's: a CPU's bfloat16 encoder's (models.choose_dtypes),
+        whose output is bfloat16 already. Those projections of 1,500 frames per window are
+        compute-bound, not bound by reading weights as the decoder's steps are."""
         self.decoder = decoder
+        self.cross_dtype = cross_dtype
         self.layers = list(decoder.layers)
         self.head_token_ids = head_token_ids
         self.vocab_size = decoder.embed_tokens.num_embeddings
@@ -157,9 +164,16 @@ class DecoderRunner:
     def fill_cross(self, cache: KVCache, rows: Tensor, encoder_output: Tensor) -> None:
         """Computes the cross-attention K/V of encoder_output [n, frames, width] into the
         cache's rows [n] (once per window)."""
+        dtype = self.cross_dtype or encoder_output.dtype
+        encoder_output = encoder_output.to(dtype)
+
+        def project(linear: nn.Linear) -> Tensor:
+            bias = None if linear.bias is None else linear.bias.to(dtype)
+            return self._heads(F.linear(encoder_output, linear.weight.to(dtype), bias))
+
         for layer, k, v in zip(self.layers, cache.cross_k, cache.cross_v):
-            k.index_copy_(0, rows, self._heads(layer.encoder_attn.k_proj(encoder_output)))
-            v.index_copy_(0, rows, self._heads(layer.encoder_attn.v_proj(encoder_output)))
+            k.index_copy_(0, rows, project(layer.encoder_attn.k_proj).to(k.dtype))
+            v.index_copy_(0, rows, project(layer.encoder_attn.v_proj).to(v.dtype))
 
     def copy_cross(self, cache: KVCache, rows: Tensor, cross: list[tuple[list[Tensor], list[Tensor]]]) -> None:
         """Writes cross-attention K/V computed elsewhere (per row: K and V per layer) into

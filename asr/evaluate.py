@@ -392,8 +392,13 @@ class FasterWhisperSystem(_OneFileAtATime):
                                   cpu_threads=torch.get_num_threads(), num_workers=1)
 
     def _one(self, item: AudioInput, language: str) -> Run:
+        import ctranslate2  # faster-whisper's engine
+
         options, vocab = self.options, self.target.vocab
         started = time.perf_counter()
+        # Its temperature fallback samples from CTranslate2's generator, seeded anew by each
+        # process otherwise: the dev set's sonnet's sampled tail then differed from run to run.
+        ctranslate2.set_random_seed(options.seed)
         segments, _ = self.model.transcribe(
             item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1, best_of=1,
             temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,

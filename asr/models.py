@@ -118,7 +118,8 @@ class WhisperModel:
         """One per model: runners are stateless (caches belong to each decode) but hold a
         re-laid-out copy of the output head, made once."""
         if self.head_token_ids is None:
-            return DecoderRunner(self.decoder, self.model.proj_out.weight)
+            encoder = self.encoder_dtype
+            return DecoderRunner(self.decoder, self.model.proj_out.weight, cross_dtype=encoder if encoder != self.dtype else None)
         # A distilled draft (the only kind with a reduced head) runs int8 weights on a CPU:
         # its proposals need not be exact, only cheap.
         head = self.model.proj_out.weight[self.head_token_ids]

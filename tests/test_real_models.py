@@ -10,6 +10,7 @@ import torch
 
 import asr.transcribe
 from asr.audio import SAMPLE_RATE, load_audio
+from asr.features import WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
@@ -67,11 +68,20 @@ def test_a_bfloat16_encoder_keeps_speculative_exact_and_the_wer(dev_set):
     """The CPU default where the CPU computes in bfloat16 (choose_dtypes): encoders in
     bfloat16, decoders in float32. The shipped draft's transcripts equal the target's alone
     in those dtypes, the dtype is reported, and the short clips' WER stays under the
-    float32 test's floor."""
+    float32 test's floor. The cross-attention keys and values are projected in bfloat16 from
+    the bfloat16 encoder's output and kept in float32."""
     clips, audio = dev_set
     short = [(c, a) for c, a in zip(clips, audio) if c.duration <= 30]
     pair = load_pair("packaged:whisper-base", "bundled:whisper-base-2l", dtype=torch.float32, encoder_dtype=torch.bfloat16)
     assert pair.target.encoder_dtype == torch.bfloat16 and pair.target.dtype == torch.float32
+    with torch.inference_mode():
+        encoded = pair.target.encode(log_mel(short[0][1].samples, pair.target.config.num_mel_bins)[None, :, :WINDOW_FRAMES])
+        cache = pair.target.runner.new_cache(encoded, capacity=16)
+        v = pair.target.decoder.layers[-1].encoder_attn.v_proj
+        projected = torch.nn.functional.linear(encoded.bfloat16(), v.weight.bfloat16(), v.bias.bfloat16()).float()
+        assert not torch.equal(projected, v(encoded))  # float32 would give other values
+    heads = projected.view(1, WINDOW_FRAMES // 2, pair.target.runner.num_heads, -1).transpose(1, 2)
+    assert cache.cross_v[-1].dtype == torch.float32 and torch.equal(cache.cross_v[-1], heads)
     transcripts = {}
     for speculative in (False, True):
         transcriber = Transcriber(pair, TranscribeOptions(language="en", speculative=speculative), batch_size=8)
