@@ -81,21 +81,20 @@ class DecoderRunner:
     """Runs a transformers `WhisperDecoder`'s weights over our own static cache."""
 
     def __init__(
-        self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None, int8: bool = False,
-        cross_dtype: torch.dtype | None = None,
+        self, decoder: nn.Module, output_projection: Tensor, head_token_ids: Tensor | None = None, int8: bool = False
     ):
         """head_token_ids: for a draft whose output head covers only some tokens, the token
         id of each head row; logits of the other tokens come back as -inf.
 
         int8: run the linear maps with int8 weights (dynamic quantisation, CPU only): a
-        draft's step is bound by reading its weights, and its proposals need not be exact.
-
-        cross_dtype: the dtype the cross-attention keys and values are projected in (default:
-        the decoder's), kept in the decoder's: a CPU's bfloat16 encoder's (models.choose_dtypes),
-        whose output is bfloat16 already. Those projections of 1,500 frames per window are
-        compute-bound, not bound by reading weights as the decoder's steps are."""
+        draft's step is bound by reading its weights, and its proposals need not be exact."""
         self.decoder = decoder
-        self.cross_dtype = cross_dtype
+        # The dtype the cross-attention keys and values are projected in (None: the decoder's),
+        # kept in the decoder's: a CPU's bfloat16 encoder's (WhisperModel.cast_encoder), whose
+        # output holds bfloat16 values (cast to the decoder's dtype and back exactly). Those
+        # projections of 1,500 frames a window are compute-bound, unlike the decoder's steps;
+        # their weights are cast per call, not held twice.
+        self.cross_dtype: torch.dtype | None = None
         self.layers = list(decoder.layers)
         self.head_token_ids = head_token_ids
         self.vocab_size = decoder.embed_tokens.num_embeddings
@@ -164,7 +163,7 @@ class DecoderRunner:
     def fill_cross(self, cache: KVCache, rows: Tensor, encoder_output: Tensor) -> None:
         """Computes the cross-attention K/V of encoder_output [n, frames, width] into the
         cache's rows [n] (once per window)."""
-        dtype = self.cross_dtype or encoder_output.dtype
+        dtype = self.cross_dtype or self.decoder.embed_tokens.weight.dtype
         encoder_output = encoder_output.to(dtype)
 
         def project(linear: nn.Linear) -> Tensor:

@@ -390,15 +390,17 @@ class FasterWhisperSystem(_OneFileAtATime):
         self.model = WhisperModel(str(ctranslate2_directory(pair.target.name)), device=device.type,
                                   device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
                                   cpu_threads=torch.get_num_threads(), num_workers=1)
-
-    def _one(self, item: AudioInput, language: str) -> Run:
+        # Its temperature fallback samples from CTranslate2's generator: one per worker thread,
+        # seeded at its first sample from the seed set then, a random one unless set (the dev set's
+        # sonnet's sampled tail differed from run to run). Set here, a rerun samples as the run
+        # before it did (later calls would not reseed a thread's generator).
         import ctranslate2  # faster-whisper's engine
 
+        ctranslate2.set_random_seed(options.seed)
+
+    def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
         started = time.perf_counter()
-        # Its temperature fallback samples from CTranslate2's generator, seeded anew by each
-        # process otherwise: the dev set's sonnet's sampled tail then differed from run to run.
-        ctranslate2.set_random_seed(options.seed)
         segments, _ = self.model.transcribe(
             item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1, best_of=1,
             temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,

@@ -118,12 +118,17 @@ class WhisperModel:
         """One per model: runners are stateless (caches belong to each decode) but hold a
         re-laid-out copy of the output head, made once."""
         if self.head_token_ids is None:
-            encoder = self.encoder_dtype
-            return DecoderRunner(self.decoder, self.model.proj_out.weight, cross_dtype=encoder if encoder != self.dtype else None)
+            return DecoderRunner(self.decoder, self.model.proj_out.weight)
         # A distilled draft (the only kind with a reduced head) runs int8 weights on a CPU:
         # its proposals need not be exact, only cheap.
         head = self.model.proj_out.weight[self.head_token_ids]
         return DecoderRunner(self.decoder, head, self.head_token_ids, int8=True)
+
+    def cast_encoder(self, dtype: torch.dtype) -> None:
+        """Runs the encoder in dtype (choose_dtypes); the decoder's cross-attention K/V are then
+        projected from its output in that dtype too (DecoderRunner.cross_dtype)."""
+        self.encoder.to(dtype)
+        self.runner.cross_dtype = dtype if dtype != self.dtype else None
 
     @torch.inference_mode()
     def encode(self, features: Tensor) -> Tensor:
@@ -316,7 +321,7 @@ def load_pair(
     pair = _load_pair(target, draft, draft_encoder, device, dtype)
     for model in (pair.target, pair.draft if pair.draft_has_own_encoder else None):
         if model is not None and encoder_dtype is not None:
-            model.encoder.to(encoder_dtype)
+            model.cast_encoder(encoder_dtype)
     return pair
 
 
@@ -343,7 +348,8 @@ def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) 
     GPU; on a CPU, float32 decoders (speculative output is then the float32 target's) and a
     bfloat16 encoder where the CPU computes in bfloat16 natively (avx512_bf16, AMX): the
     encoder is most of a CPU's time per window, and ran about 3x faster so on this project's
-    CPU (README, Speed)."""
+    CPU (README, Speed). The decoders' cross-attention K/V are then projected from its output
+    in bfloat16 too (WhisperModel.cast_encoder), and kept in float32."""
     if dtype is not None:
         return dtype, dtype
     if torch.device(device).type == "cuda":

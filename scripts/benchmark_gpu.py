@@ -480,6 +480,11 @@ KERNEL_KINDS = [
 ]
 
 
+# Kernel names listed per profiled row: nearly all of a decoder step's, so that one profile on a
+# lent GPU says what each step launches (and what Inductor fused) without a second run.
+TOP_KERNELS = 40
+
+
 @dataclass
 class Kernels:
     """The kernels (on a CPU, top-level operators) of one profiled run: (name, seconds) each."""
@@ -498,10 +503,8 @@ class Kernels:
         totals = self._totals(kind)
         return [(k, *totals[k]) for k in [k for k, _ in KERNEL_KINDS] + ["other"] if k in totals]
 
-    def top(self, n: int = 40) -> list[tuple[str, int, float]]:
-        """The n kernel names that take the most time: (name, kernels, seconds). 40 lists
-        nearly every kernel of a decoder step, so that one profile on a lent GPU says what
-        each step launches (and what Inductor fused) without a second run."""
+    def top(self, n: int = TOP_KERNELS) -> list[tuple[str, int, float]]:
+        """The n kernel names that take the most time: (name, kernels, seconds)."""
         totals = self._totals(lambda name: name.removeprefix("void ")[:100])
         return sorted(((name, *total) for name, total in totals.items()), key=lambda item: -item[2])[:n]
 
@@ -727,7 +730,8 @@ def kernel_breakdown(rows: list[Row]) -> str:
         lines = [f"### {row.section}, batch {row.batch}, {row.method}: {row.kernels_per_token:.0f} kernels, "
                  f"{row.kernel_ms_per_token:.3f} ms per token (measured {row.ms_per_token:.3f})",
                  "", "| kind / kernel | kernels / token | ms / token | share |", "|---|---|---|---|"]
-        for name, count, ms in row.kernel_kinds + [("**kernels by name, costliest first (up to 40):**", None, None)] + row.top_kernels:
+        heading = (f"**kernels by name, costliest first (up to {TOP_KERNELS}):**", None, None)
+        for name, count, ms in row.kernel_kinds + [heading] + row.top_kernels:
             if count is None:
                 lines.append(f"| {name} | | | |")
                 continue
