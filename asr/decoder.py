@@ -285,17 +285,18 @@ Linear = Callable[[Tensor], Tensor]
 
 
 def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
-    """x @ weight.T + bias. On CPU in float32, one row goes through the default BLAS
-    (its matrix-vector path is the fastest here) and several rows through oneDNN with a
-    pre-packed weight, which the default BLAS path is much slower at for the few rows of
-    verifying; elsewhere (GPU, float64) it is plain F.linear."""
+    """x @ weight.T + bias. On CPU in float32, through oneDNN with the weight pre-packed
+    once, for one row (a target-only step) as for the few rows of verifying: the default
+    BLAS path is slower at both, most of all at the output head's 51,865 rows (one row
+    through it took most of a whisper-base target-only step); elsewhere (GPU, float64) it
+    is plain F.linear."""
     if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
             def run(x: Tensor) -> Tensor:
                 flat = x.reshape(-1, x.shape[-1])
-                if flat.shape[0] == 1 or torch.compiler.is_compiling():  # Inductor packs its own
+                if torch.compiler.is_compiling():  # Inductor packs its own
                     return F.linear(x, weight, bias)
                 return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
 

@@ -231,14 +231,13 @@ class Slots:
         if self.state is not None and self.state.key[1:] != key and not self.live:
             self.close()
         if self.state is None:
-            self.state = e.states.get(e.states.rows_for(max(self.rows_wanted, len(windows))), *key)
+            self.state = e.states.get(self._rows_for(len(windows)), *key)
             self.slots = [None] * self.state.key[0]
         elif self.state.key[1:] != key:
             raise ValueError(f"windows of {key[0]} frames cannot join a batch of windows of {self.state.key[1]}")
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(free) < len(windows):
-            # Room for the rows wanted at once, so the next windows fill slots without copying the batch.
-            self._resize(e.states.rows_for(max(self.rows_wanted, self.live + len(windows))))
+            self._resize(self._rows_for(self.live + len(windows)))
             free = [i for i, row in enumerate(self.slots) if row is None]
         slots = free[: len(windows)]
         started = time.perf_counter()
@@ -254,6 +253,16 @@ class Slots:
         for slot in slots:
             self.slots[slot].seconds += seconds
         return tags
+
+    def _rows_for(self, live: int) -> int:
+        """The rows of a state for `live` rows. In fixed shapes room for the rows wanted at
+        once, so that the next windows fill slots (in graphs already captured) without
+        copying the batch. In fitted shapes the rows at hand: each round computes every row
+        of the state, and each row's caches (about 50 MB for whisper-base in float32) are
+        allocated and zeroed: a batch of 8 given one window (one recording, or a language
+        of its own in `asr evaluate`) paid for 8."""
+        e = self.engine
+        return e.states.rows_for(max(self.rows_wanted, live) if e.fixed_shapes else live)
 
     def _write_rows(self, slots: list[int], windows: list[Window]) -> None:
         """Writes the rows' prompts and settings, fills their cross-attention K/V and caches

@@ -72,8 +72,8 @@ class SpeculativeDecoder:
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
               draft_length: DraftLength | None = None, generator: torch.Generator | None = None) -> "Batch":
-        """An empty batch sized for `rows` rows (it grows if given more); draft_length: by
-        default the engine's adaptive one."""
+        """An empty batch for `rows` rows at once (it grows if given more; fitted shapes hold
+        only the rows given: Slots._rows_for); draft_length: by default the engine's adaptive one."""
         return Batch(self, rules, rows, no_speech_token, draft_length or self.draft_length(), generator)
 
     @torch.inference_mode()

@@ -561,6 +561,29 @@ def test_finished_rows_are_refilled_mid_decode(pair, fixed: bool):
     assert steps < sum(len(alone[r].tokens) for r in row_of.values())  # rows shared steps
 
 
+@pytest.mark.parametrize("fixed", [True, False], ids=["fixed-shapes", "fitted-shapes"])
+def test_a_batch_holds_the_rows_wanted_in_fixed_shapes_and_the_rows_given_in_fitted_ones(pair, fixed: bool):
+    """A batch for 8 rows given one window, then two more beside it: in fixed shapes its
+    state has the 8 rows from the start (refills then fill captured graphs' slots); in
+    fitted shapes, where every row of a state is computed and allocated, 1 row, then 3.
+    Every row gets the tokens it gets alone."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    alone = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
+    batch = engine(target, draft, fixed=fixed).batch(rules, rows=8, draft_length=DraftLength(fixed=2))
+    window = lambda r: Window(encoded[r], prompt, max_new_tokens=MAX_NEW)  # noqa: E731
+    rows = {tag: 0 for tag in batch.add([window(0)])}
+    sizes = [len(batch.slots)]
+    results = dict(batch.step())
+    rows.update({tag: r for r, tag in zip((1, 2), batch.add([window(1), window(2)]))})
+    sizes.append(len(batch.slots))
+    while batch.live:
+        results.update(batch.step())
+    batch.close()
+    assert sizes == ([8, 8] if fixed else [1, 3])
+    assert {tag: s.tokens for tag, s in results.items()} == {tag: alone[r].tokens for tag, r in rows.items()}
+
+
 def test_states_follow_the_encoders_frame_count(pair):
     """Windows encoded over fewer frames (short audio) get a state of their own size."""
     target, encoded, draft = pair[:3]
