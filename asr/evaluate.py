@@ -8,6 +8,7 @@ PNG plots in one folder."""
 from __future__ import annotations
 
 import copy
+import importlib.util
 import io
 import json
 import time
@@ -30,6 +31,7 @@ from asr.cudagraphs import GraphCounts
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
+from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from asr.writers import write_atomic
@@ -65,8 +67,9 @@ NOTES = [
     "target passes (each pass keeps its accepted draft tokens plus one of its own).",
     "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
     "CPU and float16 on a GPU, greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
-    "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many CPU threads as ours; it computes its own log-mel "
-    "features from the same samples; its time is end to end only (no encoder / decoder split).",
+    "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
+    "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
+    "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split).",
 ]
 
 
@@ -377,41 +380,34 @@ class TransformersSystem(_OneFileAtATime):
 
 
 class FasterWhisperSystem(_OneFileAtATime):
-    """faster-whisper (CTranslate2) on the target's weights, one file at a time, greedy."""
+    """faster-whisper (CTranslate2) on the target's weights, one file at a time, greedy, in a
+    process of its own (asr/peer_process.py)."""
 
     def __init__(self, pair: ModelPair, options: TranscribeOptions):
-        try:
-            from faster_whisper import WhisperModel
-        except ImportError as error:
-            raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'") from error
+        if importlib.util.find_spec("faster_whisper") is None:  # imported in its process only
+            raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'")
         self.target = pair.target
         self.options = options
         device = pair.target.device
-        self.model = WhisperModel(str(ctranslate2_directory(pair.target.name)), device=device.type,
-                                  device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
-                                  cpu_threads=torch.get_num_threads(), num_workers=1)
-        # Its temperature fallback samples from CTranslate2's generator: one per worker thread,
-        # seeded at its first sample from the seed set then, a random one unless set (the dev set's
-        # sonnet's sampled tail differed from run to run). Set here, a rerun samples as the run
-        # before it did (later calls would not reseed a thread's generator).
-        import ctranslate2  # faster-whisper's engine
-
-        ctranslate2.set_random_seed(options.seed)
+        # Its temperature fallback samples from CTranslate2's generator, seeded (a random seed
+        # unless set) at its first sample: the dev set's sonnet's sampled tail differed from
+        # run to run until --seed was set.
+        self.process = FasterWhisperProcess(dict(
+            model_size_or_path=str(ctranslate2_directory(pair.target.name)), device=device.type,
+            device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
+            cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
 
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
-        started = time.perf_counter()
-        segments, _ = self.model.transcribe(
-            item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1, best_of=1,
-            temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
+        segments, seconds = self.process.transcribe(
+            audio=item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1,
+            best_of=1, temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
             vad_filter=options.vad_filter, word_timestamps=False)
-        segments = list(segments)  # the generator does the work
-        seconds = time.perf_counter() - started
-        tokens = [t for segment in segments for t in segment.tokens if t < vocab.eot]
-        return Run(text="".join(segment.text for segment in segments).strip(), tokens=tokens,
-                   segment_times=[(round(segment.start, 3), round(segment.end, 3)) for segment in segments], seconds=seconds)
+        tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
+        return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
+                   segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds)
 
 
 def system_names(peers: tuple[str, ...]) -> list[str]:
@@ -454,34 +450,39 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
         same = [r for r in results if r.clip.language == language]
         batches += [same[i : i + options.batch_size] for i in range(0, len(same), options.batch_size)]
 
-    warmed = False
-    with tqdm(total=len(results), desc="evaluate", unit="file", disable=not options.progress) as bar:
-        for index, batch in enumerate(batches):
-            loaded: list[tuple[FileResult, AudioInput]] = []
-            for result in batch:
-                try:
-                    samples = load_audio(result.clip.path)
-                except Exception as error:
-                    result.error = _describe(error)
-                    continue
-                result.duration = len(samples) / SAMPLE_RATE
-                loaded.append((result, AudioInput(str(results.index(result)), samples)))
-            items = [item for _, item in loaded]
-            language = batch[0].clip.language
-            if items and not warmed:
-                # First calls pay one-off costs (weight packing, allocations): a first batch, cut to 30 s, untimed.
-                warm = [AudioInput(item.name, item.samples[:WINDOW_SAMPLES]) for item in items]
-                for system in systems.values():
-                    system.run(warm if isinstance(system, OurSystem) else warm[:1], language)
-                warmed = True
-            if items:
-                # The systems take turns, starting one further on each batch, to share the machine's drift.
-                shift = index % len(names)
-                for name in names[shift:] + names[:shift]:
-                    for (result, _), run in zip(loaded, systems[name].run(items, language)):
-                        result.runs[name] = run
-            bar.update(len(batch))
-            bar.set_postfix_str(Path(batch[-1].clip.path).name)
+    try:
+        warmed = False
+        with tqdm(total=len(results), desc="evaluate", unit="file", disable=not options.progress) as bar:
+            for index, batch in enumerate(batches):
+                loaded: list[tuple[FileResult, AudioInput]] = []
+                for result in batch:
+                    try:
+                        samples = load_audio(result.clip.path)
+                    except Exception as error:
+                        result.error = _describe(error)
+                        continue
+                    result.duration = len(samples) / SAMPLE_RATE
+                    loaded.append((result, AudioInput(str(results.index(result)), samples)))
+                items = [item for _, item in loaded]
+                language = batch[0].clip.language
+                if items and not warmed:
+                    # First calls pay one-off costs (weight packing, allocations): a first batch, cut to 30 s, untimed.
+                    warm = [AudioInput(item.name, item.samples[:WINDOW_SAMPLES]) for item in items]
+                    for system in systems.values():
+                        system.run(warm if isinstance(system, OurSystem) else warm[:1], language)
+                    warmed = True
+                if items:
+                    # The systems take turns, starting one further on each batch, to share the machine's drift.
+                    shift = index % len(names)
+                    for name in names[shift:] + names[:shift]:
+                        for (result, _), run in zip(loaded, systems[name].run(items, language)):
+                            result.runs[name] = run
+                bar.update(len(batch))
+                bar.set_postfix_str(Path(batch[-1].clip.path).name)
+    finally:
+        for system in systems.values():
+            if isinstance(system, FasterWhisperSystem):
+                system.process.close()
     if warm_up is not None:  # filled in for the report: our systems' untimed graph work
         warm_up.update({name: asdict(s.warm_up_graphs) for name, s in systems.items() if isinstance(s, OurSystem)})
     return results

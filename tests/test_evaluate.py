@@ -14,6 +14,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import jiwer
+import numpy as np
 import pytest
 import soundfile
 import torch
@@ -41,7 +42,8 @@ from asr.evaluate import (
     write_report,
 )
 from asr.metrics import normalize, normalized_wer, read_manifest
-from asr.models import PRESETS, load_pair
+from asr.models import PRESETS, ctranslate2_directory, load_pair
+from asr.peer_process import FasterWhisperProcess
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from conftest import DEV, REPO, SAMPLES, save_tiny, speech_between_silences, tiny_target
 
@@ -240,6 +242,24 @@ def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated
     markdown = render_markdown(report, "t")
     assert "faster-whisper's text tokens differ from ours target-only (1)" in markdown and '"something else"' in markdown
     assert len(list((tmp_path / "cache").iterdir())) == 1  # assembled once
+
+
+def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp_path: Path, monkeypatch):
+    """In ours, once CTranslate2 had decoded, both it and our decoding ran slower: faster-whisper
+    runs in a child process, whose failures (a model that cannot load, a bad request) come
+    back as errors naming the cause, and which ends when closed."""
+    with pytest.raises(RuntimeError, match="faster-whisper: .*model.bin"):
+        FasterWhisperProcess(dict(model_size_or_path=str(tmp_path), device="cpu"), seed=0)
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    process = FasterWhisperProcess(dict(model_size_or_path=str(ctranslate2_directory("packaged:whisper-base")),
+                                        device="cpu", cpu_threads=1), seed=0)
+    assert process._process.pid != os.getpid()
+    with pytest.raises(RuntimeError, match="faster-whisper: TypeError"):
+        process.transcribe(audio=np.zeros(16000, dtype=np.float32), no_such_argument=1)
+    segments, seconds = process.transcribe(audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert "ask not what your country can do for you" in "".join(text for text, _, _, _ in segments).lower() and seconds > 0
+    process.close()
+    assert process._process.poll() == 0
 
 
 def test_faster_whispers_sampling_is_seeded_so_that_reruns_agree(tmp_path: Path):

@@ -1,0 +1,90 @@
+"""faster-whisper in a process of its own, for `asr evaluate --peers faster-whisper`.
+
+In ours, once CTranslate2 (with its own OpenMP runtime) had decoded a file, our decoding
+ran slower from then on, in wall time for the same CPU time, and faster-whisper ran slower
+too (`asr evaluate` on the English dev set: our target-only decoder 6.57 s against 3.96 s,
+faster-whisper 18.7 s against 14.1 s). Only the standard library is imported
+here, so the worker process starts light. It is `python -m asr.peer_process FD`, not a
+multiprocessing child, which would import the caller's main script again."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+
+def _serve(connection: Connection) -> None:
+    """The worker: reads (settings, seed), makes the model, answers (True, None) or (False, why),
+    then transcribes each request (faster-whisper's transcribe arguments) until the
+    connection closes, answering (True, (segments as (text, tokens, start, end), seconds)) or
+    (False, why)."""
+    try:
+        settings, seed = connection.recv()
+        import ctranslate2
+        from faster_whisper import WhisperModel
+
+        model = WhisperModel(**settings)
+        # CTranslate2 seeds a thread's generator once, at its first sample: set before any.
+        ctranslate2.set_random_seed(seed)
+    except Exception as error:
+        connection.send((False, f"{type(error).__name__}: {error}"))
+        return
+    connection.send((True, None))
+    while True:
+        try:
+            request = connection.recv()
+        except EOFError:
+            return
+        try:
+            started = time.perf_counter()
+            segments = list(model.transcribe(**request)[0])  # the generator does the work
+            seconds = time.perf_counter() - started
+            connection.send((True, ([(s.text, s.tokens, s.start, s.end) for s in segments], seconds)))
+        except Exception as error:
+            connection.send((False, f"{type(error).__name__}: {error}"))
+
+
+class FasterWhisperProcess:
+    """A faster-whisper WhisperModel(**settings) in a child process, seeded with `seed`."""
+
+    def __init__(self, settings: dict, seed: int):
+        ours, theirs = socket.socketpair()
+        # This package first on its path, wherever the caller imported it from.
+        path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+        self._process = subprocess.Popen([sys.executable, "-m", "asr.peer_process", str(theirs.fileno())],
+                                         pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONPATH": path})
+        theirs.close()
+        self._connection = Connection(ours.detach())
+        self._connection.send((settings, seed))
+        self._answer()  # a model that cannot load fails here, not at the first file
+
+    def transcribe(self, **arguments) -> tuple[list[tuple[str, list[int], float, float]], float]:
+        """faster-whisper's transcribe(**arguments): its segments as (text, tokens, start, end), and its seconds."""
+        self._connection.send(arguments)
+        return self._answer()
+
+    def _answer(self):
+        try:
+            ok, value = self._connection.recv()
+        except (EOFError, OSError):
+            raise RuntimeError(f"faster-whisper's process ended (exit status {self._process.poll()})") from None
+        if not ok:
+            raise RuntimeError(f"faster-whisper: {value}")
+        return value
+
+    def close(self) -> None:
+        self._connection.close()  # the worker's recv() then ends it
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+
+if __name__ == "__main__":
+    _serve(Connection(int(sys.argv[1])))
