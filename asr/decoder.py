@@ -300,7 +300,8 @@ def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
                     return F.linear(x, weight, bias)
                 return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
 
-            run(weight.new_zeros(2, weight.shape[1]))  # an unsupported build fails here, not mid-decode
+            for rows in (1, 2):  # an unsupported build fails here, not mid-decode
+                run(weight.new_zeros(rows, weight.shape[1]))
             return run
         except (RuntimeError, AttributeError):
             pass

@@ -392,10 +392,13 @@ class FasterWhisperSystem(_OneFileAtATime):
         # Its temperature fallback samples from CTranslate2's generator, seeded (a random seed
         # unless set) at its first sample: the dev set's sonnet's sampled tail differed from
         # run to run until --seed was set.
-        self.process = FasterWhisperProcess(dict(
-            model_size_or_path=str(ctranslate2_directory(pair.target.name)), device=device.type,
-            device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
-            cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
+        try:
+            self.process = FasterWhisperProcess(dict(
+                model_size_or_path=str(ctranslate2_directory(pair.target.name)), device=device.type,
+                device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
+                cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
+        except RuntimeError as error:  # its model or its imports failed: a usage error, before anything decodes
+            raise ValueError(f"--peers faster-whisper could not start ({error})") from error
 
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
@@ -433,16 +436,6 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
     read, or that a system fails on, is marked and the others go on."""
     if pair.draft is None:
         raise ValueError("evaluation compares speculative decoding with target-only decoding: it needs a draft")
-    systems: dict[str, OurSystem | TransformersSystem | FasterWhisperSystem] = {}
-    for name in system_names(options.peers):
-        if name in (TARGET, SPECULATIVE):
-            systems[name] = OurSystem(pair, replace(options.transcribe, speculative=name == SPECULATIVE), options.batch_size)
-        elif name == FASTER_WHISPER:
-            systems[name] = FasterWhisperSystem(pair, options.transcribe)
-        else:
-            systems[name] = TransformersSystem(pair, options.transcribe, assisted=name == TRANSFORMERS_ASSISTED)
-    names = list(systems)
-
     results = [FileResult(clip) for clip in clips]
     # A batch holds files of one language (a decoding option); manifest order otherwise.
     batches: list[list[FileResult]] = []
@@ -450,7 +443,16 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
         same = [r for r in results if r.clip.language == language]
         batches += [same[i : i + options.batch_size] for i in range(0, len(same), options.batch_size)]
 
+    systems: dict[str, OurSystem | TransformersSystem | FasterWhisperSystem] = {}
     try:
+        for name in system_names(options.peers):
+            if name in (TARGET, SPECULATIVE):
+                systems[name] = OurSystem(pair, replace(options.transcribe, speculative=name == SPECULATIVE), options.batch_size)
+            elif name == FASTER_WHISPER:
+                systems[name] = FasterWhisperSystem(pair, options.transcribe)
+            else:
+                systems[name] = TransformersSystem(pair, options.transcribe, assisted=name == TRANSFORMERS_ASSISTED)
+        names = list(systems)
         warmed = False
         with tqdm(total=len(results), desc="evaluate", unit="file", disable=not options.progress) as bar:
             for index, batch in enumerate(batches):

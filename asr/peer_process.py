@@ -4,18 +4,22 @@ In ours, once CTranslate2 (with its own OpenMP runtime) had decoded a file, our 
 ran slower from then on, in wall time for the same CPU time, and faster-whisper ran slower
 too (`asr evaluate` on the English dev set: our target-only decoder 6.57 s against 3.96 s,
 faster-whisper 18.7 s against 14.1 s). Only the standard library is imported
-here, so the worker process starts light. It is `python -m asr.peer_process FD`, not a
-multiprocessing child, which would import the caller's main script again."""
+here, so the worker process starts light. It is started with the caller's `sys.path` (so it
+runs this very package), not as a multiprocessing child, which would import the caller's
+main script again."""
 
 from __future__ import annotations
 
-import os
+import json
+import signal
 import socket
 import subprocess
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
+
+# Run in the worker: the caller's import path (argv[2]), then this module as __main__ (argv[1]: the socket).
+_START = "import json, runpy, sys; sys.path[:] = json.loads(sys.argv[2]); runpy.run_module('asr.peer_process', run_name='__main__')"
 
 
 def _serve(connection: Connection) -> None:
@@ -23,6 +27,7 @@ def _serve(connection: Connection) -> None:
     then transcribes each request (faster-whisper's transcribe arguments) until the
     connection closes, answering (True, (segments as (text, tokens, start, end), seconds)) or
     (False, why)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the caller's to handle: it closes the connection
     try:
         settings, seed = connection.recv()
         import ctranslate2
@@ -54,28 +59,49 @@ class FasterWhisperProcess:
 
     def __init__(self, settings: dict, seed: int):
         ours, theirs = socket.socketpair()
-        # This package first on its path, wherever the caller imported it from.
-        path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
-        self._process = subprocess.Popen([sys.executable, "-m", "asr.peer_process", str(theirs.fileno())],
-                                         pass_fds=[theirs.fileno()], env={**os.environ, "PYTHONPATH": path})
-        theirs.close()
+        try:
+            # -I: neither the working directory nor PYTHONPATH ahead of the caller's path.
+            self._process = subprocess.Popen([sys.executable, "-I", "-c", _START, str(theirs.fileno()), json.dumps(sys.path)],
+                                             pass_fds=[theirs.fileno()])
+        except OSError:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self._connection = Connection(ours.detach())
-        self._connection.send((settings, seed))
-        self._answer()  # a model that cannot load fails here, not at the first file
+        self._ended: str | None = None
+        try:
+            self._connection.send((settings, seed))
+            self._answer()  # a model that cannot load fails here, not at the first file
+        except Exception:
+            self.close()
+            raise
 
     def transcribe(self, **arguments) -> tuple[list[tuple[str, list[int], float, float]], float]:
         """faster-whisper's transcribe(**arguments): its segments as (text, tokens, start, end), and its seconds."""
-        self._connection.send(arguments)
+        try:
+            self._connection.send(arguments)
+        except OSError:
+            self._died()
         return self._answer()
 
     def _answer(self):
         try:
             ok, value = self._connection.recv()
         except (EOFError, OSError):
-            raise RuntimeError(f"faster-whisper's process ended (exit status {self._process.poll()})") from None
+            self._died()
         if not ok:
             raise RuntimeError(f"faster-whisper: {value}")
         return value
+
+    def _died(self) -> None:
+        if self._ended is None:
+            try:
+                status = self._process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                status = None
+            self._ended = f"faster-whisper's process ended (exit status {status})"
+        raise RuntimeError(self._ended)
 
     def close(self) -> None:
         self._connection.close()  # the worker's recv() then ends it

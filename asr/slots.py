@@ -237,7 +237,7 @@ class Slots:
             raise ValueError(f"windows of {key[0]} frames cannot join a batch of windows of {self.state.key[1]}")
         free = [i for i, row in enumerate(self.slots) if row is None]
         if len(free) < len(windows):
-            self._resize(self._rows_for(self.live + len(windows)))
+            self._resize(self._rows_for(self.live + len(windows), growing=True))
             free = [i for i, row in enumerate(self.slots) if row is None]
         slots = free[: len(windows)]
         started = time.perf_counter()
@@ -254,15 +254,18 @@ class Slots:
             self.slots[slot].seconds += seconds
         return tags
 
-    def _rows_for(self, live: int) -> int:
+    def _rows_for(self, live: int, growing: bool = False) -> int:
         """The rows of a state for `live` rows. In fixed shapes room for the rows wanted at
         once, so that the next windows fill slots (in graphs already captured) without
         copying the batch. In fitted shapes the rows at hand: each round computes every row
         of the state, and each row's caches (about 50 MB for whisper-base in float32) are
         allocated and zeroed: a batch of 8 given one window (one recording, or a language
-        of its own in `asr evaluate`) paid for 8."""
+        of its own in `asr evaluate`) paid for 8. Growing, the state at least doubles (up to
+        the rows wanted), so that windows joining one at a time copy the batch a few times."""
         e = self.engine
-        return e.states.rows_for(max(self.rows_wanted, live) if e.fixed_shapes else live)
+        if e.fixed_shapes:
+            return e.states.rows_for(max(self.rows_wanted, live))
+        return max(live, min(self.rows_wanted, 2 * len(self.slots))) if growing else live
 
     def _write_rows(self, slots: list[int], windows: list[Window]) -> None:
         """Writes the rows' prompts and settings, fills their cross-attention K/V and caches

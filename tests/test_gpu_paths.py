@@ -575,6 +575,7 @@ def test_a_batch_holds_the_rows_wanted_in_fixed_shapes_and_the_rows_given_in_fit
     rows = {tag: 0 for tag in batch.add([window(0)])}
     sizes = [len(batch.slots)]
     results = dict(batch.step())
+    assert batch.live == 1  # the first row decodes on beside the two that join
     rows.update({tag: r for r, tag in zip((1, 2), batch.add([window(1), window(2)]))})
     sizes.append(len(batch.slots))
     while batch.live:
