@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Iterable
 
 PRIOR = (1.0, 1.0)  # a language's (accepted, rejected) before any round: a mild prior
 
@@ -80,20 +80,23 @@ class DraftLength:
             return 1 if c.exploring else 0
         return 0 if c.exploring else c.k
 
-    def update(self, k: int, seconds: float, rows: int = 1,
-               outcomes: Mapping[str | None, tuple[int, int]] | None = None) -> None:
+    def update(self, k: int, seconds: float, rows: int = 1, accepted: Iterable[tuple[str | None, int]] = ()) -> None:
         """A round's outcome: k proposed per row, the round's wall time, the rows it computed,
-        and per language its rows' (proposals accepted in all, rows that rejected one)."""
+        and each live row's language and proposals accepted."""
         if self.fixed is not None:
             return
         c = self._costs(rows)
         if k == 0:
             c.plain = _average(c.plain, seconds)
         else:
+            outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
+            for language, kept in accepted:
+                before = outcomes.get(language, (0, 0))
+                outcomes[language] = (before[0] + kept, before[1] + (kept < k))
             decay = 0.9
-            for language, (accepted, rejected) in (outcomes or {}).items():
+            for language, (kept, rejected) in outcomes.items():
                 before = self._acceptance.get(language, PRIOR)
-                self._acceptance[language] = (decay * before[0] + accepted, decay * before[1] + rejected)
+                self._acceptance[language] = (decay * before[0] + kept, decay * before[1] + rejected)
             c.drafting = _average(c.drafting, seconds)
             c.proposals = _average(c.proposals, float(k))
         chosen = c.plain_wins
@@ -101,6 +104,13 @@ class DraftLength:
             confirmed = c.plain_wins == chosen
             c.interval = min(2 * c.interval, self.MAX_EXPLORE) if confirmed else self.EXPLORE
             c.until_explore = min(c.until_explore, c.interval)
+
+    def unmeasured(self, rows: int = 1) -> None:
+        """A round whose time says nothing of a round's cost (its draft first caught up with
+        the tokens of plain rounds, or its steps ran for the first time): where it was the
+        round going the other way, the next round goes that way again, to be measured."""
+        if self.fixed is None and (c := self._costs(rows)).exploring:
+            c.until_explore = 1
 
     def _choose(self, c: _Costs) -> bool:
         """Sets c.k and c.plain_wins from the measured costs and the acceptance of the round's

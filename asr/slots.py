@@ -181,7 +181,13 @@ class States:
         return 1 << (rows - 1).bit_length() if self.engine.fixed_shapes else rows
 
     def release(self, state: State) -> None:
+        """Keeps a state no batch uses any more (fixed shapes), its rows freed: a row left
+        live (a batch that grew, or one closed mid-decode) would decode on in the next batch
+        given this state, and a hint it followed could take that batch's round past the cache."""
         if self.engine.fixed_shapes:
+            state.live.fill_(False)
+            state.length.fill_(1)
+            state.hint_on.fill_(False)
             self.idle[state.key] = state
             while len(self.idle) > IDLE_STATES:
                 self.idle.popitem(last=False)
@@ -207,8 +213,6 @@ class Slots:
     @torch.inference_mode()
     def close(self) -> None:
         if self.state is not None:
-            self.state.live.fill_(False)  # rows left unfinished (an error mid-decode) are freed too
-            self.state.length.fill_(1)
             self.engine.states.release(self.state)
             self.state = None
 

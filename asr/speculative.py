@@ -30,6 +30,9 @@ from asr.rules import DecodingRules
 from asr.slots import Row, Sequence, Slots, States, Window, prefill_width
 
 
+USUAL_GAP = 3  # kept tokens the draft has not cached at a round's start: 1 or 2, 3 after a plain round
+
+
 def feed_width(gap: int, capacity: int) -> int:
     """In fixed shapes, the width of a first draft step catching up `gap` tokens: one of a few."""
     return min(1 << (gap - 1).bit_length(), capacity)
@@ -153,12 +156,10 @@ class Batch(Slots):
         out = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
         if self.use_draft and hinted is None and representative:
-            outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
-            for row, accepted in zip(self.slots, out[1]):
-                if row is not None:
-                    before = outcomes.get(row.language, (0, 0))
-                    outcomes[row.language] = (before[0] + accepted, before[1] + (accepted < k))
-            self.draft_length.update(k, seconds, len(self.slots), outcomes)
+            self.draft_length.update(k, seconds, len(self.slots),
+                                     [(row.language, accepted) for row, accepted in zip(self.slots, out[1]) if row is not None])
+        elif self.use_draft and hinted is None:
+            self.draft_length.unmeasured(len(self.slots))
         done = self._record(out, k, None if hinted is None else hinted.proposed, seconds)
         return self._finish(done, out[4]) if done else []
 
@@ -201,14 +202,15 @@ class Batch(Slots):
         many it proposed, and whether the steps' time is representative (asr/cudagraphs.py)."""
         e, s = self.engine, self.state
         s.step.zero_()
+        usual = width <= USUAL_GAP  # a longer catch-up (after plain rounds or hints) is not what drafting costs
         if not e.fixed_shapes:
-            ended, step, compiled, i = torch.zeros_like(s.live), e.compiled(Batch._draft_step), compilations(), -1
+            ended, step, compiled, i = ~s.live, e.compiled(Batch._draft_step), compilations(), -1  # free slots: ended
             for i in range(k):
                 ended |= step(self, width if i == 0 else 1, sample, self._window(rows, i)) == self.rules.eot
                 if bool(ended.all()):
                     break
-            return i + 1, compilations() == compiled  # a round whose steps compiled says nothing of their cost
-        width, representative = feed_width(width, e.capacity), True
+            return i + 1, usual and compilations() == compiled  # steps that compiled say nothing of their cost
+        width, representative = feed_width(width, e.capacity), usual
         for i in range(k):
             representative &= self._run_draft_step(width if i == 0 else 1, sample, rows, i)
         return k, representative
@@ -272,8 +274,6 @@ class Batch(Slots):
         proposals = s.tokens.gather(1, positions[:, :k])
         proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
         if noise is not None:
-            if draft_probs is None:  # no proposals: k = 0
-                draft_probs = logits.new_zeros(n, 0, vocab, dtype=torch.float32)
             accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs[:, :k], noise[:, : 2 * k + 1],
                                                proposed)
         else:

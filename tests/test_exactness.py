@@ -170,7 +170,7 @@ def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, p
     for _ in range(rounds):
         k = draft_length.next_round(rows, [language])
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
-        draft_length.update(k, plain + k * (draft_step + per_proposal), rows, {language: (accepted, int(accepted < k))})
+        draft_length.update(k, plain + k * (draft_step + per_proposal), rows, [(language, accepted)])
         chosen.append(k)
     return chosen
 
@@ -230,6 +230,43 @@ def test_draft_length_drafts_again_once_drafting_pays():
     assert rounds_of(draft_length, rounds=300, **LARGE_BATCH)[-64:].count(0) >= 62
     chosen = rounds_of(draft_length, rounds=300, **ONE_ROW)
     assert chosen[-100:].count(0) <= 4
+
+
+def test_a_drafting_round_that_first_catches_up_measures_nothing_and_the_way_is_tried_again():
+    """Where no drafting wins, the round of one proposal that goes the other way first
+    catches the draft up on the plain rounds before it, a cost no other drafting round has:
+    the engine reports it unmeasured (asr/speculative.py, USUAL_GAP) and the next round
+    drafts again, to be measured."""
+    draft_length = DraftLength()
+    assert rounds_of(draft_length, rounds=200, **LARGE_BATCH)[-1] == 0
+    while (k := draft_length.next_round()) == 0:
+        draft_length.update(0, LARGE_BATCH["plain"])
+    assert k == 1
+    draft_length.unmeasured()
+    assert draft_length.next_round() == 1
+
+    class Recorded(DraftLength):
+        def __init__(self):
+            super().__init__()
+            self.rounds, self.measured = 0, []
+
+        def next_round(self, rows: int = 1, languages=(None,)) -> int:
+            self.rounds += 1
+            return 2 if self.rounds > 6 else 0
+
+        def update(self, k: int, *args) -> None:
+            self.measured.append(k)
+
+        def unmeasured(self, rows: int = 1) -> None:
+            self.measured.append(None)
+
+    target, features = target_and_windows(4)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state[:1]
+    recorded = Recorded()
+    decoder = SpeculativeDecoder(runner(target), runner(decoder_only_draft(target, noise=0.2, seed=4)))
+    decoder.decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW, draft_length=recorded)
+    assert recorded.measured[:8] == [0] * 6 + [None, 2]
 
 
 def test_identical_draft_accepts_every_proposal():

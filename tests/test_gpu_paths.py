@@ -585,6 +585,58 @@ def test_a_batch_holds_the_rows_wanted_in_fixed_shapes_and_the_rows_given_in_fit
     assert {tag: s.tokens for tag, s in results.items()} == {tag: alone[r].tokens for tag, r in rows.items()}
 
 
+def test_a_state_left_behind_by_a_batch_that_grew_holds_no_live_rows(pair):
+    """Fixed shapes: a batch of 4 slots given a fifth window moves to a state of 8 and leaves
+    its old state for the next batch of 4. That batch, given two windows, has two live rows:
+    none of the first batch's (ghost rows would decode on, and a hint they followed could
+    take a round past the cache)."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    alone = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
+    fixed = engine(target, draft)
+    window = lambda r: Window(encoded[r % BATCH], prompt, max_new_tokens=MAX_NEW, hint=[400, 500])  # noqa: E731
+    first = fixed.batch(rules, rows=4, draft_length=DraftLength(fixed=2))
+    first.add([window(r) for r in range(4)])
+    first.step()
+    first.add([window(4)])
+    assert len(first.slots) == 8
+    second = fixed.batch(rules, rows=4, draft_length=DraftLength(fixed=2))
+    tags = second.add([window(0), window(1)])
+    assert second.state.live.tolist() == [True, True, False, False]
+    results = {}
+    while second.live:
+        results.update(second.step())
+    assert [results[tag].tokens for tag in tags] == [alone[0].tokens, alone[1].tokens]
+    first.close()
+    second.close()
+
+
+def test_fitted_drafting_stops_once_every_live_row_has_proposed_end_of_text_beside_a_free_slot(pair, monkeypatch):
+    """A batch of three whose first row ends at its length limit in the first round (a free
+    slot, not dropped while two of three rows live), the other two the same window drafted
+    by the target itself, 4 proposals a round: the last round stops drafting at their
+    end-of-text, not after 4 proposals, whatever the free slot's (unused) proposals are."""
+    target, encoded = pair[:2]
+    rules, prompt = rules_for(True), prompt_for(True)
+    alone = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
+    lengths = [len(s.tokens) for s in alone]
+    row = lengths.index(max(lengths))
+    ends_in = (lengths[row] + 1) % 5 or 5  # tokens the last round keeps, end-of-text included (5 a round)
+    assert 0 < ends_in < 5, "the rows must end mid-round"
+    proposed = []
+    propose = Batch._propose
+    draft_step = Batch._draft_step
+    monkeypatch.setattr(Batch, "_propose", lambda self, *a: proposed.append(propose(self, *a)[0]) or (proposed[-1], True))
+    monkeypatch.setattr(Batch, "_draft_step", lambda self, *a: torch.where(self.state.live, draft_step(self, *a), 0))
+    batch = engine(target, target, fixed=False).batch(rules, rows=3, draft_length=DraftLength(fixed=4))
+    batch.add([Window(encoded[row], prompt, max_new_tokens=n) for n in (2, MAX_NEW, MAX_NEW)])
+    results = []
+    while batch.live:
+        results += batch.step()
+    assert [len(s.tokens) for _, s in results] == [2, lengths[row], lengths[row]]
+    assert len(batch.slots) == 3 and proposed == [4] * (len(proposed) - 1) + [ends_in]
+
+
 def test_states_follow_the_encoders_frame_count(pair):
     """Windows encoded over fewer frames (short audio) get a state of their own size."""
     target, encoded, draft = pair[:3]
