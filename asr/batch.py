@@ -15,11 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -133,19 +136,24 @@ class FolderSummary:
         return line
 
 
-def find_audio(root: Path, skip: Path | None = None) -> list[Path]:
+def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] | None = None) -> list[Path]:
     """Audio files under root, recursively (linked folders too, each once), in a stable
-    order; `skip` (the output folder, when it lies inside) is not entered."""
+    order; `skip` (the output folder, when it lies inside) is not entered, nor are hidden
+    files and folders (".git", macOS's "._NAME.wav" resource files beside real recordings).
+    Folders that cannot be listed go to `unreadable`."""
     found = []
     skip = skip.resolve() if skip is not None else None
     entered: set[Path] = set()
-    for folder, subfolders, names in os.walk(root, followlinks=True):
+    walk = os.walk(root, followlinks=True, onerror=None if unreadable is None else unreadable.append)
+    for folder, subfolders, names in walk:
         if (real := Path(folder).resolve()) in entered:  # a link back up the tree
             subfolders[:] = []
             continue
         entered.add(real)
-        subfolders[:] = sorted(d for d in subfolders if skip is None or (Path(folder) / d).resolve() != skip)
-        found += [Path(folder) / n for n in sorted(names) if Path(n).suffix.lower() in AUDIO_EXTENSIONS]
+        subfolders[:] = sorted(d for d in subfolders
+                               if not d.startswith(".") and (skip is None or (Path(folder) / d).resolve() != skip))
+        found += [Path(folder) / n for n in sorted(names)
+                  if not n.startswith(".") and Path(n).suffix.lower() in AUDIO_EXTENSIONS]
     return found
 
 
@@ -159,8 +167,10 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFil
     sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
     for path in inputs:
         if path.is_dir():
-            files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir)]
-            if not files:
+            unreadable: list[OSError] = []
+            files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir, unreadable=unreadable)]
+            failures += [FileResult(str(e.filename), error=f"cannot read this folder ({e.strerror})") for e in unreadable]
+            if not files and not unreadable:
                 failures.append(FileResult(str(path), error=f"folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})"))
         elif path.exists():
             files = [(path, Path(path.name))]
@@ -205,28 +215,55 @@ def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str]) -> int
     return removed
 
 
+class OutputError(RuntimeError):
+    """The output folder takes no transcripts (it cannot be made or written, its disk is
+    full, its file system read-only): the run stops; transcripts written stay."""
+
+
+FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # write errors after which no other file's would succeed
+
+
 class ErrorLog:
     """OUT/errors.jsonl: one JSON object per failed file, appended and flushed as it
-    happens. Each run starts it afresh, since it retries every file that failed before."""
+    happens. Each run starts it afresh, since it retries every file that failed before; a
+    run stopped early (Ctrl-C, a model that cannot load) puts back the earlier records of the
+    files it did not get to."""
 
     def __init__(self, path: Path):
         self.path = path
+        self._earlier = []
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                with contextlib.suppress(ValueError):
+                    self._earlier.append(json.loads(line))
         path.unlink(missing_ok=True)
         self._handle = None
 
     def add(self, file: str, reason: str) -> None:
-        if self._handle is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # A file name that is not UTF-8 is written as JSON's \udcXX escapes (its bytes, for os.fsencode).
-            self._handle = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
-        record = {"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-        self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._handle.flush()
-        os.fsync(self._handle.fileno())
+        self._write({"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
 
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
+    def _write(self, record: dict) -> None:
+        try:
+            if self._handle is None:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                # A file name that is not UTF-8 is written as JSON's \udcXX escapes (its bytes, for os.fsencode).
+                self._handle = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
+            self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._handle.flush()
+            os.fsync(self._handle.fileno())
+        except OSError as error:
+            raise OutputError(f"{self.path}: cannot record a failure ({error.strerror or error})") from error
+
+    def close(self, pending: Iterable[str] = ()) -> None:
+        """pending: the files this run did not get to, whose earlier records are put back."""
+        pending = set(pending)
+        try:
+            for record in self._earlier:
+                if record.get("file") in pending:
+                    self._write(record)
+        finally:
+            if self._handle is not None:
+                self._handle.close()
 
 
 def transcribe_files(
@@ -320,7 +357,11 @@ class _Recorder:
     def __init__(self, run: FolderRun):
         self.run = run
         self.started = time.perf_counter()
-        run.out_dir.mkdir(parents=True, exist_ok=True)
+        try:  # said now, not after a model has loaded or a file been transcribed
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=run.out_dir).close()
+        except OSError as error:
+            raise OutputError(f"--out-dir {run.out_dir}: cannot write there ({error.strerror or error})") from error
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
         files, failures = plan_outputs(run.inputs, run.out_dir)
@@ -345,9 +386,14 @@ class _Recorder:
             return  # a repeat (Ray may run a lost batch again)
         if result.error is None:
             try:
+                for fmt in self.run.formats:  # a file's outputs all come from one run (an --overwrite cut short)
+                    item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
             except OSError as error:
+                if error.errno in FULL:
+                    self.by_source[result.source] = item  # not done: left to the next run
+                    raise OutputError(f"{error.filename or self.run.out_dir}: {error.strerror}") from error
                 result = dataclasses.replace(result, error=f"writing the transcript failed: {error}")
         if result.error is not None:
             self._failed(result.source, result.error)
@@ -379,6 +425,11 @@ class _Recorder:
             self.summary.errors_file = self.log.path
         return self.summary
 
+    def stop(self) -> None:
+        """Ends a run cut short: the files left are neither done nor failed."""
+        self.bar.close()
+        self.log.close(pending=self.by_source)
+
     def _failed(self, source: str, reason: str) -> None:
         self.summary.failed += 1
         self.log.add(source, reason)
@@ -386,12 +437,19 @@ class _Recorder:
             tqdm.write(f"error: {printable(source)}: {reason}", file=sys.stderr)
 
 
-def transcribe_folder(run: FolderRun, transcriber: Transcriber) -> FolderSummary:
-    """Transcribes run.inputs in this process (see the module's description)."""
+def transcribe_folder(run: FolderRun, build: Callable[[], Transcriber]) -> FolderSummary:
+    """Transcribes run.inputs in this process (see the module's description). build: makes
+    the transcriber, once the inputs and the output folder are checked and some file is left
+    to do (a model loads only then)."""
     recorder = _Recorder(run)
-    files = [item.source for item in recorder.todo]
-    for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds, run.layout):
-        recorder.record(result)
+    try:
+        if recorder.todo:
+            files = [item.source for item in recorder.todo]
+            for result in transcribe_files(build(), files, run.formats, run.stream_above_seconds, run.layout):
+                recorder.record(result)
+    except BaseException:
+        recorder.stop()
+        raise
     return recorder.finish("not transcribed")
 
 
@@ -412,12 +470,12 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     if not recorder.todo:
         return recorder.finish(lost)
     started_here = not ray.is_initialized()
-    if started_here:
-        # Workers load models as this process would: pass on the offline switches and cache location.
-        env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
-        ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-                 runtime_env={"env_vars": env} if env else None)
     try:
+        if started_here:
+            # Workers load models as this process would: pass on the offline switches and cache location.
+            env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
+            ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+                     runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
         gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
         cpus_per_worker = options.cpus_per_worker or (1 if gpus else min(4, cpus))
@@ -445,6 +503,9 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         )
         for row in results.iter_rows():
             recorder.record(FileResult(**json.loads(row["result"])))
+    except BaseException:
+        recorder.stop()
+        raise
     finally:
         if started_here:
             ray.shutdown()

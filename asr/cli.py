@@ -18,7 +18,9 @@ from typing import Callable
 import torch
 
 from asr import vad
-from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray
+from asr.batch import (
+    DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
+)
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
@@ -237,6 +239,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)
         return 2
+    if args.ray is None and (args.workers or args.cpus_per_worker):
+        print("asr: --workers and --cpus-per-worker go with --ray (without it, one process decodes)", file=sys.stderr)
+        return 2
     if args.max_line_count is not None and not (args.max_line_width and args.word_timestamps):
         print("asr: --max-line-count needs --max-line-width (where lines break) and --word-timestamps (the cues' times)",
               file=sys.stderr)
@@ -267,16 +272,21 @@ def transcribe_command(args: argparse.Namespace) -> int:
     run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats),
                     layout=SubtitleLayout(args.max_line_width, args.max_line_count), overwrite=args.overwrite,
                     progress=not args.no_progress and sys.stderr.isatty())
-    if args.ray is None:
-        try:
-            transcriber = spec.build()
-        except (ValueError, FileNotFoundError) as error:
-            print(f"asr: {error}", file=sys.stderr)
-            return 2
-        summary = transcribe_folder(run, transcriber)
-    else:
-        cluster = RayOptions(None if args.ray == LOCAL_RAY else args.ray, args.workers, args.cpus_per_worker)
-        summary = transcribe_folder_on_ray(run, spec, cluster, on_cluster=lambda line: print(line, file=sys.stderr))
+    try:
+        if args.ray is None:
+            summary = transcribe_folder(run, spec.build)
+        else:
+            cluster = RayOptions(None if args.ray == LOCAL_RAY else args.ray, args.workers, args.cpus_per_worker)
+            summary = transcribe_folder_on_ray(run, spec, cluster, on_cluster=lambda line: print(line, file=sys.stderr))
+    except OutputError as error:
+        print(f"asr: {error}; transcripts written so far stay, and the same command resumes", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as error:  # a model that cannot load, or options it refuses
+        print(f"asr: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("asr: interrupted; transcripts written so far stay, and the same command resumes", file=sys.stderr)
+        return 130
     print(summary.describe(), file=sys.stderr)
     return 1 if summary.failed else 0
 

@@ -116,7 +116,10 @@ def to_srt(transcript: Transcript, layout: SubtitleLayout = SubtitleLayout()) ->
 
 
 def to_vtt(transcript: Transcript, layout: SubtitleLayout = SubtitleLayout()) -> str:
-    blocks = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text}\n" for start, end, text in _cues(transcript, layout)]
+    # WebVTT reads "<" as a tag's start and "&" as an escape's in a cue's text ("I <3 AT&T").
+    escape = {ord("&"): "&amp;", ord("<"): "&lt;"}
+    blocks = [f"{_clock(start, '.')} --> {_clock(end, '.')}\n{text.translate(escape)}\n"
+              for start, end, text in _cues(transcript, layout)]
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 

@@ -3,6 +3,7 @@ a run killed with SIGKILL and resumed, and Ray Data on a local 2-worker cluster.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -19,9 +20,11 @@ import soundfile
 import soxr
 
 from asr.audio import SAMPLE_RATE, load_audio, stream_audio
+from asr import batch
 from asr.batch import (
     ERRORS_FILE,
     FolderRun,
+    OutputError,
     PipelineSpec,
     PlannedFile,
     RayOptions,
@@ -54,9 +57,12 @@ def errors_of(out: Path) -> dict[str, str]:
     return {Path(r["file"]).name: r["reason"] for r in records}
 
 
-def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path):
+def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, monkeypatch):
+    """Hidden files and folders (macOS's "._NAME" beside each recording) are no input; a
+    folder that cannot be listed is a failure of its own."""
     source = tmp_path / "in"
-    for name in ["a/b.flac", "a/b.wav", "a/c/d.MP3", "e.f.ogg", "notes.txt", "out/old.wav"]:
+    for name in ["a/b.flac", "a/b.wav", "a/c/d.MP3", "e.f.ogg", "notes.txt", "out/old.wav", "a/._b.flac", ".git/x.wav",
+                 "locked/y.wav"]:
         (source / name).parent.mkdir(parents=True, exist_ok=True)
         (source / name).write_bytes(b"x")
     (tmp_path / "empty").mkdir()
@@ -68,12 +74,21 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path):
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
     inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty"]
+    scandir = os.scandir
+
+    def locked(path):  # a folder without read permission (as root, chmod would not stop this process)
+        if Path(path).name == "locked":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", locked)
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
         ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
-    assert reasons.keys() == {"b.wav", "missing", "empty"}
+    assert reasons.keys() == {"b.wav", "missing", "empty", "locked"}
+    assert reasons["locked"] == "cannot read this folder (Permission denied)"
     assert reasons["b.wav"].startswith(f"same output name as {source / 'a' / 'b.flac'}")
     assert reasons["missing"] == "no such file or folder" and reasons["empty"].startswith("folder holds no audio files")
 
@@ -192,7 +207,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     }
 
     run = FolderRun((source,), out, **quiet(stream_above_seconds=30))
-    summary = transcribe_folder(run, Transcriber(pair, batch_size=4))
+    summary = transcribe_folder(run, lambda: Transcriber(pair, batch_size=4))
 
     assert (summary.ok, summary.failed, summary.skipped) == (4, 8, 0)
     assert summary.errors_file == out / ERRORS_FILE and summary.audio_seconds > 60
@@ -208,7 +223,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     assert json.loads((out / "good/long.json").read_text())["duration"] == pytest.approx(51.0, abs=0.01)
     assert not list(out.rglob("*.part"))
 
-    again = transcribe_folder(run, Transcriber(pair, batch_size=4))  # finished files are skipped, failures retried
+    again = transcribe_folder(run, lambda: Transcriber(pair, batch_size=4))  # finished files are skipped, failures retried
     assert (again.ok, again.failed, again.skipped) == (0, 8, 4)
     assert errors_of(out).keys() == expected_errors.keys()
 
@@ -227,10 +242,62 @@ def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatc
         return submit(self, jobs)
 
     monkeypatch.setattr(_Decoding, "submit", failing_submit)
-    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), Transcriber(pair, batch_size=3))
+    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair, batch_size=3))
     assert (summary.ok, summary.failed) == (2, 1)
     assert errors_of(out) == {"poison.wav": "transcription failed: RuntimeError: kernel exploded"}
     assert "could wait no longer" in (out / "1089-134691-0000.txt").read_text().lower()
+
+
+def test_an_output_folder_that_takes_nothing_stops_the_run_before_a_model_loads(tmp_path: Path):
+    (tmp_path / "in").mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", tmp_path / "in" / "a.wav")
+    (tmp_path / "not_a_folder").write_text("x")
+    built = []
+    with pytest.raises(OutputError, match="not_a_folder/out: cannot write there"):
+        transcribe_folder(FolderRun((tmp_path / "in",), tmp_path / "not_a_folder" / "out", **quiet()), built.append)
+    assert not built
+
+
+def test_a_full_disk_stops_the_run_and_leaves_no_mix_of_old_and_new_outputs(tmp_path: Path, pair, monkeypatch):
+    """--overwrite over a finished file whose new JSON finds the disk full: the run stops (no
+    other file would be written either), the earlier failures' records stay for the files it
+    did not get to, and the file's old JSON is not left beside its new text (the next run
+    would take that mix for finished)."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    (out / "a.json").write_text("{}")
+    (out / ERRORS_FILE).write_text(json.dumps({"file": str(source / "a.wav"), "reason": "earlier"}) + "\n")
+    write_atomic = batch.write_atomic
+
+    def full(path: Path, data: str) -> None:
+        if path.suffix == ".json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        write_atomic(path, data)
+
+    monkeypatch.setattr(batch, "write_atomic", full)
+    with pytest.raises(OutputError, match="a.json: No space left on device"):
+        transcribe_folder(FolderRun((source,), out, overwrite=True, **quiet()), lambda: Transcriber(pair))
+    assert not (out / "a.json").exists() and "1813" in (out / "a.txt").read_text()
+    assert errors_of(out) == {"a.wav": "earlier"}
+
+
+def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_get_to(tmp_path: Path):
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    for name in ("a.wav", "b.wav"):
+        shutil.copy(SHORT / "LJ002-0020.wav", source / name)
+    earlier = [{"file": str(source / name), "reason": "earlier", "time": "2026-11-25T00:00:00+00:00"} for name in ("a.wav", "gone.wav")]
+    (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in earlier) + "not json\n")
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
+    assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == earlier[:1]
 
 
 def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:
@@ -296,7 +363,7 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     shutil.copy(SHORT / "LJ002-0020.wav", source / "sub" / "LJ002-0020.wav")
     (source / "sub" / "broken.wav").write_bytes(b"RIFF not really")
 
-    local = transcribe_folder(FolderRun((source,), tmp_path / "local", **quiet()), Transcriber(pair, batch_size=2))
+    local = transcribe_folder(FolderRun((source,), tmp_path / "local", **quiet()), lambda: Transcriber(pair, batch_size=2))
     assert (local.ok, local.failed) == (3, 1)
     spec = PipelineSpec(*PRESETS[DEFAULT_PRESET], batch_size=2)
     run = FolderRun((source,), tmp_path / "ray", **quiet())

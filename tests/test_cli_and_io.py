@@ -110,13 +110,15 @@ def test_writers_render_every_format(tmp_path: Path):
 def test_subtitle_cues_hold_only_text():
     """A blank line ends a subtitle cue and "-->" starts one: Whisper's text with either
     would turn the rest of the file into garbage for a player; a segment without text
-    is no cue, and cues are numbered without gaps."""
+    is no cue, and cues are numbered without gaps. WebVTT's cue text escapes "<" and "&"
+    (a tag's start, an escape's), SRT's has no escapes."""
     transcript = _transcript()
     transcript.segments[:0] = [Segment(0, 0.0, 0.0, " ", [], -0.1, 1.0, 0.0, 0.0)]
-    transcript.segments[2] = replace(transcript.segments[2], text=" x ---> y\n\n z")
+    transcript.segments[2] = replace(transcript.segments[2], text=" x ---> y\n\n I <3 AT&T")
     srt, vtt = writers.to_srt(transcript), writers.to_vtt(transcript)
-    assert srt == "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n2\n00:00:02,500 --> 01:01:01,250\nx -> y\nz\n"
-    assert vtt == "WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n00:00:02.500 --> 01:01:01.250\nx -> y\nz\n"
+    assert srt == "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n\n2\n00:00:02,500 --> 01:01:01,250\nx -> y\nI <3 AT&T\n"
+    assert vtt == ("WEBVTT\n\n00:00:00.000 --> 00:00:02.500\nHello there.\n\n00:00:02.500 --> 01:01:01.250\n"
+                   "x -> y\nI &lt;3 AT&amp;T\n")
 
 
 def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
@@ -236,12 +238,13 @@ def test_cli_passes_whispers_fallback_thresholds(tmp_path: Path, monkeypatch):
     import asr.cli
 
     built, transcribe_folder = [], asr.cli.transcribe_folder
-    monkeypatch.setattr("asr.cli.transcribe_folder", lambda run, t: built.append(t.options) or transcribe_folder(run, t))
+    monkeypatch.setattr("asr.cli.transcribe_folder",
+                        lambda run, build: transcribe_folder(run, lambda: built.append(build()) or built[-1]))
     assert main(["transcribe", str(DEV / "en_short" / "LJ002-0020.wav"), "--out-dir", str(tmp_path), "--formats", "json",
                  "--language", "en", "--temperature-increment", "0.5", "--logprob-threshold", "0",
                  "--no-speech-threshold", "none", "--compression-ratio-threshold", "3", "--no-condition-on-previous-text"]) == 0
     assert {s["temperature"] for s in json.loads((tmp_path / "LJ002-0020.json").read_text())["segments"]} == {1.0}
-    options = built[0]
+    options = built[0].options
     assert (options.temperatures, options.log_prob_threshold, options.no_speech_threshold) == ((0.0, 0.5, 1.0), 0.0, None)
     assert options.compression_ratio_threshold == 3.0 and options.condition_on_previous_text is False
 
@@ -312,6 +315,10 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     (tmp_path / "a-file").write_text("")
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file")]) == 2
     assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file" / "out")]) == 1
+    assert f"--out-dir {tmp_path / 'a-file' / 'out'}: cannot write there (Not a directory)" in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--workers", "2"]) == 2
+    assert "--workers and --cpus-per-worker go with --ray" in capsys.readouterr().err
     for command, flag, value, message in [
         ("transcribe", "--num-draft-tokens", "-1", "-1 is less than 0"), ("transcribe", "--batch-size", "0", "0 is less than 1"),
         ("transcribe", "--batch-size", "two", "invalid whole number value: 'two'"),
