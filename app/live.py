@@ -19,12 +19,15 @@ from asr.audio import SAMPLE_RATE, float_mono
 from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
 IDLE_SECONDS = 30.0  # no audio for this long: the visitor left without pressing Stop
-# Audio a decode waits for (chunks come every 0.1 s): a buffer of a fraction of a second
-# only misleads the language detection, and each decode re-reads the whole buffer.
+# Audio a decode waits for (chunks come every 0.5 s, Gradio's stream_every): a buffer of a
+# fraction of a second only misleads the language detection, and each decode re-reads the whole buffer.
 STEP_SECONDS = 1.0
 
 
 class LiveSession:
+    _running = 0  # sessions whose worker runs, server-wide (LiveSession.running)
+    _count = threading.Lock()
+
     def __init__(self, engine: Engine, settings: Settings):
         self._engine = engine
         self._streamer = StreamingTranscriber(engine.transcriber(settings), clock=self._stream_clock)
@@ -40,7 +43,14 @@ class LiveSession:
         self.shown = 0  # updates the page has displayed (-1: it has displayed the error)
         self.error: str | None = None  # why the worker stopped before the recording ended
         self._worker = threading.Thread(target=self._run, name="asr-live", daemon=True)
+        with LiveSession._count:
+            LiveSession._running += 1
         self._worker.start()
+
+    @staticmethod
+    def running() -> int:
+        """Recordings being transcribed now, by every visitor (the page's live slots)."""
+        return LiveSession._running
 
     @property
     def finished(self) -> bool:
@@ -90,6 +100,9 @@ class LiveSession:
         except Exception as error:  # the page shows it; the server's log gets the traceback
             traceback.print_exc()
             self.error = f"{type(error).__name__}: {error}"
+        finally:
+            with LiveSession._count:
+                LiveSession._running -= 1
 
     def _decode(self) -> None:
         while True:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import html
 import shutil
 import tempfile
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -142,36 +144,45 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
                          elem_id="upload-transcript")
     downloads = gr.File(label="Download (txt, srt, vtt, json)", file_count="multiple", interactive=False,
                         visible=False, elem_id="upload-downloads")
+    # One listener for both: a click during the upload's own run (new settings) runs after it,
+    # so the page ends with the newest settings' transcript, and UPLOADS bounds both together.
+    gr.on([audio.upload, run.click], functools.partial(transcribe_upload, engine, downloads_dir, keep_seconds),
+          [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS, trigger_mode="always_last")
 
-    def failed(message: str) -> tuple[str, str, dict]:
-        # Shown in place of the transcript, where the visitor is looking, until the next run.
-        return "", error_html(message), gr.update(value=None, visible=False)
 
-    def transcribe(path: str | None, language: str, task: str, draft_length: str, prompt: str,
-                   words: bool, silences: bool, subtitles: str) -> tuple[str, str, dict]:
-        if not path:
-            return failed("Choose an audio file first.")
-        name = Path(path).name  # the visitor's file name; the path is the server's upload cache
-        try:
-            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
-        except ValueError as error:
-            return failed(str(error))
-        try:
-            audio = transcriber.read(path, name)
-            with engine.turn():
-                started = time.perf_counter()
-                result = transcriber.transcribe(audio)
-                seconds = time.perf_counter() - started
-        except AudioError as error:
-            return failed(str(error).replace(path, name))
+def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
+                      task: str, draft_length: str, prompt: str, words: bool, silences: bool,
+                      subtitles: str) -> tuple[str, str, dict]:
+    """An upload's figures, transcript and downloads; or, for any failure, an error naming the
+    visitor's file (not the server's copy) in place of the transcript."""
+    if not path:
+        return _failed("Choose an audio file first.")
+    name = Path(path).name  # the visitor's file name; the path is the server's upload cache
+    try:
+        transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
+    except ValueError as error:
+        return _failed(str(error))
+    try:
+        audio = transcriber.read(path, name)
+        with engine.turn():
+            started = time.perf_counter()
+            result = transcriber.transcribe(audio)
+            seconds = time.perf_counter() - started
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
-        stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
-        return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
+    except AudioError as error:
+        return _failed(str(error).replace(path, name))
+    except Exception as error:  # out of memory, a full disk...: said on the page, the traceback in the server's log
+        traceback.print_exc()
+        return _failed(f"{name}: {type(error).__name__}: {error}".replace(path, name))
+    stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
+    return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
 
-    for event in (audio.upload, run.click):
-        event(transcribe, [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS)
+
+def _failed(message: str) -> tuple[str, str, dict]:
+    # Shown in place of the transcript, where the visitor is looking, until the next run.
+    return "", error_html(message), gr.update(value=None, visible=False)
 
 
 def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
@@ -192,13 +203,16 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
         update = live.last
         if update is None:
             return live_html("", "", listening=not live.finished), gr.skip(), live
-        if live.shown == len(live.updates):  # chunks come ten times a second; decodes less often
+        if live.shown == len(live.updates):  # chunks come twice a second; decodes less often
             return gr.skip(), gr.skip(), live
         live.shown = len(live.updates)
         return (live_html(update.committed_text, update.tentative_text, listening=not update.final),
                 figures_html(live_figures(live.summary(), live.recorded_seconds(), update.final)), live)
 
     def on_start() -> tuple[str, str, None]:
+        if LiveSession.running() >= LIVE_SESSIONS:  # this recording's chunks wait in the queue, unheard, for a slot
+            return error_html(f"All {LIVE_SESSIONS} live transcriptions are taken: what you say is not transcribed "
+                              "until one ends (uploads still work)."), "", None
         return live_html("", "", listening=True), "", None  # the first chunk starts a new LiveSession
 
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,

@@ -22,12 +22,14 @@ import soundfile
 import soxr
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
-from app.engine import Engine, Settings
+from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
+from app.ui import transcribe_upload
 from app.views import live_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
+from asr.transcribe import Transcriber
 from conftest import DEV, REPO, SAMPLES, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -124,10 +126,14 @@ def browser_chunks(seconds: float | None = None) -> Iterator[tuple[int, np.ndarr
 
 
 def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
+    """The session counts among those running (the page's live slots) until it ends."""
+    running = LiveSession.running()
     live = LiveSession(engine, Settings(language="en"))
+    assert LiveSession.running() == running + 1
     for chunk in browser_chunks():
         live.feed(*chunk)
     live.finish()
+    assert LiveSession.running() == running
     assert live.finished and live.error is None and live.last.final
     assert EXPECTED in words(live.last.committed_text)
     assert abs(live.summary().audio_seconds - len(load_audio(CLIP)) / SAMPLE_RATE) < 0.05
@@ -150,6 +156,24 @@ def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.
     live.feed(*next(browser_chunks()))
     assert live._pending_samples == queued  # audio after the failure is not kept
     live.finish()
+
+
+def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not only unreadable audio: any failure (out of memory, a full disk) is said in place of
+    the transcript with the visitor's file name, not Gradio's bare "Error"."""
+    upload = tmp_path / "cache" / "jfk.flac"  # as Gradio's upload cache holds it
+    upload.parent.mkdir()
+    upload.write_bytes(CLIP.read_bytes())
+
+    def broken(self: Transcriber, audio) -> None:
+        raise RuntimeError(f"CUDA error: out of memory reading {upload}")
+
+    monkeypatch.setattr(Transcriber, "transcribe", broken)
+    figures, transcript, downloads = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe", AUTO,
+                                                       "", False, False, "segments")
+    assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
+    assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
