@@ -52,10 +52,6 @@ class KVCache:
     def capacity(self) -> int:
         return self.self_kv[0].shape[3]
 
-    @property
-    def rows(self) -> int:
-        return self.self_kv[0].shape[1]
-
     def select(self, rows: Tensor, cross_from: "KVCache | None" = None) -> "KVCache":
         """A cache of these rows only. One sharing another's cross-attention K/V takes them
         from cross_from, that cache's selection."""
@@ -213,7 +209,7 @@ class DecoderRunner:
         """tokens [n, q] placed at positions start[b] .. start[b]+q-1 of each row.
         Returns logits [n, m, V] at the query indices logits_at [n, m] (all q if None).
 
-        rows [n]: the cache rows the tokens belong to (default: all, n = cache.rows).
+        rows [n]: the cache rows the tokens belong to (default: all, n = the cache's rows).
         window: attend over the cache's first `window` positions (every row's last position
         must lie below it), a shape fitted to the data that the caller knows; None: over its
         whole capacity. A mask hides each row's positions past its own; with one row and one

@@ -364,7 +364,6 @@ class TransformersSystem(_OneFileAtATime):
             draft_proposed=proposed,
             draft_accepted=counter.tokens - counter.rounds if proposed else 0,
             target_passes=counter.rounds,
-            draft_passes=proposed,
             tokens=counter.tokens,
             tokens_per_pass=counter.per_round,
             accepted_per_pass=[n - 1 for n in counter.per_round] if proposed else [],

@@ -36,6 +36,15 @@ def choose(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tens
     return torch.where(temperature > 0, draw(probs, u), logits.argmax(-1)), probs
 
 
+def greedy(logits: Tensor, proposals: Tensor, proposed: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """Greedy verification of proposals [B, k] against the target's logits [B, k+1, V]: each
+    is accepted where it is the argmax and the ones before it were (proposed: as verify's).
+    Returns the accepted count [B] and the argmax at every position [B, k+1]."""
+    chosen = logits.argmax(-1)
+    right = proposals == chosen[:, : proposals.shape[1]]
+    return (right if proposed is None else right & proposed).long().cumprod(1).sum(1), chosen
+
+
 def verify(logits: Tensor, proposals: Tensor, temperature: Tensor, draft_probs: Tensor, u: Tensor,
            proposed: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Rejection sampling of proposals [B, k] against the target's logits [B, k+1, V]; the
@@ -44,20 +53,18 @@ def verify(logits: Tensor, proposals: Tensor, temperature: Tensor, draft_probs: 
     accepted count [B] and the token chosen at every position [B, k+1], of which index
     `accepted` is the one kept. Rows at temperature 0 accept the proposals equal to the argmax."""
     k = proposals.shape[1]
-    greedy = logits.argmax(-1)
-    greedy_right = proposals == greedy[:, :k]
+    greedy_accepted, greedy_chosen = greedy(logits, proposals, proposed)
     p = probabilities(logits, temperature)
     index = proposals[:, :, None]
     right = u[:, :k] * draft_probs.gather(2, index)[:, :, 0] < p[:, :k].gather(2, index)[:, :, 0]
     corrected = (p[:, :k] - draft_probs).clamp(min=0)
     if proposed is not None:
-        greedy_right, right = greedy_right & proposed, right & proposed
+        right = right & proposed
         corrected = torch.where(proposed[:, :, None], corrected, p[:, :k])  # past the proposals: the target's own
-    greedy_accepted = greedy_right.long().cumprod(1).sum(1)
     accepted = right.long().cumprod(1).sum(1)
     residual = torch.cat([corrected, p[:, k:]], 1)
     # p == q exactly leaves no residual mass; then the target's own distribution is exact.
     residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
     chosen = draw(residual, u[:, k:])
     sampled = temperature > 0
-    return torch.where(sampled, accepted, greedy_accepted), torch.where(sampled[:, None], chosen, greedy)
+    return torch.where(sampled, accepted, greedy_accepted), torch.where(sampled[:, None], chosen, greedy_chosen)

@@ -36,7 +36,6 @@ class DecodeStats:
     draft_proposed: int = 0
     draft_accepted: int = 0
     target_passes: int = 0
-    draft_passes: int = 0
     tokens: int = 0  # tokens kept (end-of-text included)
     hint_proposed: int = 0  # tokens proposed from a hint, not counted as draft tokens
     hint_accepted: int = 0
@@ -391,7 +390,6 @@ class Slots:
             elif k:
                 stats.draft_proposed += k
                 stats.draft_accepted += accepted[i]
-                stats.draft_passes += k
                 stats.accepted_per_pass.append(accepted[i])
             stats.target_passes += 1
             stats.tokens += kept[i]

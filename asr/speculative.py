@@ -277,9 +277,7 @@ class Batch(Slots):
             accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs[:, :k], noise[:, : 2 * k + 1],
                                                proposed)
         else:
-            chosen = logits.argmax(-1)
-            right = proposals == chosen[:, :k]
-            accepted = (right if proposed is None else right & proposed).long().cumprod(1).sum(1)
+            accepted, chosen = sampling.greedy(logits, proposals, proposed)
         s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
         # Keep accepted + 1 tokens, cut after the first end-of-text and at the length limit.
