@@ -51,6 +51,9 @@ def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
     elif samples.dtype.kind != "f":
         raise AudioError(f"{name}: samples must be numbers (float or PCM integers), not {samples.dtype}")
     if samples.ndim == 2:
+        if samples.shape[0] <= 8 < samples.shape[1]:  # librosa's [channels, frames]: averaging would keep 2 samples
+            raise AudioError(f"{name}: samples shaped {samples.shape} look like [channels, frames]; "
+                             "give [frames, channels] (transpose it)")
         samples = samples.mean(axis=1)
     elif samples.ndim != 1:
         raise AudioError(f"{name}: expected samples shaped [frames] or [frames, channels], got {samples.shape}")

@@ -9,7 +9,9 @@ import argparse
 import importlib.util
 import json
 import math
+import os
 import sys
+import tempfile
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -305,6 +307,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
         clips = read_manifest(args.manifest)[: args.limit]
         if not clips:
             raise ValueError(f"{args.manifest}: no files to evaluate")
+        if problem := unwritable(args.out):  # said now, not after the whole evaluation has run
+            raise ValueError(f"--out {args.out}: {problem}")
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)
         report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
@@ -316,9 +320,26 @@ def evaluate_command(args: argparse.Namespace) -> int:
     if not report["n_files"]:
         print(f"asr: no file could be scored; {args.out} is left as it was", file=sys.stderr)
         return 1
-    write_report(report, args.out, title=str(args.manifest))
+    try:
+        write_report(report, args.out, title=str(args.manifest))
+    except OSError as error:  # the figures are not lost: report.json goes where it can
+        handle, kept = tempfile.mkstemp(prefix="asr-report-", suffix=".json")
+        with os.fdopen(handle, "w", encoding="utf-8") as out:
+            json.dump(report, out, ensure_ascii=False, indent=2)
+        print(f"asr: writing the report to {args.out} failed ({error}); its report.json is {kept}", file=sys.stderr)
+        return 1
     print((args.out / "report.md").read_text())
     return 1 if report["failures"] else 0
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why folder cannot be made and written into (None: it can)."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} cannot be written to"
 
 
 def app_command(args: argparse.Namespace) -> int:

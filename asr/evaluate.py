@@ -16,7 +16,7 @@ from collections import Counter
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import transformers
@@ -90,8 +90,8 @@ class Run:
     tokens: list[int] = field(default_factory=list)  # text tokens, timestamps left out
     segment_times: list[tuple[float, float]] = field(default_factory=list)  # ours only
     seconds: float = 0.0  # end to end: features, encoder, decoder
-    encoder_seconds: float = 0.0
-    decoder_seconds: float = 0.0
+    encoder_seconds: float | None = 0.0  # None: the system does not tell (faster-whisper)
+    decoder_seconds: float | None = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
     # Ours on a GPU: the graph work (first uses, captures, replays) of the batch the file was
     # decoded in, on the batch's first file and zero on the others, so that runs add up.
@@ -387,14 +387,16 @@ class FasterWhisperSystem(_OneFileAtATime):
             raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'")
         self.target = pair.target
         self.options = options
-        device = pair.target.device
+        device, dtype = pair.target.device, pair.target.dtype
+        # Our decoders' precision where CTranslate2 has it (a GPU's float16, bfloat16, float32); float32 on a CPU.
+        precise = device.type == "cuda" and dtype in (torch.float16, torch.bfloat16, torch.float32)
         # Its temperature fallback samples from CTranslate2's generator, seeded (a random seed
         # unless set) at its first sample: the dev set's sonnet's sampled tail differed from
         # run to run until --seed was set.
         try:
             self.process = FasterWhisperProcess(dict(
                 model_size_or_path=str(ctranslate2_directory(pair.target.name)), device=device.type,
-                device_index=device.index or 0, compute_type="float32" if device.type == "cpu" else "float16",
+                device_index=device.index or 0, compute_type=str(dtype).removeprefix("torch.") if precise else "float32",
                 cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
         except RuntimeError as error:  # its model or its imports failed: a usage error, before anything decodes
             raise ValueError(f"--peers faster-whisper could not start ({error})") from error
@@ -409,7 +411,8 @@ class FasterWhisperSystem(_OneFileAtATime):
             vad_filter=options.vad_filter, word_timestamps=False)
         tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
         return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
-                   segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds)
+                   segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds,
+                   encoder_seconds=None, decoder_seconds=None)
 
 
 def system_names(peers: tuple[str, ...]) -> list[str]:
@@ -543,8 +546,8 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             "wer": normalized_wer([n["reference"] for _, n in done], [n[system] for _, n in done]) if done else None,
             "seconds": seconds,
             "rtfx": _ratio(sum(r.duration for r, _ in done), seconds),
-            "encoder_seconds": sum(run.encoder_seconds for run in runs),
-            "decoder_seconds": sum(run.decoder_seconds for run in runs),
+            "encoder_seconds": _total(run.encoder_seconds for run in runs),
+            "decoder_seconds": _total(run.decoder_seconds for run in runs),
             "speedup_vs_target": _ratio(sum(r.runs[TARGET].seconds for r, _ in done), seconds),
         }
         if system in (TARGET, SPECULATIVE) and environment.get("cuda_graphs"):
@@ -631,6 +634,12 @@ def _by_length(scored: list[FileResult], systems: list[str]) -> dict:
 
 def _percent(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{100 * value:.{digits}f}%"
+
+
+def _total(values: Iterable[float | None]) -> float | None:
+    """A sum of what every run told (None where one did not)."""
+    values = list(values)
+    return None if None in values else sum(values)
 
 
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
@@ -748,13 +757,15 @@ def render_plots(report: dict) -> dict[str, bytes]:
            title="Acceptance: draft tokens accepted per target pass")
 
     ax = figures["wer.png"].subplots()
-    wers = [100 * (report["systems"][s]["wer"] or 0.0) for s in systems]
-    bars = ax.bar([LABELS[s] for s in systems], wers, color=[f"C{i}" for i in range(len(systems))])
+    scored = [(i, s) for i, s in enumerate(systems) if report["systems"][s]["wer"] is not None]  # not 0 % for no file
+    wers = [100 * report["systems"][s]["wer"] for _, s in scored]
+    bars = ax.bar([LABELS[s] for _, s in scored], wers, color=[f"C{i}" for i, _ in scored])
     ax.bar_label(bars, fmt="%.2f%%")
     ax.set(ylabel="WER (%)", title="Word error rate per system (normalised text)")
     ax.tick_params(axis="x", labelrotation=15)
 
     ax = figures["time_split.png"].subplots()
+    systems = [s for s in systems if report["systems"][s]["encoder_seconds"] is not None]  # not faster-whisper's
     labels = [LABELS[s] for s in systems]
     encoder = [report["systems"][s]["encoder_seconds"] for s in systems]
     decoder = [report["systems"][s]["decoder_seconds"] for s in systems]

@@ -84,18 +84,20 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
     clips = []
     for line, row in rows:
         extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field
-        if extra or row["reference"] is None:
+        if extra or row["reference"] is None or row["file"] is None:
             found = len(columns) + len(extra) - sum(v is None for v in row.values())
-            why = "a tab inside the reference splits it" if extra else "no reference column"
+            why = "a tab inside the reference splits it" if extra else "a column is missing"
             raise ValueError(f"{path}:{line}: {found} tab-separated fields where the header has {len(columns)} ({why})")
         if not row["file"].strip():
             raise ValueError(f"{path}:{line}: no file named")
         hint = re.search(r"lang=(\w+)", row.get("notes") or "")
-        language = (row.get("language") or "").strip() or (hint.group(1) if hint else default_language)
+        language = (row.get("language") or "").strip().lower() or (hint.group(1).lower() if hint else default_language)
         duration = (row.get("duration_seconds") or "").strip()
         try:
             seconds = float(duration) if duration else None
         except ValueError:
-            raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number") from None
-        clips.append(LabelledClip(path.parent / row["file"], seconds, row["reference"], language))
+            seconds = None
+        if duration and not (seconds is not None and 0 < seconds < float("inf")):
+            raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number of seconds above 0")
+        clips.append(LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language))
     return clips

@@ -414,15 +414,20 @@ class Transcriber:
         ratio = compression_ratio(self.vocab.decode(tokens))
         texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
         decoded = [self.vocab.decode(piece) for _, _, piece in pieces]
-        # Whisper drops instantaneous and empty segments (after timing the words of all).
-        keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         words: list[list[Word] | None] = [None] * len(pieces)
         if self.options.word_timestamps:
+            # As Whisper (and faster-whisper): segments take their words' times, and unless the
+            # window ended on a lone timestamp the next one starts where its last word ended.
             sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
-            times = [(start, end) for start, end, _ in pieces]
-            words = align(self.models.target, job.encoded, sot_sequence, texts, times, segment_frames, offset,
-                          job.language, job.duration, job.last_speech)
-            job.last_speech = speech_end([w if k else [] for w, k in zip(words, keep)], times, job.last_speech)
+            words, times = align(self.models.target, job.encoded, sot_sequence, texts,
+                                 [(start, end) for start, end, _ in pieces], segment_frames, offset, job.language,
+                                 job.duration, job.last_speech)
+            pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
+            job.last_speech = speech_end(words, times, job.last_speech)
+            if not single_ending and job.last_speech > offset:
+                job.seek = round(job.last_speech / FRAME_SECONDS)
+        # Whisper drops instantaneous and empty segments (after timing the words of all).
+        keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         kept: list[int] = []
         for (start, end, piece), text, text_tokens, timed, k in zip(pieces, decoded, texts, words, keep):
             if not k:

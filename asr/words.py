@@ -44,8 +44,9 @@ class _Timed:
 
 def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], segments: list[list[int]],
           times: list[tuple[float, float]], content_frames: int, offset: float, language: str, duration: float,
-          last_speech: float) -> list[list[Word]]:
-    """The words of each segment of one window (its text tokens, its start and end):
+          last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]]]:
+    """The words of each segment of one window (its text tokens, its start and end), and
+    each segment's start and end moved to its words' as Whisper moves them:
     encoded [positions, width] is the window's encoder output, content_frames the mel frames
     of audio in it, offset the window's start and duration the decoded audio's, in seconds;
     last_speech: where the speech of the recording's windows before ended (speech_end).
@@ -53,8 +54,9 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     than the median cut at a sentence end, and a segment's first and last words kept from
     running far past its own start and end."""
     text = [t for segment in segments for t in segment]
-    if not text or content_frames < 2:  # nothing to time, or no 20 ms of audio to time it in
-        return [[] for _ in segments]
+    # Nothing to time, or under two encoder positions to time it in (one makes the scores' spread 0, and them NaN)
+    if not text or content_frames < 4:
+        return [[] for _ in segments], times
     vocab = model.vocab
     tokens = torch.tensor([sot_sequence + [vocab.no_timestamps] + text + [vocab.eot]], device=encoded.device)
     heads = alignment_heads(model)
@@ -80,10 +82,13 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     _cut_long_words_at_sentence_ends(timed, 2 * median)
     _join_punctuation(timed)
     words = _per_segment(timed, segments, offset, duration)
+    fitted = []
     for segment, (start, end) in zip(words, times):
         if segment:
-            last_speech = _fit_to_segment(segment, start, end, median, last_speech)
-    return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words]
+            start, end = _fit_to_segment(segment, start, end, median, last_speech)
+            last_speech = end
+        fitted.append((start, end))
+    return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words], fitted
 
 
 def speech_end(words: list[list[Word]], times: list[tuple[float, float]], before: float) -> float:
@@ -214,10 +219,11 @@ def _per_segment(timed: list[_Timed], segments: list[list[int]], offset: float, 
     return result
 
 
-def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float, last_speech: float) -> float:
+def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float,
+                    last_speech: float) -> tuple[float, float]:
     """A segment's first word after a pause, or its first and last words, can take in
-    silence: they are cut back towards the segment's own start and end. Returns where the
-    segment's speech ends."""
+    silence: they are cut back towards the segment's own start and end; otherwise the
+    segment takes its words' start and end. Returns the segment's start and end."""
     longest = 2 * median
     first = words[0]
     if first.end - last_speech > 4 * median and (
@@ -228,8 +234,11 @@ def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float
         first.start = max(0.0, first.end - longest)
     if start < first.end and start - 0.5 > first.start:
         first.start = max(0.0, min(first.end - median, start))
+    else:
+        start = first.start
     last = words[-1]
     if end > last.start and end + 0.5 < last.end:
         last.end = max(last.start + median, end)
-        return end
-    return last.end
+    else:
+        end = last.end
+    return start, end

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -210,6 +211,8 @@ def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
     np.testing.assert_allclose(to_model_input(np.array([0, 128, 255], dtype=np.uint8), SAMPLE_RATE), [-1, 0, 127 / 128])
     with pytest.raises(AudioError, match="mic: samples must be numbers"):
         to_model_input(np.array(["a", "b"]), SAMPLE_RATE, "mic")
+    with pytest.raises(AudioError, match=re.escape("mic: samples shaped (2, 16000) look like [channels, frames]")):
+        to_model_input(np.zeros((2, SAMPLE_RATE), np.float32), SAMPLE_RATE, "mic")  # librosa's mono=False
 
 
 def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys):

@@ -338,11 +338,17 @@ def test_cli_keeps_the_previous_report_when_no_file_can_be_scored(tmp_path: Path
 
 
 def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_run(tmp_path: Path, capsys, monkeypatch):
+    """... or a report folder that cannot be written (a run of hours would be lost at its end)."""
     (tmp_path / "empty.tsv").write_text("file\treference\n")
     assert main(["evaluate", str(tmp_path / "empty.tsv"), "--out", str(tmp_path / "out")]) == 2
     assert f"{tmp_path / 'empty.tsv'}: no files to evaluate" in capsys.readouterr().err
-    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # not installed
     manifest = write_manifest(tmp_path, [CLIPS[0]])
+    (tmp_path / "report.md").write_text("not a folder")
+    monkeypatch.setattr("asr.cli.load_pair", lambda *a, **k: pytest.fail("a model loaded"))
+    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "report.md" / "out")]) == 2
+    assert f"--out {tmp_path / 'report.md' / 'out'}: {tmp_path / 'report.md'} is not a folder" in capsys.readouterr().err
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "faster_whisper", None)  # not installed
     assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out"), "--peers", "faster-whisper"]) == 2
     assert "asr: --peers faster-whisper needs faster-whisper" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
@@ -351,20 +357,26 @@ def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_r
 def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
     cases = {
         "a.wav\tIN EIGHTEEN\tTHIRTEEN\n": ":2: 3 tab-separated fields where the header has 2 (a tab inside the reference splits it)",
-        "a.wav\n": ":2: 1 tab-separated fields where the header has 2 (no reference column)",
+        "a.wav\n": ":2: 1 tab-separated fields where the header has 2 (a column is missing)",
         "\tsome words\n": ":2: no file named",
-        "a.wav\tok\nb.wav\tok\tn/a\n": ":3: duration_seconds 'n/a' is not a number",
+        "a.wav\tok\nb.wav\tok\tn/a\n": ":3: duration_seconds 'n/a' is not a number of seconds above 0",
+        "a.wav\tok\t-1\n": ":2: duration_seconds '-1' is not a number of seconds above 0",
         "b\xe9.wav\tok\n": ": not UTF-8 text",
+        "R:some words\n": ":2: 1 tab-separated fields where the header has 2 (a column is missing)",  # reference first
     }
     for i, (rows, message) in enumerate(cases.items()):
-        header = "file\treference" + ("\tduration_seconds" if "n/a" in rows else "")
+        header = "file\treference" + ("\tduration_seconds" if "n/a" in rows or "-1" in rows else "")
+        if rows.startswith("R:"):
+            header, rows = "reference\tfile", rows[2:]
         path = tmp_path / f"{i}.tsv"
         path.write_bytes((header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
         with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
             read_manifest(path)
-    # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference.
-    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\r\na.wav\tHi\t\r\nsilence.wav\t\r\n".encode())
-    assert [(c.path.name, c.reference) for c in read_manifest(tmp_path / "ok.tsv")] == [("a.wav", "Hi"), ("silence.wav", "")]
+    # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference,
+    # spaces around a file name, a language code in capitals.
+    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
+    assert [(c.path.name, c.reference, c.language) for c in read_manifest(tmp_path / "ok.tsv")] == [
+        ("a.wav", "Hi", "de"), ("silence.wav", "", "en")]
 
 
 def test_wer_counts_a_transcript_of_an_empty_reference_as_insertions():

