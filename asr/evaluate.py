@@ -146,7 +146,14 @@ class OurSystem:
             wall = time.perf_counter() - started
             graphs = transcriber.engine.graphs.counts - graphs
         except Exception as error:  # the batch fails for this system; the evaluation goes on
-            return [Run(error=_describe(error)) for _ in items]
+            if len(items) == 1:
+                return [Run(error=_describe(error))]
+            # Each file alone says which fails; the others are not measured (a batch of one is
+            # not what the other systems' figures are), and say why.
+            alone = [self.run([item], language)[0] for item in items]
+            culprits = ", ".join(item.name for item, run in zip(items, alone) if run.error)
+            why = f"not measured: its batch failed{f' on {culprits}' if culprits else ''} ({_describe(error)})"
+            return [run if run.error else Run(error=why) for run in alone]
         infos = [transcripts[item.name].info for item in items]
         busy = [info.encoder_seconds + info.decoder_seconds for info in infos]
         runs = []

@@ -32,6 +32,7 @@ from asr.evaluate import (
     TRANSFORMERS_TARGET,
     EvaluateOptions,
     FasterWhisperSystem,
+    OurSystem,
     TransformersSystem,
     build_report,
     describe_environment,
@@ -188,6 +189,25 @@ def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):
     broken = next(f for f in report["per_file"] if Path(f["file"]).name == BROKEN)
     assert "error" in broken and "target_text" not in broken
     assert len(report["per_file"]) == len(CLIPS) + 1
+
+
+def test_a_file_that_fails_its_batch_is_told_apart_from_its_batchmates(embedded, monkeypatch):
+    """A batch that raises is run again a file at a time: the file that fails alone gets its
+    own error, its batchmates say they were not measured, and why."""
+    items = [AudioInput(name, load_audio(DEV / "en_short" / name)) for name in CLIPS]
+    transcribe_many = Transcriber.transcribe_many
+
+    def poisoned(self, inputs):
+        inputs = list(inputs)
+        if any(item.name == CLIPS[1] for item in inputs):
+            raise RuntimeError("CUDA error: out of memory")
+        return transcribe_many(self, inputs)
+
+    monkeypatch.setattr(Transcriber, "transcribe_many", poisoned)
+    runs = OurSystem(embedded, TranscribeOptions(), batch_size=2).run(items, "en")
+    assert [run.error for run in runs] == [
+        f"not measured: its batch failed on {CLIPS[1]} (RuntimeError: CUDA error: out of memory)",
+        "RuntimeError: CUDA error: out of memory"]
 
 
 def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
