@@ -58,6 +58,7 @@ PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a 
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
 UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
 SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's loudest
+HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
@@ -390,6 +391,8 @@ class StreamingTranscriber:
         they have no word in common (the model no longer hears them, at the buffer's start)."""
         known = [_key(w) for w in self._in_buffer]
         keys = [_key(w) for w in words]
+        if not known:
+            return self._heard_again(words)
         if keys[: len(known)] == known:
             return len(known)
         blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks() if b.size]
@@ -397,6 +400,17 @@ class StreamingTranscriber:
             return 0
         last = blocks[-1]
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
+
+    def _heard_again(self, words: list[Word]) -> int:
+        """After a cut that left no committed word in the buffer: how many leading words of a
+        hypothesis are the last committed ones heard again (up to HEARD_AGAIN_WORDS, starting
+        within a second of the last one's end), since the cut falls TRIM_MARGIN_STEPS before
+        the committed words' end (as whisper_streaming's n-gram check)."""
+        if not self._committed or not words or words[0].start > self._committed[-1].end + 1.0:
+            return 0
+        tail = [_key(w) for w in self._committed[-HEARD_AGAIN_WORDS:]]
+        keys = [_key(w) for w in words[:HEARD_AGAIN_WORDS]]
+        return next((n for n in range(min(len(tail), len(keys)), 0, -1) if keys[:n] == tail[-n:]), 0)
 
     def _trim_at_segment(self, segments: list[_Segment]) -> None:
         """Cuts the buffer at the end of the last closed segment whose words are all

@@ -165,6 +165,29 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
     assert stream.finish().committed_text == "Ask not what your country can do"
 
 
+def test_the_committed_words_tail_heard_again_after_a_cut_is_not_committed_twice(transcriber):
+    """Scripted hypotheses: the first two agree on their first segment only ("Ask not what"),
+    and the buffer, longer than its trim length, is cut shortly before that segment's end.
+    The next hypotheses start on the tail of "what", heard again: it is not committed twice."""
+    stream = StreamingTranscriber(transcriber, buffer_trim_seconds=1.5)
+    ts = lambda seconds: transcriber.vocab.timestamp_begin + round(seconds / 0.02)  # noqa: E731
+    encode = transcriber.vocab.encode
+    first = [ts(0.0), *encode(" Ask not what"), ts(1.0), ts(1.0)]
+    script = [first + encode(" your country"), first + encode(" you're countries"), [ts(0.0), *encode(" what your country")]]
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(script.pop(0) if len(script) > 1 else script[0], "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    updates = []
+    for _ in range(4):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        updates.append(stream.process())
+    assert updates[1].committed_text == "Ask not what" and updates[2].buffer_seconds < updates[1].buffer_seconds + 1
+    assert stream.finish().committed_text == "Ask not what your country"
+
+
 def test_chunks_as_a_microphone_gives_them(transcriber):
     """16-bit PCM and two channels are what browsers and sound cards hand over: a chunk in
     either layout becomes the same float mono samples; an empty chunk is nothing."""
