@@ -562,6 +562,9 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         if system in SPECULATIVE_SYSTEMS:
             entry["acceptance_rate"] = stats.acceptance_rate
             entry["draft_tokens"] = {"proposed": stats.draft_proposed, "accepted": stats.draft_accepted}
+            # Proposed by hints (a retry at a higher temperature checks the failed attempt first):
+            # counted in tokens per target pass, not in the draft's acceptance.
+            entry["hint_tokens"] = {"proposed": stats.hint_proposed, "accepted": stats.hint_accepted}
             entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
             # How many draft tokens each target pass that verified some accepted: {accepted: passes}.
             entry["accepted_per_pass_histogram"] = dict(sorted(Counter(stats.accepted_per_pass).items()))

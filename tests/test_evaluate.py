@@ -105,7 +105,7 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     assert set(written["systems"]) == {TARGET, SPECULATIVE}
     for system in written["systems"].values():
         assert {"wer", "seconds", "rtfx"} <= system.keys() and system["seconds"] > 0
-    assert {"acceptance_rate", "tokens_per_target_pass"} <= written["systems"][SPECULATIVE].keys()
+    assert {"acceptance_rate", "tokens_per_target_pass", "hint_tokens"} <= written["systems"][SPECULATIVE].keys()
     assert written["systems"][SPECULATIVE]["tokens_per_target_pass"] > 1
     histogram_matches_totals(written["systems"][SPECULATIVE])
     decoded = [f for f in written["per_file"] if "error" not in f]
