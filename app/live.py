@@ -105,6 +105,7 @@ class LiveSession:
                 LiveSession._running -= 1
 
     def _decode(self) -> None:
+        retried = False
         while True:
             with self._wake:
                 while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:
@@ -113,13 +114,24 @@ class LiveSession:
                 chunks, self._pending, self._pending_samples, stopping = self._pending, [], 0, self._stopping
                 if stopping and self._resampler is not None:
                     chunks.append(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+                    self._resampler = None
             for chunk in chunks:
                 if chunk.size:
                     self._streamer.insert_audio(chunk)
             if stopping and self._started is None:
                 return  # nothing was heard
-            with self._engine.turn():
-                update = self._streamer.finish() if stopping else self._streamer.process()
+            try:
+                with self._engine.turn():
+                    update = self._streamer.finish() if stopping else self._streamer.process()
+            except Exception:
+                # Once, tried again at the next pass (the buffer is kept): the scheduler fails
+                # every row of a batch that raises, another visitor's upload's fault too.
+                if retried:
+                    raise
+                retried = True
+                traceback.print_exc()
+                continue
+            retried = False
             self.updates.append(update)
             if stopping:
                 return

@@ -141,16 +141,21 @@ def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
 
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode that raises used to end the worker thread silently: the page kept saying
-    "Listening…" while the audio queued up unheard."""
+    "Listening…" while the audio queued up unheard. A second failure in a row (here: the
+    first decode, then the one at Stop) ends the session, saying why."""
 
     def broken(self: StreamingTranscriber) -> None:
         raise RuntimeError("CUDA error: out of memory")
 
     monkeypatch.setattr(StreamingTranscriber, "process", broken)
+    monkeypatch.setattr(StreamingTranscriber, "finish", broken)
     live = LiveSession(engine, Settings(language="en"))
     for chunk in browser_chunks(1.5):
         live.feed(*chunk)
-    live._worker.join(60)
+    deadline = time.monotonic() + 60
+    while live._pending_samples and time.monotonic() < deadline:  # the first decode took the audio (and failed)
+        time.sleep(0.05)
+    live.finish()
     assert live.finished and live.error == "RuntimeError: CUDA error: out of memory"
     queued = live._pending_samples
     live.feed(*next(browser_chunks()))
@@ -174,6 +179,25 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
                                                        "", False, False, "segments")
     assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
+
+
+def test_a_live_session_whose_decode_fails_once_goes_on(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One failure (another request's batch failing beside this stream's window) is tried
+    again at the next pass, with the audio kept: the transcript comes out whole."""
+    process, failures = StreamingTranscriber.process, []
+
+    def once(self: StreamingTranscriber):
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("CUDA error: out of memory")
+        return process(self)
+
+    monkeypatch.setattr(StreamingTranscriber, "process", once)
+    live = LiveSession(engine, Settings(language="en"))
+    for chunk in browser_chunks():
+        live.feed(*chunk)
+    live.finish()
+    assert failures and live.error is None and EXPECTED in words(live.last.committed_text)
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
