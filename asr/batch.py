@@ -22,7 +22,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -35,7 +34,7 @@ from tqdm import tqdm
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, Transcriber, Transcript
-from asr.writers import FORMATS, SubtitleLayout, render, write_atomic
+from asr.writers import FORMATS, SubtitleLayout, render, unwritable, write_atomic
 
 ERRORS_FILE = "errors.jsonl"
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
@@ -235,7 +234,8 @@ class ErrorLog:
         if path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 with contextlib.suppress(ValueError):
-                    self._earlier.append(json.loads(line))
+                    if isinstance(record := json.loads(line), dict):
+                        self._earlier.append(record)
         path.unlink(missing_ok=True)
         self._handle = None
 
@@ -357,11 +357,9 @@ class _Recorder:
     def __init__(self, run: FolderRun):
         self.run = run
         self.started = time.perf_counter()
-        try:  # said now, not after a model has loaded or a file been transcribed
-            run.out_dir.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=run.out_dir).close()
-        except OSError as error:
-            raise OutputError(f"--out-dir {run.out_dir}: cannot write there ({error.strerror or error})") from error
+        if problem := unwritable(run.out_dir):
+            raise OutputError(f"--out-dir {run.out_dir}: {problem}")
+        run.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
         files, failures = plan_outputs(run.inputs, run.out_dir)

@@ -29,7 +29,7 @@ from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
-from asr.writers import FORMATS, SubtitleLayout
+from asr.writers import FORMATS, SubtitleLayout, unwritable
 
 LOCAL_RAY = "local"  # --ray without an address
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -330,16 +330,6 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 1
     print((args.out / "report.md").read_text())
     return 1 if report["failures"] else 0
-
-
-def unwritable(folder: Path) -> str | None:
-    """Why folder cannot be made and written into (None: it can)."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        return f"{existing} is not a folder"
-    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} cannot be written to"
 
 
 def app_command(args: argparse.Namespace) -> int:

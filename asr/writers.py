@@ -166,6 +166,17 @@ def render(transcript: Transcript, fmt: str, layout: SubtitleLayout = SubtitleLa
     return RENDERERS[fmt](transcript, layout)
 
 
+def unwritable(folder: Path) -> str | None:
+    """Why folder cannot be made and written into (None: it can): said before any model
+    loads, not after hours of work."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} cannot be written to"
+
+
 def write_atomic(path: Path, data: str | bytes) -> None:
     """Writes to a temporary file beside `path`, flushed to disk, then renamed over it: a
     crash leaves the old file or the new one, never part of one. The file gets the mode a
