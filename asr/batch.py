@@ -254,16 +254,20 @@ class ErrorLog:
         except OSError as error:
             raise OutputError(f"{self.path}: cannot record a failure ({error.strerror or error})") from error
 
-    def close(self, pending: Iterable[str] = ()) -> None:
-        """pending: the files this run did not get to, whose earlier records are put back."""
-        pending = set(pending)
+    def close(self, pending: Iterable[str] | None = ()) -> None:
+        """pending: the files this run did not get to, whose earlier records are put back
+        (None: every earlier record, for a run stopped before it began)."""
+        pending = None if pending is None else set(pending)
         try:
             for record in self._earlier:
-                if record.get("file") in pending:
+                if pending is None or record.get("file") in pending:
                     self._write(record)
         finally:
             if self._handle is not None:
-                self._handle.close()
+                # Every record was flushed when written: closing fails only after a write that
+                # raised (a full disk), whose error is the one to tell.
+                with contextlib.suppress(OSError):
+                    self._handle.close()
 
 
 def transcribe_files(
@@ -362,16 +366,20 @@ class _Recorder:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
-        files, failures = plan_outputs(run.inputs, run.out_dir)
-        for failure in failures:
-            self._failed(failure.source, failure.error or "")
-        remove_partials(files, run.formats)
-        todo = []
-        for item in files:
-            if not run.overwrite and is_complete(item, run.formats):
-                self.summary.skipped += 1
-            else:
-                todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
+        try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
+            files, failures = plan_outputs(run.inputs, run.out_dir)
+            for failure in failures:
+                self._failed(failure.source, failure.error or "")
+            remove_partials(files, run.formats)
+            todo = []
+            for item in files:
+                if not run.overwrite and is_complete(item, run.formats):
+                    self.summary.skipped += 1
+                else:
+                    todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
+        except BaseException:
+            self.log.close(pending=None)
+            raise
         # Longest first, so that files of similar length share batches and end together.
         self.todo = sorted(todo, key=lambda item: -(item.seconds or 0.0))
         self.by_source = {str(item.source): item for item in self.todo}

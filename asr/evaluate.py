@@ -66,7 +66,7 @@ NOTES = [
     "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
     "target passes (each pass keeps its accepted draft tokens plus one of its own).",
     "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
-    "CPU and float16 on a GPU, greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
+    "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
     "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
     "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
     "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split).",

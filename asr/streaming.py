@@ -150,6 +150,7 @@ class StreamingTranscriber:
         self._waiting = np.zeros(0, dtype=np.float32)  # received audio past the buffer's full window
         self._received = 0
         self._decoded_until = 0  # stream sample index of the buffer's end when it was last decoded
+        self._repeated = 0  # leading committed words of the buffer heard again after a cut (_heard_again)
         self._finished = False
         self._committed: list[Word] = []
         self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
@@ -214,15 +215,16 @@ class StreamingTranscriber:
         stats, decoded_seconds = [], 0.0
         while True:  # once; when final, until no audio waits
             self._fill()
-            if self._buffer_start + len(self._buffer) == self._decoded_until:
+            until = self._buffer_start + len(self._buffer)
+            if until == self._decoded_until:
                 break  # nothing new to hear
-            self._decoded_until = self._buffer_start + len(self._buffer)
             window = self._transcribe(self._context)
             if self._context and self._hallucinated(window):
                 window = self._transcribe([])
             elif self._context and self._stops_short(window):
                 retry = self._transcribe([])
                 window = retry if (self._heard_until(retry) or 0.0) > self._heard_until(window) else window
+            self._decoded_until = until  # decoded (a decode that raised is done again at the next call)
             stats.append(window.info.stats)
             decoded_seconds += len(self._buffer) / SAMPLE_RATE
             committed += self._agree(window)
@@ -311,6 +313,7 @@ class StreamingTranscriber:
         and cut as offline (_closed_words, _cut_closed). Returns the words committed."""
         segments = [] if window.silent else self._segments(window.tokens)
         words = [w for s in segments for w in s.words]
+        cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
         before = _keys(self._context_text) + [_key(w) for w in words[:done]]
         fresh = words[done : done + _before_repeats([_key(w) for w in words[done:]], before)]
@@ -324,6 +327,7 @@ class StreamingTranscriber:
         if committed and self._language is None:
             self._language = window.language  # the committed text is in it: keep it from now on
         if words[done:] or len(words) >= len(self._in_buffer):
+            self._repeated = done if cut_clean else self._repeated
             self._in_buffer = words[: done + agreed]
         # else the hypothesis stops short of the committed words (it missed the end of the
         # buffer): they stay as they were, or the next hypothesis would commit them again
@@ -451,7 +455,9 @@ class StreamingTranscriber:
     def _cut(self, samples: int, words: int, text: str = "") -> None:
         """Drops the buffer's first samples and its first committed words (into the prompt,
         after `text`)."""
-        text = self._context_text + text + "".join(w.text for w in self._in_buffer[:words])
+        # Words heard again after the last cut are in the prompt already.
+        text = self._context_text + text + "".join(w.text for w in self._in_buffer[self._repeated : words])
+        self._repeated = max(self._repeated - words, 0)
         if len(text) > CONTEXT_CHARACTERS:  # whole words only
             text = text[-CONTEXT_CHARACTERS:]
             text = text[text.find(" "):] if " " in text else text

@@ -56,7 +56,7 @@ def build_long(folder: Path, count: int, seconds: float) -> None:
 
 
 def run(folder: Path, transcriber: Transcriber, out: Path) -> tuple[FolderSummary, dict[str, str]]:
-    summary = transcribe_folder(FolderRun((folder,), out, ("txt",), progress=False, echo=False), transcriber)
+    summary = transcribe_folder(FolderRun((folder,), out, ("txt",), progress=False, echo=False), lambda: transcriber)
     texts = {p.relative_to(out).as_posix(): p.read_text() for p in out.rglob("*.txt")}
     return summary, texts
 

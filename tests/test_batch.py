@@ -298,6 +298,15 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
     with pytest.raises(KeyboardInterrupt):
         transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
     assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == earlier[:1]
+    # Cut short while reading the files' headers (a while, for thousands of files): every earlier record stays.
+    (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in earlier))
+    (out / "a.txt").write_text("done\n")
+    (out / "a.json").write_text("{}")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(batch, "audio_seconds", lambda path: interrupted())
+        with pytest.raises(KeyboardInterrupt):
+            transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
+    assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == earlier
 
 
 def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:

@@ -186,6 +186,27 @@ def test_the_committed_words_tail_heard_again_after_a_cut_is_not_committed_twice
         updates.append(stream.process())
     assert updates[1].committed_text == "Ask not what" and updates[2].buffer_seconds < updates[1].buffer_seconds + 1
     assert stream.finish().committed_text == "Ask not what your country"
+    stream._cut(len(stream._buffer), len(stream._in_buffer))  # the words cut join the prompt, "what" once
+    assert stream._context_text == " Ask not what your country"
+
+
+def test_a_decode_that_raises_is_done_again_at_the_next_call(transcriber):
+    """A live session tries a failed decode again (app/live.py): with no new audio since, the
+    buffer is still decoded, not taken as heard."""
+    stream = StreamingTranscriber(transcriber)
+    transcribe, failed = stream._transcribe, []
+
+    def once(*args):
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("CUDA error: out of memory")
+        return transcribe(*args)
+
+    stream._transcribe = once
+    stream.insert_audio(load_audio(JFK)[: 3 * SAMPLE_RATE])
+    with pytest.raises(RuntimeError, match="out of memory"):
+        stream.process()
+    assert "fellow" in stream.process().tentative_text.lower()
 
 
 def test_chunks_as_a_microphone_gives_them(transcriber):
