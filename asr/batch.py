@@ -111,7 +111,8 @@ class FolderSummary:
     failed: int = 0
     skipped: int = 0  # outputs already complete
     audio_seconds: float = 0.0  # of the files transcribed by this run
-    wall_seconds: float = 0.0
+    wall_seconds: float = 0.0  # transcribing, after the models loaded
+    load_seconds: float = 0.0  # loading the models (in this process; a Ray run's workers load in its wall time)
     draft_proposed: int = 0
     draft_accepted: int = 0
     errors_file: Path | None = None  # set when something failed
@@ -128,6 +129,8 @@ class FolderSummary:
     def describe(self) -> str:
         line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
+        if self.load_seconds:
+            line += f" (models loaded in {self.load_seconds:.1f} s before)"
         if self.draft_proposed:
             line += f", draft acceptance {self.acceptance:.0%}"
         if self.errors_file is not None:
@@ -360,7 +363,6 @@ class _Recorder:
 
     def __init__(self, run: FolderRun):
         self.run = run
-        self.started = time.perf_counter()
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}")
         run.out_dir.mkdir(parents=True, exist_ok=True)
@@ -385,6 +387,7 @@ class _Recorder:
         self.by_source = {str(item.source): item for item in self.todo}
         self.bar = tqdm(total=len(self.todo), unit="file", disable=not run.progress or not self.todo, file=sys.stderr,
                         dynamic_ncols=True)
+        self.started = time.perf_counter()  # after reading the headers; loaded() restarts it
 
     def record(self, result: FileResult) -> None:
         item = self.by_source.pop(result.source, None)
@@ -420,6 +423,11 @@ class _Recorder:
         self.bar.set_postfix_str(f"{self.summary.audio_seconds / 3600:.2f} h audio, RTFx "
                                  f"{self.summary.audio_seconds / elapsed if elapsed else 0:.1f}", refresh=False)
 
+    def loaded(self) -> None:
+        """The models have loaded: the run's clock (its RTFx) starts now."""
+        now = time.perf_counter()
+        self.summary.load_seconds, self.started = now - self.started, now
+
     def finish(self, lost_reason: str) -> FolderSummary:
         """lost_reason: for files that never came back (a worker lost for good)."""
         for source in list(self.by_source):
@@ -451,7 +459,9 @@ def transcribe_folder(run: FolderRun, build: Callable[[], Transcriber]) -> Folde
     try:
         if recorder.todo:
             files = [item.source for item in recorder.todo]
-            for result in transcribe_files(build(), files, run.formats, run.stream_above_seconds, run.layout):
+            transcriber = build()
+            recorder.loaded()
+            for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds, run.layout):
                 recorder.record(result)
     except BaseException:
         recorder.stop()

@@ -11,7 +11,10 @@
 # gpu_check.py's PARTS over a report folder that lasts as long as the machine (its /tmp),
 # and returns that folder as $OUT/check.tgz, also when gpu_check.py runs past CHECK_SECONDS
 # (default 540, inside the 600 s a call may take) and is stopped: what it wrote so far comes
-# back. DEVICE_CHECK_HOME: that folder's parent (default /tmp/gpu-check).
+# back; the folder is also copied to $OUT/report after every part, so that a call killed at
+# the tool's own limit still returns the parts it finished. Refuses (exit 3) the parts that
+# need the weights on a machine without them. DEVICE_CHECK_HOME: that folder's parent
+# (default /tmp/gpu-check).
 set -uo pipefail
 parts=${1:?"which gpu_check.py parts (comma-separated, or none)"}
 shift
@@ -56,9 +59,18 @@ if [ ! -e "$home/weights.unpacked" ] && [ -f "$home/chunks/weights.info" ]; then
 fi
 
 export PYTHONPATH="$home/site${PYTHONPATH:+:$PYTHONPATH}"
+# The parts that need the weights and the dev set: on a machine that lacks them (a fresh one,
+# given after the chunk calls' machine went back) they would all skip, and the call's time be lost.
+if [[ ",$parts," =~ ,(evaluate|transcribe|stream|compile-evaluate), ]] \
+    && ! { [ -e "$home/extras.installed" ] && [ -e "$home/weights.unpacked" ]; }; then
+  echo "this machine lacks the extras or the packaged weights (a fresh one?): carry .device/extras and every" \
+    ".device/w* again, back to back, before the parts $parts" >&2
+  exit 3
+fi
 if [ "$parts" != none ]; then
-  timeout "${CHECK_SECONDS:-540}" python3 scripts/gpu_check.py --out "$home/report" --dev "$home/dev" \
-    --only "$parts" "$@" || status=$?
+  # What each part wrote comes back even if the call is killed before check.tgz is made.
+  GPU_CHECK_MIRROR=${OUT:+$OUT/report} timeout "${CHECK_SECONDS:-540}" python3 scripts/gpu_check.py \
+    --out "$home/report" --dev "$home/dev" --only "$parts" "$@" || status=$?
 fi
 if [ -n "${OUT:-}" ]; then tar -czf "$OUT/check.tgz" -C "$home" report || status=1; fi
 exit "$status"

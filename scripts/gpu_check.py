@@ -24,6 +24,7 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -218,7 +219,7 @@ def transcribe(args: argparse.Namespace, env: dict, real: str | None) -> dict:
     for name in ("speculative", "target-only", "target-only", "speculative"):
         folder = args.out / f"transcribe-{name}-{len(runs)}"
         command = [sys.executable, "-m", "asr.cli", "transcribe", *inputs, "--out-dir", str(folder), "--formats", "txt",
-                   "--language", "en", "--no-progress"] + (["--no-speculation"] if name == "target-only" else [])
+                   "--language", "en", "--no-progress", "--overwrite"] + (["--no-speculation"] if name == "target-only" else [])
         code, output = run(command, env, args.out / f"{folder.name}.log")
         found = SUMMARY.search(output)
         runs.append({"system": name, "command": " ".join(command[1:]), "ok": code == 0 and found is not None,
@@ -245,8 +246,21 @@ def stream(args: argparse.Namespace, env: dict, real: str | None) -> dict:
     return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
 
 
+def shown(value: float | None, form: str) -> str:
+    """value in this format, or "-" where it was not measured."""
+    return "-" if value is None else format(value, form)
+
+
 def write(report: dict, out: Path) -> None:
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
+    """The report as gpu_check.json (read back by the next call on a warm machine) and
+    gpu_check.md, each replaced whole; with GPU_CHECK_MIRROR set, the report folder is copied
+    there too after every part (a call's $OUT, which comes back even when the call is killed)."""
+    def replace(name: str, text: str) -> None:
+        partial = out / f".{name}.part"
+        partial.write_text(text)
+        partial.replace(out / name)
+
+    replace("gpu_check.json", json.dumps(report, indent=1))
     lines = ["# GPU check", "", "| environment | |", "|---|---|"]
     lines += [f"| {key} | {value} |" for key, value in report["environment"].items()]
     for name, result in report["parts"].items():
@@ -267,11 +281,11 @@ def write(report: dict, out: Path) -> None:
                 if r.get("failed"):
                     lines.append(f"| {manifest} | FAILED: `{r['command']}` | | | | | | | | | | |")
                     continue
-                lines.append(
-                    f"| {manifest} | {r['files']} | {r['identical']}/{r['files']} | {100 * r['wer_target']:.2f}% "
-                    f"| {100 * r['wer_speculative']:.2f}% | {100 * r['wer_delta']:+.2f} | {r['seconds_target']:.2f} "
-                    f"| {r['seconds_speculative']:.2f} | {r['speedup']:.2f}x | {r['decoder_speedup']:.2f}x "
-                    f"| {100 * (r['acceptance'] or 0):.0f}% | {r['tokens_per_pass'] or 0:.2f} |")
+                lines.append(f"| {manifest} | {r['files']} | {r['identical']}/{r['files']} | {shown(r['wer_target'], '.2%')} "
+                             f"| {shown(r['wer_speculative'], '.2%')} | {shown(r['wer_delta'], '+.2%')} "
+                             f"| {shown(r['seconds_target'], '.2f')} | {shown(r['seconds_speculative'], '.2f')} "
+                             f"| {shown(r['speedup'], '.2f')}x | {shown(r['decoder_speedup'], '.2f')}x "
+                             f"| {shown(r['acceptance'], '.0%')} | {shown(r['tokens_per_pass'], '.2f')} |")
             lines += ["", "CUDA graphs in the timed runs (host seconds of first uses and of captures):", ""]
             for manifest, r in result["runs"].items():
                 for system, g in (r.get("graphs") or {}).items():
@@ -297,7 +311,9 @@ def write(report: dict, out: Path) -> None:
                       f"{result['seconds']['speculative']:.2f} s: {speedup}; {result['identical']}/{result['files']} "
                       "transcripts (txt) identical.", "", "Commands: " +
                       "; ".join(f"`{r['command']}`" for r in result["runs"][:2])]
-    (out / "gpu_check.md").write_text("\n".join(lines) + "\n")
+    replace("gpu_check.md", "\n".join(lines) + "\n")
+    if mirror := os.environ.get("GPU_CHECK_MIRROR"):
+        shutil.copytree(out, Path(mirror), dirs_exist_ok=True)
 
 
 if __name__ == "__main__":

@@ -242,8 +242,17 @@ def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatc
         return submit(self, jobs)
 
     monkeypatch.setattr(_Decoding, "submit", failing_submit)
-    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair, batch_size=3))
+
+    def slow_to_load() -> Transcriber:
+        time.sleep(1.0)
+        return Transcriber(pair, batch_size=3)
+
+    started = time.perf_counter()
+    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), slow_to_load)
     assert (summary.ok, summary.failed) == (2, 1)
+    # The RTFx is the transcribing's, the loading told apart.
+    assert summary.load_seconds >= 1.0 and summary.wall_seconds <= time.perf_counter() - started - 1.0
+    assert f"models loaded in {summary.load_seconds:.1f} s" in summary.describe()
     assert errors_of(out) == {"poison.wav": "transcription failed: RuntimeError: kernel exploded"}
     assert "could wait no longer" in (out / "1089-134691-0000.txt").read_text().lower()
 

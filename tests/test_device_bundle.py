@@ -112,3 +112,27 @@ def test_a_sound_archive_that_cannot_be_unpacked_keeps_its_chunks(tmp_path):
     assert done.returncode != 0 and "sound but could not be unpacked" in done.stderr
     assert (tmp_path / "machine" / "chunks" / "weights.tar.xz.01").is_file()
     assert not (tmp_path / "machine" / "weights.unpacked").exists()
+
+
+def test_a_machine_without_the_weights_refuses_the_dev_set_parts_at_once(bundle, tmp_path):
+    """A fresh machine (the chunk calls' one went back) would skip every dev-set part and
+    lose the call's minutes: it says so and stops."""
+    done = call(tmp_path, packed(bundle, tmp_path)[0], "evaluate,tests,transcribe,stream")
+    assert done.returncode == 3 and "carry .device/extras and every .device/w* again" in done.stderr
+
+
+def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part(tmp_path, monkeypatch):
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    run = {"files": 3, "identical": 3, "wer_target": None, "wer_speculative": None, "wer_delta": None,
+           "seconds_target": 0.5, "seconds_speculative": 0.0, "speedup": None, "decoder_speedup": None,
+           "acceptance": None, "tokens_per_pass": None, "graphs": {}, "warm_up": None, "command": "asr.cli evaluate"}
+    report = {"environment": {"GPU": "none"},
+              "parts": {"evaluate float16": {"ok": True, "runs": {"manifest.tsv": run}, "part_seconds": 1.0}}}
+    (tmp_path / "report").mkdir()
+    monkeypatch.setenv("GPU_CHECK_MIRROR", str(tmp_path / "out" / "report"))
+    check.write(report, tmp_path / "report")
+    assert "| manifest.tsv | 3 | 3/3 | - | - | - | 0.50 | 0.00 | -x | -x | - | - |" in \
+        (tmp_path / "out" / "report" / "gpu_check.md").read_text()
+    assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["gpu_check.json", "gpu_check.md"]

@@ -7,13 +7,14 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 import safetensors.torch
 import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
 from asr.distill import length_batches
-from asr.models import load_pair
+from asr.models import IncompatibleModels, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 from conftest import REPO, save_tiny, tiny_target
 
@@ -81,6 +82,13 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert [s.tokens for s in fast.segments] == [s.tokens for s in plain.segments]
     assert fast.info.stats.draft_proposed > 0
     assert not own_cross_kv  # the draft read the target's cross-attention K/V
+
+    # Its target in float16 (as on a GPU; these float32 weights round twice on the way to the
+    # check's bfloat16) is still its target; another is not.
+    assert load_pair(str(target_dir), str(out), dtype=torch.float16).draft.head_token_ids is not None
+    other = save_tiny(tiny_target(1, dtype=torch.float32, frames=3000), tmp_path / "other")
+    with pytest.raises(IncompatibleModels, match="distilled for"):
+        load_pair(str(other), str(out))
 
 
 def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
