@@ -503,7 +503,11 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         context.enable_progress_bars = False  # ours counts files, hours and RTFx
         context.max_errored_blocks = -1  # a lost batch is reported per file below, not fatal
         logging.getLogger("ray.data").setLevel(logging.WARNING)
-        rows = [{"source": str(item.source)} for item in recorder.todo]
+        # Paths as every node sees them: a worker's working directory is not this process's.
+        absolute = {os.path.abspath(item.source): str(item.source) for item in recorder.todo}
+        rows = [{"source": source} for source in absolute]
+        spec = dataclasses.replace(spec, target=_local_absolute(spec.target),
+                                   draft=None if spec.draft is None else _local_absolute(spec.draft))
         # Up to two decode batches per call (the actor keeps its batch full as files end),
         # fewer when that leaves workers idle.
         per_call = max(1, min(2 * spec.batch_size, -(-len(rows) // workers)))
@@ -518,7 +522,8 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             num_gpus=1 if gpus else 0,
         )
         for row in results.iter_rows():
-            recorder.record(FileResult(**json.loads(row["result"])))
+            result = FileResult(**json.loads(row["result"]))
+            recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
     except BaseException:
         recorder.stop()
         raise
@@ -526,6 +531,12 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         if started_here:
             ray.shutdown()
     return recorder.finish(lost)
+
+
+def _local_absolute(source: str) -> str:
+    """A model source that is a folder here, as an absolute path; any other as it is."""
+    path = Path(source).expanduser()
+    return os.path.abspath(path) if path.exists() else source
 
 
 class _RayWorker:
@@ -541,5 +552,12 @@ class _RayWorker:
 
     def __call__(self, batch: dict) -> dict:
         files = [Path(source) for source in batch["source"]]
-        results = transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout)
+        results: list[FileResult] = []
+        try:
+            for result in transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout):
+                results.append(result)
+        except Exception as error:  # a batch Ray drops would reach the driver as "no result": say why instead
+            done = {result.source for result in results}
+            results += [FileResult(str(file), error=f"transcription failed: {type(error).__name__}: {error}")
+                        for file in files if str(file) not in done]
         return {"result": [json.dumps(dataclasses.asdict(result)) for result in results]}

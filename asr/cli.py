@@ -398,7 +398,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
         return 2
-    problem = device_problem(getattr(args, "device", "auto"))
+    # With --ray the workers' machines decode, not this one: a GPU is theirs to have.
+    problem = None if getattr(args, "ray", None) is not None else device_problem(getattr(args, "device", "auto"))
     if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
     if problem:

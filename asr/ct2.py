@@ -52,6 +52,8 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
         dims = [take("<I") for _ in range(take("<B"))]
         dtype_code = take("<B")
         n_bytes = take("<I")
+        if offset + n_bytes > len(view):
+            raise CT2FormatError(f"{source}: truncated CTranslate2 model file at {name}")
         if dtype_code == 5:  # bfloat16: widen through the top half of float32
             raw = np.frombuffer(view[offset : offset + n_bytes], dtype=np.uint16).astype(np.uint32) << 16
             array = raw.view(np.float32)
@@ -59,8 +61,8 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
             array = np.frombuffer(view[offset : offset + n_bytes], dtype=_DTYPES[dtype_code])
         else:
             raise CT2FormatError(f"{source}: variable {name} has unknown dtype code {dtype_code}")
-        if array.nbytes != n_bytes or offset + n_bytes > len(view):
-            raise CT2FormatError(f"{source}: truncated CTranslate2 model file at {name}")
+        if array.size != int(np.prod(dims)):
+            raise CT2FormatError(f"{source}: variable {name} holds {array.size} values, not its shape {dims}'s")
         variables[name] = array.reshape(dims)
         offset += n_bytes
     for _ in range(take("<I")):
@@ -70,11 +72,13 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
 
 
 def _weight(variables: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """A float weight, de-quantised when stored as int8 with a per-row scale."""
+    """A float weight, de-quantised when stored as integers with a scale (int8: one per row,
+    int16: one for the matrix; the stored value is the weight times its scale)."""
     array = variables[name]
-    if array.dtype == np.int8:
-        scale = variables[name.replace("/weight", "/weight_scale")]
-        return array.astype(np.float32) / scale.reshape(-1, *([1] * (array.ndim - 1)))
+    if np.issubdtype(array.dtype, np.integer):
+        scale = variables[name.replace("/weight", "/weight_scale")].astype(np.float32)
+        rows = scale.reshape(-1, *([1] * (array.ndim - 1))) if scale.size > 1 else scale.reshape(())
+        return array.astype(np.float32) / rows
     return array.astype(np.float32)
 
 

@@ -4,6 +4,7 @@ a draft fits its target, made at load time."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
 import json
@@ -13,6 +14,7 @@ import tempfile
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -230,18 +232,27 @@ def load_model(
     head_token_ids = None
     config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
     if "asr_draft" in config:
-        model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
+        with _weights_of(directory):
+            model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
         suppress, begin_suppress, heads = [], [], None  # a draft follows its target's rules
     elif model_parts is not None or (directory / "model.bin").is_file():
         model = load_ct2_directory(directory, dtype, model_parts)
-        suppress, begin_suppress = config.get("suppress_ids", []), config.get("suppress_ids_begin", [])
+        # CTranslate2's converter writes null where the checkpoint had none
+        suppress, begin_suppress = config.get("suppress_ids") or [], config.get("suppress_ids_begin") or []
         heads = config.get("alignment_heads")
     elif config:
         if config.get("model_type") != "whisper":
             raise ValueError(f"{directory}: config.json describes a {config.get('model_type')!r} model, not Whisper")
         architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
         cls = WhisperForCausalLM if architecture == "WhisperForCausalLM" else WhisperForConditionalGeneration
-        model = cls.from_pretrained(directory, dtype=dtype, local_files_only=True).eval()
+        with _weights_of(directory):
+            model, info = cls.from_pretrained(directory, dtype=dtype, local_files_only=True, output_loading_info=True)
+        # transformers only logs weights it did not find, and leaves them random
+        missing = [name for name in info["missing_keys"] if name != "proj_out.weight"]  # tied to the embedding
+        if missing:
+            raise ValueError(f"{directory}: its weights lack {len(missing)} of the model's tensors "
+                             f"({', '.join(sorted(missing)[:3])}, ...): an incomplete or damaged save")
+        model.eval()
         generation = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
         suppress, begin_suppress = generation.get("suppress_tokens") or [], generation.get("begin_suppress_tokens") or []
         heads = generation.get("alignment_heads")
@@ -259,6 +270,18 @@ def load_model(
 
 
 DRAFT_WEIGHTS = "model.safetensors"
+
+
+@contextlib.contextmanager
+def _weights_of(directory: Path) -> Iterator[None]:
+    """Weights that cannot be read (a truncated file, tensors that do not fit the config) as
+    a ValueError naming the directory, not a bare library error."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (SafetensorError, RuntimeError) as error:
+        raise ValueError(f"{directory}: its weights cannot be loaded: {error}") from error
 
 
 def encoder_fingerprint(encoder: nn.Module) -> dict:

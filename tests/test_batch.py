@@ -23,6 +23,7 @@ from asr.audio import SAMPLE_RATE, load_audio, stream_audio
 from asr import batch
 from asr.batch import (
     ERRORS_FILE,
+    FileResult,
     FolderRun,
     OutputError,
     PipelineSpec,
@@ -371,7 +372,7 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     assert not list(out.rglob("*.part")) and not (out / ERRORS_FILE).exists()
 
 
-def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair):
+def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair, monkeypatch):
     import ray  # the test extra installs ray[data]: a missing Ray is a failure, not a skip
 
     source = tmp_path / "in"
@@ -384,7 +385,10 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     local = transcribe_folder(FolderRun((source,), tmp_path / "local", **quiet()), lambda: Transcriber(pair, batch_size=2))
     assert (local.ok, local.failed) == (3, 1)
     spec = PipelineSpec(*PRESETS[DEFAULT_PRESET], batch_size=2)
-    run = FolderRun((source,), tmp_path / "ray", **quiet())
+    # Paths as typed, relative to this process's folder: a remote worker's is another, so they go
+    # as absolute paths (and the failures name the same files as the local run's).
+    monkeypatch.chdir(tmp_path)
+    run = FolderRun((Path("in"),), Path("ray"), **quiet())
     on_ray = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))
     assert not ray.is_initialized()  # the local cluster it started is shut down
     assert (on_ray.ok, on_ray.failed) == (3, 1)
@@ -398,3 +402,20 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
 
     again = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))  # same resume rules
     assert (again.ok, again.failed, again.skipped) == (0, 1, 3)
+
+
+def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypatch):
+    """Ray drops a batch whose call raises, and the driver could only say "no result came
+    back": the worker reports the error for every file the batch had left."""
+    def failing(transcriber, files, *args):
+        yield FileResult(str(files[0]), text="done")
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(batch, "transcribe_files", failing)
+    worker = object.__new__(batch._RayWorker)
+    worker.transcriber, worker.formats, worker.stream_above_seconds, worker.layout = None, ("txt",), 30.0, None
+    results = [FileResult(**json.loads(row)) for row in worker({"source": ["a.wav", "b.wav", "c.wav"]})["result"]]
+    assert [(r.source, r.text, r.error) for r in results] == [
+        ("a.wav", "done", None),
+        *[(name, "", "transcription failed: RuntimeError: CUDA error: an illegal memory access was encountered")
+          for name in ("b.wav", "c.wav")]]

@@ -3,10 +3,12 @@ and load-time compatibility checks."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from asr.audio import load_audio
@@ -70,18 +72,28 @@ def test_unknown_hub_id_fails_clearly_offline(monkeypatch, tmp_path: Path):
     assert "no-such-model" in str(error.value) or "offline" in str(error.value).lower()
 
 
-def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path):
-    """CTranslate2's own converter writes model.bin; our reader must give back the weights."""
+@pytest.mark.parametrize("quantization, step", [("float32", 0.0), ("bfloat16", 2**-8), ("int16", 2**-10), ("int8", 1 / 127)])
+def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path, quantization: str, step: float):
+    """CTranslate2's own converter writes model.bin; our reader must give back the weights,
+    within a step of the quantisation asked of it (relative to a row's largest weight)."""
     from ctranslate2.converters import TransformersConverter
 
     original = tiny_target(2, dtype=torch.float32)
     with torch.no_grad():  # CTranslate2's Whisper ties the output head to the token embedding
         original.model.decoder.embed_tokens.weight.copy_(original.proj_out.weight)
     source = save_tiny(original, tmp_path / "hf")
-    TransformersConverter(str(source), copy_files=["tokenizer.json"]).convert(str(tmp_path / "ct2"), quantization="float32")
+    converter = TransformersConverter(str(source), copy_files=["tokenizer.json"])
+    converter.convert(str(tmp_path / "ct2"), quantization=quantization)
     loaded = load_model(str(tmp_path / "ct2"))
-    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()),
-                               rtol=1e-4, atol=1e-4)
+    if quantization == "float32":
+        torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()),
+                                   rtol=1e-4, atol=1e-4)
+        config = json.loads((tmp_path / "ct2" / "config.json").read_text())
+        config["suppress_ids"] = config["suppress_ids_begin"] = None  # the converter's, for a checkpoint without them
+        (tmp_path / "ct2" / "config.json").write_text(json.dumps(config))
+        assert load_model(str(tmp_path / "ct2")).suppress == []
+    ours, theirs = loaded.model.model.decoder.layers[0].fc1.weight, original.model.decoder.layers[0].fc1.weight
+    assert ((ours - theirs).abs() <= step * theirs.abs().amax() + 1e-7).all()
 
 
 @pytest.fixture(scope="module")
@@ -189,3 +201,15 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
         load_model(str(tmp_path))
     with pytest.raises(ValueError, match="not a file"):
         load_model(str(tmp_path / "config.json"))
+
+    # A save_pretrained folder missing tensors (transformers would fill them at random), or
+    # with a damaged weights file: an error naming the folder.
+    folder = save_tiny(tiny_target(11, dtype=torch.float32), tmp_path / "partial")
+    weights = safetensors.torch.load_file(str(folder / "model.safetensors"))
+    safetensors.torch.save_file({k: v for k, v in weights.items() if ".decoder.layers.1." not in k},
+                                str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{folder}: its weights lack .* model.decoder.layers.1."):
+        load_model(str(folder))
+    (folder / "model.safetensors").write_bytes(b"\x08")
+    with pytest.raises(ValueError, match=f"{folder}: its weights cannot be loaded"):
+        load_model(str(folder))
