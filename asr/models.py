@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -403,17 +404,27 @@ def cpu_computes_bfloat16() -> bool:
 CT2_CACHE = Path(os.environ.get("ASR_CACHE", Path.home() / ".cache" / "asr")) / "ctranslate2"
 
 
+SOURCE_STAMP = "asr-source.json"  # in a cached conversion: the files it was made from
+STALE_BUILD_SECONDS = 24 * 3600  # an unfinished build this old was left by a run that was killed
+
+
 def ctranslate2_directory(source: str) -> Path:
     """A CTranslate2 (faster-whisper) directory with these weights: a CTranslate2 source
     itself; packaged weights (model.bin split over two packages) assembled once under
-    CT2_CACHE; a transformers checkpoint converted once there by CTranslate2's converter."""
+    CT2_CACHE; a transformers checkpoint converted once there by CTranslate2's converter.
+    A cached one is made again when its source's files have changed (an upgraded package, a
+    model saved again in the same folder)."""
     directory, parts = resolve_directory(source)
     if parts is None and (directory / "model.bin").is_file():
         return directory
     out = CT2_CACHE / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
-    if (out / "model.bin").is_file():
+    stamp = _source_stamp(directory, parts)
+    if _built_from(out, stamp):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    for left in out.parent.glob(f".{out.name}.*"):
+        if time.time() - left.stat().st_mtime > STALE_BUILD_SECONDS:
+            shutil.rmtree(left, ignore_errors=True)
     building = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
     try:
         if parts is not None:
@@ -429,11 +440,43 @@ def ctranslate2_directory(source: str) -> Path:
                 raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
             shutil.rmtree(building)
             TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
-        os.replace(building, out)  # whole or not at all
+        (building / SOURCE_STAMP).write_text(stamp)
+        _put_in_place(building, out, stamp)
     except BaseException:
         shutil.rmtree(building, ignore_errors=True)
         raise
     return out
+
+
+def _source_stamp(directory: Path, parts: list[Path] | None) -> str:
+    """The files a conversion is made from, each with its size and modification time."""
+    files = [*parts, *(directory / name for name in ("config.json", "tokenizer.json", "vocabulary.txt"))] \
+        if parts is not None else sorted(path for path in directory.iterdir() if path.is_file())
+    return json.dumps([[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in files if path.exists()])
+
+
+def _built_from(out: Path, stamp: str) -> bool:
+    try:
+        return (out / "model.bin").is_file() and (out / SOURCE_STAMP).read_text() == stamp
+    except OSError:
+        return False
+
+
+def _put_in_place(building: Path, out: Path, stamp: str) -> None:
+    """Renames a finished build to `out`, whole or not at all. Where another process's build
+    of the same got there first, that one stays; a stale one is replaced."""
+    try:
+        os.replace(building, out)
+        return
+    except OSError:  # out is there, and not empty
+        pass
+    if _built_from(out, stamp):
+        shutil.rmtree(building)
+        return
+    stale = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+    os.replace(out, stale / "old")
+    os.replace(building, out)
+    shutil.rmtree(stale, ignore_errors=True)
 
 
 def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: str) -> bool:

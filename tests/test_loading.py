@@ -4,6 +4,8 @@ and load-time compatibility checks."""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -103,7 +105,8 @@ def base_ct2_dir(tmp_path_factory) -> Path:
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("asr.models.CT2_CACHE", tmp_path_factory.mktemp("cache"))
         directory = ctranslate2_directory("packaged:whisper-base")
-    assert {p.name for p in directory.iterdir()} == {"model.bin", "config.json", "tokenizer.json", "vocabulary.txt"}
+    assert {p.name for p in directory.iterdir()} == {"model.bin", "config.json", "tokenizer.json", "vocabulary.txt",
+                                                     "asr-source.json"}
     assert ctranslate2_directory(str(directory)) == directory  # a CTranslate2 directory is its own
     return directory
 
@@ -213,3 +216,28 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
     (folder / "model.safetensors").write_bytes(b"\x08")
     with pytest.raises(ValueError, match=f"{folder}: its weights cannot be loaded"):
         load_model(str(folder))
+
+
+def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a_time(tmp_path: Path, monkeypatch):
+    from asr import models
+
+    monkeypatch.setattr(models, "CT2_CACHE", tmp_path / "cache")
+    source = save_tiny(tiny_target(12, dtype=torch.float32), tmp_path / "hf")
+    out = ctranslate2_directory(str(source))
+    before = (out / "model.bin").read_bytes()
+    assert ctranslate2_directory(str(source)) == out and (out / "model.bin").read_bytes() == before  # made once
+    killed, running = tmp_path / "cache" / f".{out.name}.killed", tmp_path / "cache" / f".{out.name}.running"
+    killed.mkdir()
+    running.mkdir()
+    os.utime(killed, (0, 0))  # an unfinished build left by a run killed long ago
+    save_tiny(tiny_target(13, dtype=torch.float32), source)  # the model saved again in the same folder
+    assert ctranslate2_directory(str(source)) == out and (out / "model.bin").read_bytes() != before
+    assert not killed.exists() and running.exists()  # another process's build in progress is left alone
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") and p != running]
+
+    # Another process put the same build in place first: it stays, and ours goes.
+    ours = tmp_path / "cache" / f".{out.name}.ours"
+    shutil.copytree(out, ours)
+    (ours / "model.bin").write_bytes(b"ours")
+    models._put_in_place(ours, out, (out / models.SOURCE_STAMP).read_text())
+    assert not ours.exists() and (out / "model.bin").read_bytes() != b"ours"
