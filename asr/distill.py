@@ -22,7 +22,8 @@ from torch import Tensor, nn
 from tqdm import tqdm
 from transformers.models.whisper.modeling_whisper import WhisperDecoder
 
-from asr.audio import AUDIO_EXTENSIONS, AudioError, load_audio
+from asr.audio import AudioError, load_audio
+from asr.batch import find_audio
 from asr.decoder import DecoderRunner
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
@@ -35,16 +36,22 @@ TOP_K = 32  # teacher probabilities kept per position for the KL term
 def list_audio(source: Path) -> list[Path]:
     """A folder of audio files, or a manifest (.tsv with a `file` column, relative paths)."""
     if source.is_dir():
-        files = sorted(p for p in source.iterdir() if p.suffix.lower() in AUDIO_EXTENSIONS)
+        files = find_audio(source)  # as `asr transcribe` walks folders
     elif source.suffix == ".tsv":
         lines = source.read_text(encoding="utf-8").splitlines()
-        column = lines[0].split("\t").index("file")
-        files = [source.parent / line.split("\t")[column] for line in lines[1:] if line.strip()]
+        header = lines[0].split("\t") if lines else []
+        if "file" not in header:
+            raise ValueError(f"{source}: its first line names no 'file' column")
+        column = header.index("file")
+        rows = [line.split("\t") for line in lines[1:] if line.strip()]
+        if short := next((n for n, row in enumerate(rows, 2) if len(row) <= column), None):
+            raise ValueError(f"{source}: line {short} has no 'file' column")
+        files = [source.parent / row[column].strip() for row in rows]
     else:
         raise ValueError(f"{source}: expected a folder of audio files or a .tsv manifest with a 'file' column")
     if not files:
         raise ValueError(f"{source}: no audio files")
-    return files
+    return list(dict.fromkeys(files))  # a file listed twice is labelled once
 
 
 @dataclass
@@ -63,16 +70,21 @@ class PseudoLabels:
     """Encoder outputs (a float16 memmap) and labels, in a work folder; resumable, and
     extendable by appending audio to the list it was made for."""
 
-    def __init__(self, work: Path, files: list[Path], frames: int, width: int):
+    def __init__(self, work: Path, files: list[Path], frames: int, width: int, made_for: dict):
+        """made_for: the target (encoder_fingerprint) and language the labels are made with."""
         work.mkdir(parents=True, exist_ok=True)
         self.path = work / "labels.pt"
         self.files = [str(p) for p in files]
-        saved = {"files": [], "labels": [], "next": 0}
+        self.made_for = made_for
+        saved = {"files": [], "labels": [], "next": 0, "made_for": made_for}
         if self.path.exists():
             with torch.serialization.safe_globals([Label]):
                 saved = torch.load(self.path, weights_only=True)
         if saved["files"] != self.files[: len(saved["files"])]:
             raise ValueError(f"{work}: labelled for other audio (more audio may only be appended to the list)")
+        if saved.get("made_for", made_for) != made_for:  # its encoder outputs and labels would be another model's
+            raise ValueError(f"{work}: labelled by another target or in another language than "
+                             f"{made_for['language']!r}: resume with the same --target and --language")
         encoder_file = work / "encoder.f16"
         size = len(files) * frames * width * np.dtype(np.float16).itemsize
         if encoder_file.exists() and encoder_file.stat().st_size < size:
@@ -85,7 +97,8 @@ class PseudoLabels:
     def save(self) -> None:
         self.encoded.flush()
         temporary = self.path.with_suffix(".part")
-        torch.save({"files": self.files[: self.next], "labels": self.labels, "next": self.next}, temporary)
+        torch.save({"files": self.files[: self.next], "labels": self.labels, "next": self.next, "made_for": self.made_for},
+                   temporary)
         os.replace(temporary, self.path)
 
 
@@ -97,7 +110,8 @@ def pseudo_label(
     rules = transcriber.rules(timestamps=True)
     prompt = target.vocab.sot_sequence(language, "transcribe")
     runner = target.runner
-    store = PseudoLabels(work, files, target.config.max_source_positions, target.config.d_model)
+    store = PseudoLabels(work, files, target.config.max_source_positions, target.config.d_model,
+                         {"target": encoder_fingerprint(target.encoder), "language": language})
     progress = tqdm(total=len(files), initial=store.next, desc="pseudo-labelling", unit="clip")
     saved_at = time.monotonic()
     while store.next < len(files):
@@ -210,15 +224,14 @@ class DraftDecoder(nn.Module):
             "shares_target_embedding": True,
             "cross_kv_from_target": self.layers_from if self.share_cross_kv else None,
         }
-        _atomic(out / DRAFT_WEIGHTS, lambda p: save_file(tensors, str(p)))
-        _atomic(out / "config.json", lambda p: p.write_text(json.dumps(config, indent=2) + "\n"))
-        _atomic(out / "tokenizer.json", lambda p: p.write_text(target.vocab.tokenizer.to_str()))
-
-
-def _atomic(path: Path, write) -> None:
-    temporary = path.with_name(f".{path.name}.part")
-    write(temporary)
-    os.replace(temporary, path)
+        # All three written first, then renamed: a kill leaves the last epoch's set or this one,
+        # not new weights beside an old config.
+        parts = {out / name: out / f".{name}.part" for name in (DRAFT_WEIGHTS, "tokenizer.json", "config.json")}
+        save_file(tensors, str(parts[out / DRAFT_WEIGHTS]))
+        parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())
+        parts[out / "config.json"].write_text(json.dumps(config, indent=2) + "\n")
+        for path, temporary in parts.items():
+            os.replace(temporary, path)
 
 
 def spread_layers(total: int, count: int) -> list[int]:

@@ -63,19 +63,24 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     work = args.out / "work"
-    if work.exists() and not args.resume:
-        print(f"{work} exists: pass --resume to continue it, or choose another --out", file=sys.stderr)
-        return 2
-    target = load_model(args.target)
-    files = list_audio(args.audio)
-    print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
+    for found in (work, args.out / "config.json"):  # a draft there, finished or not, is not trained over
+        if found.exists() and not args.resume:
+            print(f"{found} exists: pass --resume to continue that training, or choose another --out", file=sys.stderr)
+            return 2
     try:
+        target = load_model(args.target)
+        files = list_audio(args.audio)
+        print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
         store = pseudo_label(target, files, work, args.language, args.label_batch_size)
-    except ValueError as error:
+    except (ValueError, OSError) as error:
         print(error, file=sys.stderr)
         return 2
     labels = store.labels
     usable = [i for i, label in enumerate(labels) if label is not None]
+    if len(usable) < 2:
+        print(f"{args.audio}: {len(usable)} usable clip(s) of {len(files)}: a draft needs clips of speech up to 30 s "
+              "that the target transcribes (the reasons are above)", file=sys.stderr)
+        return 2
     train, held = split_holdout(len(usable), args.holdout, args.seed)
     train, held = [usable[i] for i in train], [usable[i] for i in held]
     eot = target.vocab.eot
@@ -102,8 +107,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{checkpoint} was trained on other labels (audio was added?): delete it to train on all of them",
                   file=sys.stderr)
             return 2
-        draft.load_state_dict(state["draft"])
-        optimizer.load_state_dict(state["optimizer"])
+        try:
+            draft.load_state_dict(state["draft"])
+            optimizer.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as error:
+            print(f"{checkpoint} was trained with other options (--layers, --train-cross-kv): resume with the same "
+                  f"ones, or delete it to train afresh ({type(error).__name__})", file=sys.stderr)
+            return 2
         schedule.load_state_dict(state["schedule"])
         first_epoch = state["epoch"]
         print(f"resumed after epoch {first_epoch}")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,8 @@ from asr.audio import SAMPLE_RATE
 from asr.distill import length_batches
 from asr.models import IncompatibleModels, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
-from conftest import REPO, save_tiny, tiny_target
+from asr.features import WINDOW_FRAMES, log_mel
+from conftest import REPO, end_rows_at_different_lengths, save_tiny, tiny_target
 
 
 def distill_main():
@@ -27,15 +29,19 @@ def distill_main():
 
 
 def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, capsys):
-    target_dir = save_tiny(tiny_target(0, dtype=torch.float32, frames=3000), tmp_path / "target")
     audio_dir = tmp_path / "audio"
     audio_dir.mkdir()
     rng = np.random.default_rng(0)
+    clips = []
     for i in range(6):
         seconds = 1 + i / 2
         t = np.arange(int(seconds * SAMPLE_RATE)) / SAMPLE_RATE
-        clip = 0.3 * np.sin(2 * np.pi * (200 + 50 * i) * t) + 0.05 * rng.normal(size=t.size)
-        soundfile.write(audio_dir / f"clip{i}.wav", clip.astype(np.float32), SAMPLE_RATE)
+        clips.append((0.3 * np.sin(2 * np.pi * (200 + 50 * i) * t) + 0.05 * rng.normal(size=t.size)).astype(np.float32))
+        soundfile.write(audio_dir / f"clip{i}.wav", clips[-1], SAMPLE_RATE)
+    model = tiny_target(0, dtype=torch.float32, frames=3000)
+    # A random model rarely ends a transcript, and clips that never end are not learnt from.
+    end_rows_at_different_lengths(model, torch.stack([log_mel(clip, 80)[:, :WINDOW_FRAMES] for clip in clips]))
+    target_dir = save_tiny(model, tmp_path / "target")
     (audio_dir / "broken.wav").write_bytes(b"not audio")
     out = tmp_path / "draft"
     main = distill_main()
@@ -44,10 +50,16 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert main(common + ["--epochs", "1"]) == 0
     first = capsys.readouterr()
     assert "held-out agreement" in first.out and "broken.wav" in first.out + first.err
+    assert int(re.search(r"(\d+) clips to train on", first.out).group(1)) >= 1  # clips that end, learnt from
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in out.iterdir()}
     assert main(common + ["--epochs", "2"]) == 2  # refuses to overwrite work without --resume
     assert main(common + ["--epochs", "2", "--resume"]) == 0
     assert "resumed after epoch 1" in capsys.readouterr().out
+    # Resumed in another language, or with other layers: refused, saying which.
+    assert main(common + ["--epochs", "3", "--resume", "--language", "de"]) == 2
+    assert "another language than 'de'" in capsys.readouterr().err
+    assert main(common + ["--epochs", "3", "--resume", "--layers", "2"]) == 2
+    assert "trained with other options (--layers" in capsys.readouterr().err
 
     # More audio appended: only it is labelled; the old checkpoint no longer matches.
     soundfile.write(audio_dir / "clip6.wav", (0.3 * np.sin(np.arange(SAMPLE_RATE) / 30)).astype(np.float32), SAMPLE_RATE)
@@ -89,6 +101,32 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     other = save_tiny(tiny_target(1, dtype=torch.float32, frames=3000), tmp_path / "other")
     with pytest.raises(IncompatibleModels, match="distilled for"):
         load_pair(str(other), str(out))
+
+
+def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_draft(tmp_path: Path, capsys):
+    target = str(save_tiny(tiny_target(0, dtype=torch.float32, frames=3000), tmp_path / "target"))
+    main = distill_main()
+    finished = tmp_path / "finished"
+    finished.mkdir()
+    (finished / "config.json").write_text("{}")  # a draft there, with no work folder (as the bundled one)
+    assert main(["--target", target, "--audio", str(tmp_path), "--out", str(finished)]) == 2
+    assert f"{finished / 'config.json'} exists" in capsys.readouterr().err
+
+    audio = tmp_path / "audio"
+    (audio / "sub").mkdir(parents=True)
+    (audio / "sub" / "broken.wav").write_bytes(b"not audio")  # found in a subfolder, and unusable
+    soundfile.write(audio / "long.wav", np.zeros(31 * SAMPLE_RATE, np.float32), SAMPLE_RATE)
+    assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "a")]) == 2
+    captured = capsys.readouterr()
+    assert "0 usable clip(s) of 2" in captured.err and "broken.wav" in captured.out + captured.err
+    assert not (tmp_path / "a" / "config.json").exists()
+
+    manifest = tmp_path / "list.tsv"
+    manifest.write_text("path\ttext\nclip.wav\thello\n")
+    assert main(["--target", target, "--audio", str(manifest), "--out", str(tmp_path / "b")]) == 2
+    assert f"{manifest}: its first line names no 'file' column" in capsys.readouterr().err
+    assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(audio), "--out", str(tmp_path / "c")]) == 2
+    assert "nowhere" in capsys.readouterr().err
 
 
 def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
