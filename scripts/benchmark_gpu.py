@@ -448,9 +448,13 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
         if stats is not None and stats.draft_proposed:
             per_pass = stats.tokens_per_target_pass
             rounds = steps / per_pass
-            floor = rounds * (k * draft_bytes + target_bytes) / bandwidth
-            extra = dict(acceptance=stats.acceptance_rate, alpha=acceptance_from_tokens_per_pass(per_pass, k),
-                         tokens_per_pass=per_pass, oracle_alpha=oracle_alpha)
+            # The draft's steps as proposed (each step proposes one token for every row of a
+            # chunk), which is k per round only where k is fixed.
+            draft_steps = stats.draft_proposed * len(chunks) / sum(chunks)
+            floor = (draft_steps * draft_bytes + rounds * target_bytes) / bandwidth
+            adaptive = "adaptive" in name
+            extra = dict(acceptance=stats.acceptance_rate, tokens_per_pass=per_pass, oracle_alpha=oracle_alpha,
+                         alpha=None if adaptive else acceptance_from_tokens_per_pass(per_pass, k))
         else:
             floor, extra = steps * target_bytes / bandwidth, {}
         if name in profiles:

@@ -737,6 +737,9 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
     assert len(sections) == 2 and len(report["rows"]) == 5 + 5
     assert all(row["identical"] for row in report["rows"])
     assert all(row["floor_seconds"] > 0 for row in report["rows"])
+    # An adaptive draft length drafts k of 0 to 8 a round: no acceptance is inferred from a fixed k.
+    drafted = [row for row in report["rows"] if row["tokens_per_pass"] is not None]
+    assert drafted and all((row["alpha"] is None) == ("adaptive" in row["method"]) for row in drafted)
     profiled = [row for row in report["rows"] if row["kernels_per_token"] is not None]
     assert profiled and all(row["kernels_per_token"] > 10 for row in profiled)
     # Our matrix products are counted (oneDNN's operators on a CPU, not aten's): a pass of the
