@@ -217,7 +217,11 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.txt", "model.bin"]
-    return Path(snapshot_download(source, allow_patterns=patterns)), None
+    try:
+        return Path(snapshot_download(source, allow_patterns=patterns)), None
+    except Exception as error:  # offline, no such repository, no network: the hub library's many kinds
+        raise FileNotFoundError(f"{source}: no such folder here, and not a model the hub gives "
+                                f"({type(error).__name__}: {error})") from error
 
 
 def load_model(
