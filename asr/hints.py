@@ -15,6 +15,10 @@ if TYPE_CHECKING:
     from asr.speculative import Batch
 
 HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the hint there
+# A round's hint proposals over all its rows, at most (beyond max_draft_tokens a row): each
+# position verified is a vocabulary-wide row in several float32 buffers, and 16 rows
+# following 224-token hints took gigabytes.
+HINT_POSITIONS = 1024
 
 
 def follow(
@@ -71,6 +75,7 @@ def propose(batch: Batch, rows: list[Row], sample: bool) -> HintRound | None:
     k = max(min(max(left_list), remaining - 1), 0)
     if e.verify_width and any(row.temperature == 0 for row in rows):
         k = min(k, e.max_draft_tokens)
+    k = min(k, max(e.max_draft_tokens, HINT_POSITIONS // len(batch.slots)))
     proposed = left.clamp(max=k).tolist()
     steps = torch.arange(k, device=e.device)
     s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1)))

@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 )
 from transformers.generation.utils import GenerationMixin
 
+from asr import hints
 from asr.decoder import DecoderRunner, int8_linear
 from asr.rules import DecodingRules
 from asr.draft_length import DraftLength
@@ -355,6 +356,27 @@ def test_any_hint_keeps_greedy_output_exact(seed: int, previous_text: bool, time
                 if kind in (1, 2, 3) and length > 12:  # the hint resumed after the change
                     assert stats.hint_accepted > 5
                 assert stats.hint_accepted <= stats.hint_proposed
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
+def test_a_rounds_hint_proposals_are_bounded_over_its_rows(monkeypatch, temperature: float):
+    """Rows following long hints verify them in rounds of at most HINT_POSITIONS positions
+    over the batch (but max_draft_tokens a row): the output the same, the memory bounded."""
+    target, features = target_and_windows(0)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    rules, prompts = rules_for(False), [prompt_for(False)] * BATCH
+    expected = [s.tokens for s in SpeculativeDecoder(runner(target)).decode(encoded, prompts, rules, max_new_tokens=MAX_NEW)]
+    decoder = SpeculativeDecoder(runner(target), max_draft_tokens=4)
+    unbounded = decoder.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, hints=expected)
+    monkeypatch.setattr(hints, "HINT_POSITIONS", 4)  # below max_draft_tokens a row, even for one row left: 4 a row
+    bounded = decoder.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, hints=expected, temperature=temperature,
+                             generator=torch.Generator().manual_seed(0))
+    longest = max(range(BATCH), key=lambda row: len(expected[row]))
+    assert len(expected[longest]) > 10 and unbounded[longest].stats.target_passes <= 2
+    assert bounded[longest].stats.target_passes >= len(expected[longest]) // 5
+    if temperature == 0:
+        assert [s.tokens for s in bounded] == [s.tokens for s in unbounded] == expected
+
 
 def test_hints_must_be_token_ids():
     target, features = target_and_windows(0)
