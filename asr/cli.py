@@ -203,15 +203,16 @@ def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch
     return device, *choose_dtypes(device, DTYPES.get(args.dtype))
 
 
-def device_problem(name: str) -> str | None:
-    """Why --device NAME cannot run here (said before any model loads), or None."""
+def device_problem(name: str, here: bool = True) -> str | None:
+    """Why --device NAME cannot run (said before any model loads), or None; here: on this
+    machine (not only on a remote cluster's)."""
     if name == "auto":
         return None
     try:
         device = torch.device(name)
     except RuntimeError:
         return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
-    if device.type != "cuda":
+    if device.type != "cuda" or not here:
         return None
     if not torch.cuda.is_available():
         return f"--device {name}: torch {torch.__version__} sees no CUDA GPU here (a CPU-only build, or no GPU visible)"
@@ -398,8 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
         return 2
-    # With --ray the workers' machines decode, not this one: a GPU is theirs to have.
-    problem = None if getattr(args, "ray", None) is not None else device_problem(getattr(args, "device", "auto"))
+    # On a remote Ray cluster the workers' machines decode, not this one: a GPU is theirs to have.
+    remote = getattr(args, "ray", None) not in (None, LOCAL_RAY)
+    problem = device_problem(getattr(args, "device", "auto"), here=not remote)
     if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
     if problem:

@@ -224,8 +224,8 @@ class DraftDecoder(nn.Module):
             "shares_target_embedding": True,
             "cross_kv_from_target": self.layers_from if self.share_cross_kv else None,
         }
-        # All three written first, then renamed: a kill leaves the last epoch's set or this one,
-        # not new weights beside an old config.
+        # All three written first, then renamed, the config last: a kill between the renames
+        # leaves this epoch's weights beside the last epoch's config, the same within a run.
         parts = {out / name: out / f".{name}.part" for name in (DRAFT_WEIGHTS, "tokenizer.json", "config.json")}
         save_file(tensors, str(parts[out / DRAFT_WEIGHTS]))
         parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())

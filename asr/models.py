@@ -5,6 +5,7 @@ a draft fits its target, made at load time."""
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -301,6 +302,9 @@ def encoder_matches(fingerprint: object, encoder: nn.Module) -> bool:
     """Whether an encoder is the one of this fingerprint, in any dtype: float32, float16 or
     bfloat16, weights within a bfloat16 step (rounding twice, float32 to float16 to
     bfloat16, can move one by a step from float32 to bfloat16)."""
+    if isinstance(fingerprint, str):  # a draft distilled before 2026-11-26: a hash of the weights in bfloat16
+        weight = encoder.conv1.weight.detach().to("cpu", torch.bfloat16).contiguous()
+        return fingerprint == hashlib.sha256(weight.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
     ours = encoder_fingerprint(encoder)
     if not isinstance(fingerprint, dict) or fingerprint.get("shape") != ours["shape"]:
         return False
@@ -426,29 +430,41 @@ def ctranslate2_directory(source: str) -> Path:
     if _built_from(out, stamp):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    for left in out.parent.glob(f".{out.name}.*"):
-        if time.time() - left.stat().st_mtime > STALE_BUILD_SECONDS:
-            shutil.rmtree(left, ignore_errors=True)
-    building = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    try:
-        if parts is not None:
-            with open(building / "model.bin", "wb") as model_bin:
-                for part in parts:
-                    model_bin.write(part.read_bytes())
-            for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
-                shutil.copy(directory / name, building / name)
-        else:
+    # One process builds at a time; the others wait, then find its build.
+    with open(out.parent / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _built_from(out, stamp):
+            return out
+        for left in out.parent.glob(f".{out.name}.*"):
             try:
-                from ctranslate2.converters import TransformersConverter
-            except ImportError as error:
-                raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
-            shutil.rmtree(building)
-            TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
-        (building / SOURCE_STAMP).write_text(stamp)
-        _put_in_place(building, out, stamp)
-    except BaseException:
-        shutil.rmtree(building, ignore_errors=True)
-        raise
+                if time.time() - left.stat().st_mtime > STALE_BUILD_SECONDS:
+                    shutil.rmtree(left, ignore_errors=True)
+            except FileNotFoundError:
+                pass
+        building = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
+        try:
+            if parts is not None:
+                with open(building / "model.bin", "wb") as model_bin:
+                    for part in parts:
+                        model_bin.write(part.read_bytes())
+                for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
+                    shutil.copy(directory / name, building / name)
+            else:
+                try:
+                    from ctranslate2.converters import TransformersConverter
+                except ImportError as error:
+                    raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
+                shutil.rmtree(building)
+                TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
+            (building / SOURCE_STAMP).write_text(stamp)
+            if out.exists():  # a stale build: moved aside whole (swept later if this is killed), then dropped
+                stale = building.with_name(building.name + ".stale")
+                os.replace(out, stale)
+                shutil.rmtree(stale)
+            os.replace(building, out)  # whole or not at all
+        except BaseException:
+            shutil.rmtree(building, ignore_errors=True)
+            raise
     return out
 
 
@@ -464,23 +480,6 @@ def _built_from(out: Path, stamp: str) -> bool:
         return (out / "model.bin").is_file() and (out / SOURCE_STAMP).read_text() == stamp
     except OSError:
         return False
-
-
-def _put_in_place(building: Path, out: Path, stamp: str) -> None:
-    """Renames a finished build to `out`, whole or not at all. Where another process's build
-    of the same got there first, that one stays; a stale one is replaced."""
-    try:
-        os.replace(building, out)
-        return
-    except OSError:  # out is there, and not empty
-        pass
-    if _built_from(out, stamp):
-        shutil.rmtree(building)
-        return
-    stale = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
-    os.replace(out, stale / "old")
-    os.replace(building, out)
-    shutil.rmtree(stale, ignore_errors=True)
 
 
 def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: str) -> bool:

@@ -58,7 +58,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -163,6 +163,7 @@ class Row:
 class Decoded:
     tokens: list[list[int]]
     stats: DecodeStats | None  # None for transformers
+    proposed: list[int] = field(default_factory=list)  # per row: draft tokens proposed to it
 
 
 # A row of the table to be: its name, a run decoding the batch, and an oracle's acceptance.
@@ -448,9 +449,9 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
         if stats is not None and stats.draft_proposed:
             per_pass = stats.tokens_per_target_pass
             rounds = steps / per_pass
-            # The draft's steps as proposed (each step proposes one token for every row of a
-            # chunk), which is k per round only where k is fixed.
-            draft_steps = stats.draft_proposed * len(chunks) / sum(chunks)
+            # The draft's steps: in each chunk its longest-drafting row was proposed a token at
+            # every one (k a round only where k is fixed).
+            draft_steps = sum(max(out.proposed[s : s + n]) for s, n in zip(starts, chunks))
             floor = (draft_steps * draft_bytes + rounds * target_bytes) / bandwidth
             adaptive = "adaptive" in name
             extra = dict(acceptance=stats.acceptance_rate, tokens_per_pass=per_pass, oracle_alpha=oracle_alpha,
@@ -603,7 +604,7 @@ def decoded(sequences: list[Sequence]) -> Decoded:
     stats = DecodeStats()
     for s in sequences:
         stats.add(s.stats)
-    return Decoded([s.tokens for s in sequences], stats)
+    return Decoded([s.tokens for s in sequences], stats, [s.stats.draft_proposed for s in sequences])
 
 
 def step_bytes(runner: DecoderRunner, batch: int, context: float, frames: int, element: int) -> int:

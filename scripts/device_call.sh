@@ -12,8 +12,9 @@
 # and returns that folder as $OUT/check.tgz, also when gpu_check.py runs past CHECK_SECONDS
 # (default 540, inside the 600 s a call may take) and is stopped: what it wrote so far comes
 # back; the folder is also copied to $OUT/report after every part, so that a call killed at
-# the tool's own limit still returns the parts it finished. Refuses (exit 3) the parts that
-# need the weights on a machine without them. DEVICE_CHECK_HOME: that folder's parent
+# the tool's own limit still returns the parts it finished. A call that asks for parts
+# needing the weights on a machine without them stops at once (exit 3), running none of its
+# parts. DEVICE_CHECK_HOME: that folder's parent
 # (default /tmp/gpu-check).
 set -uo pipefail
 parts=${1:?"which gpu_check.py parts (comma-separated, or none)"}

@@ -63,10 +63,12 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.manual_seed(args.seed)
     work = args.out / "work"
-    for found in (work, args.out / "config.json"):  # a draft there, finished or not, is not trained over
-        if found.exists() and not args.resume:
-            print(f"{found} exists: pass --resume to continue that training, or choose another --out", file=sys.stderr)
-            return 2
+    if work.exists() and not args.resume:
+        print(f"{work} exists: pass --resume to continue that training, or choose another --out", file=sys.stderr)
+        return 2
+    if (args.out / "config.json").exists() and not work.exists():  # a finished draft (as the bundled one)
+        print(f"{args.out} holds a draft and no training to continue: choose another --out", file=sys.stderr)
+        return 2
     try:
         target = load_model(args.target)
         files = list_audio(args.audio)

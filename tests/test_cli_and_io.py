@@ -315,6 +315,11 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--device", missing]) == 2
     assert f"--device {missing}: " in capsys.readouterr().err and not (tmp_path / "out").exists()
+    # With --ray: the local cluster is this machine, checked here; a remote one's GPUs are its own.
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--ray", "--device", missing]) == 2
+    assert f"--device {missing}: " in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--ray", "10.0.0.1:6379", "--device", "gpu"]) == 2
+    assert "--device gpu: not a device" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("")
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file")]) == 2
     assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err

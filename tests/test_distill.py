@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import random
 import re
 from pathlib import Path
@@ -98,6 +100,11 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     # Its target in float16 (as on a GPU; these float32 weights round twice on the way to the
     # check's bfloat16) is still its target; another is not.
     assert load_pair(str(target_dir), str(out), dtype=torch.float16).draft.head_token_ids is not None
+    config = json.loads((out / "config.json").read_text())  # as a draft distilled before 2026-11-26 named its target
+    conv1 = pair.target.encoder.conv1.weight.detach().to(torch.bfloat16).contiguous()
+    config["asr_draft"]["target_encoder"] = hashlib.sha256(conv1.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
+    (out / "config.json").write_text(json.dumps(config))
+    assert load_pair(str(target_dir), str(out)).draft.head_token_ids is not None
     other = save_tiny(tiny_target(1, dtype=torch.float32, frames=3000), tmp_path / "other")
     with pytest.raises(IncompatibleModels, match="distilled for"):
         load_pair(str(other), str(out))
@@ -109,8 +116,9 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     finished = tmp_path / "finished"
     finished.mkdir()
     (finished / "config.json").write_text("{}")  # a draft there, with no work folder (as the bundled one)
-    assert main(["--target", target, "--audio", str(tmp_path), "--out", str(finished)]) == 2
-    assert f"{finished / 'config.json'} exists" in capsys.readouterr().err
+    for resume in ([], ["--resume"]):
+        assert main(["--target", target, "--audio", str(tmp_path), "--out", str(finished), *resume]) == 2
+        assert f"{finished} holds a draft and no training to continue" in capsys.readouterr().err
 
     audio = tmp_path / "audio"
     (audio / "sub").mkdir(parents=True)

@@ -368,13 +368,14 @@ def test_a_rounds_hint_proposals_are_bounded_over_its_rows(monkeypatch, temperat
     expected = [s.tokens for s in SpeculativeDecoder(runner(target)).decode(encoded, prompts, rules, max_new_tokens=MAX_NEW)]
     decoder = SpeculativeDecoder(runner(target), max_draft_tokens=4)
     unbounded = decoder.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, hints=expected)
-    monkeypatch.setattr(hints, "HINT_POSITIONS", 4)  # below max_draft_tokens a row, even for one row left: 4 a row
+    monkeypatch.setattr(hints, "HINT_POSITIONS", 1)  # below max_draft_tokens a row, even for one row left: 4 a row
     bounded = decoder.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, hints=expected, temperature=temperature,
                              generator=torch.Generator().manual_seed(0))
     longest = max(range(BATCH), key=lambda row: len(expected[row]))
     assert len(expected[longest]) > 10 and unbounded[longest].stats.target_passes <= 2
-    assert bounded[longest].stats.target_passes >= len(expected[longest]) // 5
-    if temperature == 0:
+    assert all(s.stats.hint_proposed <= 4 * s.stats.target_passes for s in bounded)
+    if temperature == 0:  # (a sampled row soon leaves a greedy hint)
+        assert len(expected[longest]) // 5 <= bounded[longest].stats.target_passes <= len(expected[longest]) // 5 + 2
         assert [s.tokens for s in bounded] == [s.tokens for s in unbounded] == expected
 
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -218,9 +219,7 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
 
 
 def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a_time(tmp_path: Path, monkeypatch):
-    from asr import models
-
-    monkeypatch.setattr(models, "CT2_CACHE", tmp_path / "cache")
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
     source = save_tiny(tiny_target(12, dtype=torch.float32), tmp_path / "hf")
     out = ctranslate2_directory(str(source))
     before = (out / "model.bin").read_bytes()
@@ -234,9 +233,20 @@ def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a
     assert not killed.exists() and running.exists()  # another process's build in progress is left alone
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") and p != running]
 
-    # Another process put the same build in place first: it stays, and ours goes.
-    ours = tmp_path / "cache" / f".{out.name}.ours"
-    shutil.copytree(out, ours)
-    (ours / "model.bin").write_bytes(b"ours")
-    models._put_in_place(ours, out, (out / models.SOURCE_STAMP).read_text())
-    assert not ours.exists() and (out / "model.bin").read_bytes() != b"ours"
+    # Two processes (here threads: the lock is a file's) needing the same build: one makes it,
+    # the other waits and takes it.
+    from ctranslate2.converters import TransformersConverter
+
+    convert, made = TransformersConverter.convert, []
+
+    def slow_convert(self, *args, **kwargs):
+        made.append(1)
+        time.sleep(0.5)
+        return convert(self, *args, **kwargs)
+
+    monkeypatch.setattr(TransformersConverter, "convert", slow_convert)
+    save_tiny(tiny_target(14, dtype=torch.float32), source)
+    with ThreadPoolExecutor(2) as pool:
+        found = list(pool.map(lambda _: ctranslate2_directory(str(source)), range(2)))
+    assert found == [out, out] and len(made) == 1
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") and p != running]
