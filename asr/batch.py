@@ -357,6 +357,10 @@ def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], la
     )
 
 
+class WorkerError(ValueError):
+    """A Ray worker could not start (its models did not load there)."""
+
+
 class _Recorder:
     """The one writer of a run: plans, skips finished files, writes outputs atomically,
     logs failures, keeps the progress bar and the summary."""
@@ -489,7 +493,8 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     try:
         if started_here:
             # Workers load models as this process would: pass on the offline switches and cache location.
-            env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME") if k in os.environ}
+            env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN")
+                   if k in os.environ}
             ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
@@ -521,9 +526,12 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             num_cpus=cpus_per_worker,
             num_gpus=1 if gpus else 0,
         )
-        for row in results.iter_rows():
-            result = FileResult(**json.loads(row["result"]))
-            recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
+        try:
+            for row in results.iter_rows():
+                result = FileResult(**json.loads(row["result"]))
+                recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
+        except ray.exceptions.RayActorError as error:  # its message ends with the worker's own error
+            raise WorkerError(f"a Ray worker could not start: {str(error).strip().splitlines()[-1]}") from error
     except BaseException:
         recorder.stop()
         raise

@@ -404,6 +404,15 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     assert (again.ok, again.failed, again.skipped) == (0, 1, 3)
 
 
+def test_a_ray_worker_that_cannot_load_its_model_says_why(tmp_path: Path):
+    source = tmp_path / "in"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "LJ002-0020.wav")
+    spec = PipelineSpec(str(tmp_path / "no-such-model"), None)
+    with pytest.raises(batch.WorkerError, match=f"could not start: FileNotFoundError: {tmp_path / 'no-such-model'}: no such"):
+        transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()), spec, RayOptions(workers=1, cpus_per_worker=1))
+
+
 def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypatch):
     """Ray drops a batch whose call raises, and the driver could only say "no result came
     back": the worker reports the error for every file the batch had left."""
