@@ -130,7 +130,7 @@ class FolderSummary:
         line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
         if self.load_seconds:
-            line += f" (models loaded in {self.load_seconds:.1f} s before)"
+            line += f", after loading the models in {self.load_seconds:.1f} s"
         if self.draft_proposed:
             line += f", draft acceptance {self.acceptance:.0%}"
         if self.errors_file is not None:

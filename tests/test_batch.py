@@ -253,7 +253,7 @@ def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatc
     assert (summary.ok, summary.failed) == (2, 1)
     # The RTFx is the transcribing's, the loading told apart.
     assert summary.load_seconds >= 1.0 and summary.wall_seconds <= time.perf_counter() - started - 1.0
-    assert f"models loaded in {summary.load_seconds:.1f} s" in summary.describe()
+    assert f"RTFx {summary.rtfx:.1f}, after loading the models in {summary.load_seconds:.1f} s" in summary.describe()
     assert errors_of(out) == {"poison.wav": "transcription failed: RuntimeError: kernel exploded"}
     assert "could wait no longer" in (out / "1089-134691-0000.txt").read_text().lower()
 
