@@ -37,7 +37,8 @@ The floor of each row is the time to read, at --bandwidth-gbs (default: H100 SXM
 GB/s; --measure-bandwidth times a large device copy instead), the bytes its decoder steps
 must read: every weight a step uses, and the cached keys and values it attends to (the
 self-attention ones over the mean context, the cross-attention ones over every frame). For
-speculative rows: k draft steps and one target pass per round, over the tokens a round keeps.
+speculative rows: the draft steps run (k a round at fixed k) and one target pass per round,
+over the tokens a round keeps.
 Each row also gives the time of its two untimed runs (first uses, captures, and for compiled
 rows the compilations, where a method before it has not made them already).
 Writes DIR/benchmark_gpu.md (the table), DIR/benchmark_gpu.png and DIR/benchmark_gpu.json
