@@ -3,6 +3,7 @@ speculative side by side, and print each transcript with its timing and speed-up
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 
 def main() -> int:
+    argparse.ArgumentParser(description=__doc__).parse_args()  # no options: --help says what this does
     torch.set_num_threads(max(1, torch.get_num_threads()))
     target, draft = PRESETS[DEFAULT_PRESET]
     print(f"preset {DEFAULT_PRESET!r}: target {target}, draft {draft}")

@@ -9,6 +9,7 @@ tests use (tests/conftest.py::speech_between_silences); its reference is the two
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -23,10 +24,9 @@ from asr.audio import SAMPLE_RATE  # noqa: E402
 from asr.metrics import read_manifest  # noqa: E402
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print(__doc__.strip(), file=sys.stderr)
-        sys.exit(2)
-    out = Path(sys.argv[1])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path, metavar="OUT_DIR")
+    out = parser.parse_args().out
     out.mkdir(parents=True, exist_ok=True)
     soundfile.write(out / "pauses.flac", speech_between_silences(), SAMPLE_RATE)
     references = {c.path.name: c.reference for c in read_manifest(DEV / "manifest.tsv")}
