@@ -183,8 +183,9 @@ class Transcriber:
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
-        if options.language is not None and self.vocab.multilingual and options.language not in self.vocab.languages:
-            raise ValueError(f"unknown language {options.language!r}; known: {', '.join(self.vocab.languages)}")
+        self._check_language(options.language)
+        if not options.temperatures:
+            raise ValueError("temperatures: give at least one")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and (options.task == "translate" or options.language not in (None, "en")):
@@ -276,11 +277,19 @@ class Transcriber:
         how a stream re-transcribes its buffer. encoder_frames: encode only the window's first
         frames (an even number; WhisperModel.encode) rather than all 3000. max_new_tokens: a
         lower limit than the options'."""
+        # Checked here, in the caller's thread: raised in a shared scheduler's, an error would
+        # fail every window decoding beside this one.
         if len(samples) > WINDOW_SAMPLES:
             raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
+        self._check_language(language)
+        if encoder_frames is not None and not (0 < encoder_frames <= WINDOW_FRAMES and encoder_frames % 2 == 0):
+            raise ValueError(f"encoder_frames must be an even number of frames up to {WINDOW_FRAMES}, not {encoder_frames}")
+        if any(not 0 <= token < self.models.target.config.vocab_size for token in hint or []):
+            raise ValueError(f"hint tokens must be token ids below the vocabulary's {self.models.target.config.vocab_size}")
         job = self._start(AudioInput("window", samples), window_only=True)
         if language is not None:
             job.language = job.info.language = language
+            job.info.language_probability = 1.0
         job.context, job.hint = list(context), list(hint or [])
         job.max_new_tokens = max_new_tokens
         if self.scheduler is not None:
@@ -293,6 +302,10 @@ class Transcriber:
         finally:
             decoding.close()
         return job.result
+
+    def _check_language(self, language: str | None) -> None:
+        if language is not None and self.vocab.multilingual and language not in self.vocab.languages:
+            raise ValueError(f"unknown language {language!r}; known: {', '.join(self.vocab.languages)}")
 
     def _start(self, audio: AudioInput, window_only: bool = False) -> _Job:
         """window_only: one window as it is (a stream's buffer), never filtered by vad_filter."""
@@ -310,7 +323,8 @@ class Transcriber:
             frames = content_frames(samples)
         info = TranscriptionInfo(
             language=self.options.language or ("en" if not self.vocab.multilingual else ""),
-            language_probability=1.0,
+            # Until detected; left "" and 0 where nothing is decoded (no audio, no speech kept by vad_filter)
+            language_probability=0.0 if self.vocab.multilingual and not self.options.language else 1.0,
             duration=duration,
             speculative=self.speculative,
             dtype=target.dtype_label,
@@ -343,7 +357,7 @@ class Transcriber:
         no_speech = options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
         if no_speech and low_logprob:
             return False  # silence: nothing to retry (a confident text is retried if repetitive)
-        ratio = compression_ratio(self.vocab.decode(sequence.tokens))
+        ratio = compression_ratio(self.vocab.decode(sequence.tokens).strip())
         if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
             return True
         return low_logprob
@@ -352,7 +366,7 @@ class Transcriber:
         """The attempt with the highest average log-probability among those that do not
         repeat themselves, if any do not (faster-whisper's choice; Whisper keeps the last)."""
         threshold = self.options.compression_ratio_threshold
-        plain = [s for s in attempts if threshold is None or compression_ratio(self.vocab.decode(s.tokens)) <= threshold]
+        plain = [s for s in attempts if threshold is None or compression_ratio(self.vocab.decode(s.tokens).strip()) <= threshold]
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
     def _prompt(self, job: _Job) -> tuple[list[int], int]:
@@ -411,7 +425,7 @@ class Transcriber:
             pieces.append((offset, offset + duration, tokens))
             job.seek += segment_frames
 
-        ratio = compression_ratio(self.vocab.decode(tokens))
+        ratio = compression_ratio(self.vocab.decode(tokens).strip())
         texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
         decoded = [self.vocab.decode(piece) for _, _, piece in pieces]
         words: list[list[Word] | None] = [None] * len(pieces)

@@ -111,6 +111,26 @@ def test_a_failing_batch_fails_its_own_jobs_and_the_worker_goes_on(pair, monkeyp
         english.transcribe(AudioInput("late", clip))
 
 
+def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(pair):
+    """Raised in the scheduler's worker, a request's error would fail every window beside it."""
+    window = load_audio(SAMPLES / "jfk.flac")[: 5 * SAMPLE_RATE]
+    scheduler = Scheduler(rows=4)
+    try:
+        live = Transcriber(pair, TranscribeOptions(temperatures=(0.0,)), scheduler=scheduler)
+        for bad, message in [(dict(language="xx"), "unknown language 'xx'"), (dict(encoder_frames=3001), "even number"),
+                             (dict(hint=[10**6]), "hint tokens must be token ids")]:
+            with pytest.raises(ValueError, match=message):
+                live.transcribe_window(window, context=[], **bad)
+        assert scheduler.load().failures == 0
+    finally:
+        scheduler.close()
+    with pytest.raises(ValueError, match="at least one"):
+        Transcriber(pair, TranscribeOptions(temperatures=()))
+    # Nothing decoded, no language detected: none reported, with no confidence.
+    nothing = Transcriber(pair, TranscribeOptions()).transcribe(AudioInput("short", window[:100]))
+    assert (nothing.info.language, nothing.info.language_probability, nothing.text) == ("", 0.0, "")
+
+
 def test_old_downloads_are_swept(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for folder in (old, new):
