@@ -463,7 +463,8 @@ class Transcriber:
             )
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.
         reset = temperature > 0.5 or not self.options.condition_on_previous_text
-        job.context = [] if reset else job.context + kept
+        # Only the last half of the decoder's positions conditions a window (_prompt): no more is kept.
+        job.context = [] if reset else (job.context + kept)[-(self.engine.max_positions // 2 - 1) :]
 
 
 class _Decoding:
