@@ -430,8 +430,9 @@ def ctranslate2_directory(source: str) -> Path:
     if _built_from(out, stamp):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    # One process builds at a time; the others wait, then find its build.
-    with open(out.parent / f"{out.name}.lock", "w") as lock:
+    # One process builds at a time (a lock on the cache folder itself); the others wait, then find its build.
+    lock = os.open(out.parent, os.O_RDONLY)
+    try:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if _built_from(out, stamp):
             return out
@@ -465,6 +466,8 @@ def ctranslate2_directory(source: str) -> Path:
         except BaseException:
             shutil.rmtree(building, ignore_errors=True)
             raise
+    finally:
+        os.close(lock)  # which releases the lock
     return out
 
 
