@@ -21,6 +21,12 @@ HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the
 HINT_POSITIONS = 1024
 
 
+def check(hint: list[int], vocab_size: int) -> None:
+    """A hint holds token ids of the vocabulary."""
+    if any(not 0 <= token < vocab_size for token in hint):
+        raise ValueError(f"hint tokens must be token ids below the vocabulary's {vocab_size}")
+
+
 def follow(
     hint: Tensor, hint_length: Tensor, shift: Tensor, on: Tensor, tokens: Tensor, length: Tensor, sample_begin: Tensor
 ) -> tuple[Tensor, Tensor]:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from asr import hints
 from asr.decoder import KVCache, attention_without_cudnn
 from asr.rules import DecodingRules
 
@@ -229,8 +230,7 @@ class Slots:
         for w in windows:
             if len(w.prompt) + w.max_new_tokens > e.max_positions - 1:
                 raise ValueError(f"prompt plus {w.max_new_tokens} new tokens exceeds the decoder's {e.max_positions} positions")
-            if any(not 0 <= t < e.target.vocab_size for t in w.hint):
-                raise ValueError(f"hint tokens must be token ids below the vocabulary's {e.target.vocab_size}")
+            hints.check(w.hint, e.target.vocab_size)
         if self.state is not None and self.state.key[1:] != key and not self.live:
             self.close()
         if self.state is None:

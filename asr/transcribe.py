@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asr import vad
+from asr import hints, vad
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.decoder import KVCache, attention_without_cudnn
@@ -284,8 +284,7 @@ class Transcriber:
         self._check_language(language)
         if encoder_frames is not None and not (0 < encoder_frames <= WINDOW_FRAMES and encoder_frames % 2 == 0):
             raise ValueError(f"encoder_frames must be an even number of frames up to {WINDOW_FRAMES}, not {encoder_frames}")
-        if any(not 0 <= token < self.models.target.config.vocab_size for token in hint or []):
-            raise ValueError(f"hint tokens must be token ids below the vocabulary's {self.models.target.config.vocab_size}")
+        hints.check(hint or [], self.models.target.config.vocab_size)
         job = self._start(AudioInput("window", samples), window_only=True)
         if language is not None:
             job.language = job.info.language = language
