@@ -2,25 +2,33 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import html
 import shutil
 import tempfile
+import threading
 import time
 import traceback
 import uuid
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as StillRunning
 from pathlib import Path
+from typing import Callable, Iterator, TypeVar
 
 import gradio as gr
 import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
-from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, server_figures, transcript_html,
-                       upload_figures)
+from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, progress_figures, segments_html,
+                       server_figures, transcript_html, upload_figures)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
+from asr.transcribe import AudioInput, Progress, Transcriber, Transcript
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
+
+T = TypeVar("T")
 
 MAX_DRAFT_LENGTH = 8
 MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous text: the last ones
@@ -33,6 +41,9 @@ UPLOADS = 16
 QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
 LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
 MAX_UPLOAD = "1gb"
+# An upload's page shows its progress this often; Gradio also learns then whether the visitor
+# is still there (it closes the handler of one who left, which stops the decoding).
+PROGRESS_EVERY_S = 1.0
 # Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
 SUBTITLE_LAYOUTS = {"segments": SubtitleLayout(), "42x2": SubtitleLayout(max_line_width=42, max_line_count=2)}
 
@@ -147,37 +158,74 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
     # One listener for both: a click during the upload's own run (new settings) runs after it,
     # so the page ends with the newest settings' transcript, and UPLOADS bounds both together.
     gr.on([audio.upload, run.click], functools.partial(transcribe_upload, engine, downloads_dir, keep_seconds),
-          [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS, trigger_mode="always_last")
+          [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS, trigger_mode="always_last",
+          api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
 
 
 def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
                       task: str, draft_length: str, prompt: str, words: bool, silences: bool,
-                      subtitles: str) -> tuple[str, str, dict]:
-    """An upload's figures, transcript and downloads; or, for any failure, an error naming the
-    visitor's file (not the server's copy) in place of the transcript."""
+                      subtitles: str) -> Iterator[tuple[str, str, dict]]:
+    """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S), then
+    its figures, transcript and downloads; or, for any failure, an error naming the visitor's
+    file (not the server's copy) in place of the transcript. Gradio closes this generator
+    when the visitor leaves: the decoding then stops (Progress.cancel), freeing its row."""
     if not path:
-        return _failed("Choose an audio file first.")
+        yield _failed("Choose an audio file first.")
+        return
     name = Path(path).name  # the visitor's file name; the path is the server's upload cache
     try:
         transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
     except ValueError as error:
-        return _failed(str(error))
+        yield _failed(str(error))
+        return
+    progress = Progress()
+    handed_over = time.perf_counter()
     try:
-        audio = transcriber.read(path, name)
-        with engine.turn():
-            started = time.perf_counter()
-            result = transcriber.transcribe(audio)
-            seconds = time.perf_counter() - started
+        audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
+        decoding = in_thread(functools.partial(_decode, engine, transcriber, audio))
+        while True:
+            try:
+                result, seconds = decoding.result(timeout=PROGRESS_EVERY_S)
+                break
+            except StillRunning:
+                so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
+                yield (figures_html(progress_figures(progress, time.perf_counter() - handed_over)), so_far,
+                       gr.update(value=None, visible=False))
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
     except AudioError as error:
-        return _failed(str(error).replace(path, name))
+        yield _failed(str(error).replace(path, name))
+        return
     except Exception as error:  # out of memory, a full disk...: said on the page, the traceback in the server's log
         traceback.print_exc()
-        return _failed(f"{name}: {type(error).__name__}: {error}".replace(path, name))
+        yield _failed(f"{name}: {type(error).__name__}: {error}".replace(path, name))
+        return
+    finally:
+        progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
-    return figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
+    yield figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
+
+
+def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tuple[Transcript, float]:
+    """The transcript and the seconds it took once the models were this request's."""
+    with engine.turn():
+        started = time.perf_counter()
+        return transcriber.transcribe(audio), time.perf_counter() - started
+
+
+def in_thread(work: Callable[[], T]) -> Future:
+    """work's result, computed in a thread of its own (a daemon: the server's exit does not wait for it)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except Exception as error:
+            future.set_exception(error)
+
+    threading.Thread(target=run, name="asr-upload", daemon=True).start()
+    return future
 
 
 def _failed(message: str) -> tuple[str, str, dict]:

@@ -7,7 +7,7 @@ import html
 from dataclasses import dataclass
 
 from asr.streaming import StreamSummary
-from asr.transcribe import SchedulerLoad, Transcript
+from asr.transcribe import Progress, SchedulerLoad, Segment, Transcript
 from asr.words import Word
 
 PLACEHOLDER = '<div class="asr-empty">{}</div>'
@@ -51,10 +51,14 @@ def error_html(message: str) -> str:
 def transcript_html(transcript: Transcript) -> str:
     if not transcript.segments:
         return PLACEHOLDER.format("No speech found in this recording.")
+    return segments_html(transcript.segments)
+
+
+def segments_html(segments: list[Segment]) -> str:
     rows = "".join(
         f'<div class="asr-segment"><span class="asr-time">{clock(s.start)} – {clock(s.end)}</span>'
         f'<span class="asr-text">{_words_html(s.words) if s.words else html.escape(s.text.strip())}</span></div>'
-        for s in transcript.segments
+        for s in segments
     )
     return f'<div class="asr-transcript">{rows}</div>'
 
@@ -92,6 +96,18 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
     note = f"detected ({info.language_probability:.0%})" if language_detected else "as chosen"
     figures.append(Figure("Language", language_name, note))
     return figures
+
+
+def progress_figures(progress: Progress, seconds: float) -> list[Figure]:
+    """An upload still decoding, `seconds` after it was handed over."""
+    if not progress.started:
+        return [Figure("Waiting", f"{seconds:.0f} s", "for the models: other transcriptions are decoding")]
+    done = progress.fraction * progress.duration
+    return [
+        Figure("Audio", f"{progress.duration:.1f} s", clock(progress.duration)),
+        Figure("Transcribed", f"{progress.fraction:.0%}", f"{clock(done)} of {clock(progress.duration)}"),
+        Figure("Processing", f"{seconds:.0f} s", "so far"),
+    ]
 
 
 def live_html(committed: str, tentative: str, listening: bool) -> str:
@@ -136,4 +152,5 @@ def server_figures(load: SchedulerLoad) -> list[Figure]:
         Figure("Audio served", f"{load.audio_seconds_served / 3600:.2f} h", f"{load.recordings_served} files"),
         Figure("Live updates", f"{load.windows_served}", "microphone windows decoded"),
         Figure("Failures", f"{load.failures}", "decoding errors (bad files are refused before)"),
+        Figure("Abandoned", f"{load.cancelled}", "uploads whose visitor left: decoding stopped"),
     ]

