@@ -11,8 +11,7 @@ import threading
 import time
 import traceback
 import uuid
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as StillRunning
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
 
@@ -167,8 +166,10 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
                       subtitles: str) -> Iterator[tuple[str, str, dict]]:
     """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S), then
     its figures, transcript and downloads; or, for any failure, an error naming the visitor's
-    file (not the server's copy) in place of the transcript. Gradio closes this generator
-    when the visitor leaves: the decoding then stops (Progress.cancel), freeing its row."""
+    file (not the server's copy) in place of the transcript. When the visitor leaves, Gradio
+    closes its wrapper of this generator at the next yield, and CPython then finalizes this
+    one at once (GeneratorExit at the yield): the decoding stops (Progress.cancel), freeing
+    its row (tests/test_app.py checks it in a browser)."""
     if not path:
         yield _failed("Choose an audio file first.")
         return
@@ -183,14 +184,11 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
     try:
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
         decoding = in_thread(functools.partial(_decode, engine, transcriber, audio))
-        while True:
-            try:
-                result, seconds = decoding.result(timeout=PROGRESS_EVERY_S)
-                break
-            except StillRunning:
-                so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
-                yield (figures_html(progress_figures(progress, time.perf_counter() - handed_over)), so_far,
-                       gr.update(value=None, visible=False))
+        while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
+            so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
+            yield (figures_html(progress_figures(progress, time.perf_counter() - handed_over)), so_far,
+                   gr.update(value=None, visible=False))
+        result, seconds = decoding.result()
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
@@ -214,14 +212,14 @@ def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tupl
         return transcriber.transcribe(audio), time.perf_counter() - started
 
 
-def in_thread(work: Callable[[], T]) -> Future:
+def in_thread(work: Callable[[], T]) -> Future[T]:
     """work's result, computed in a thread of its own (a daemon: the server's exit does not wait for it)."""
-    future: Future = Future()
+    future: Future[T] = Future()
 
     def run() -> None:
         try:
             future.set_result(work())
-        except Exception as error:
+        except BaseException as error:  # whatever it is, the waiting handler must hear of it
             future.set_exception(error)
 
     threading.Thread(target=run, name="asr-upload", daemon=True).start()

@@ -101,7 +101,7 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
 def progress_figures(progress: Progress, seconds: float) -> list[Figure]:
     """An upload still decoding, `seconds` after it was handed over."""
     if not progress.started:
-        return [Figure("Waiting", f"{seconds:.0f} s", "for the models: other transcriptions are decoding")]
+        return [Figure("Starting", f"{seconds:.0f} s", "reading the audio, or waiting for the models")]
     done = progress.fraction * progress.duration
     return [
         Figure("Audio", f"{progress.duration:.1f} s", clock(progress.duration)),

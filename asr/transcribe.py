@@ -195,8 +195,12 @@ class _Job:
         if progress is None or self.window_only:
             return
         progress.started, progress.duration = True, self.info.duration
-        progress.fraction = min(self.seek / self.frames, 1.0) if self.frames else 1.0
+        progress.fraction = 1.0 if self.done else min(self._recording_time(self.seek * FRAME_SECONDS) / self.info.duration, 1.0)
         progress.segments = progress.segments + self._restored(self.segments[len(progress.segments) :])
+
+    def _recording_time(self, seconds: float) -> float:
+        """A time in the decoded audio as one in the recording (with vad_filter, the speech alone is decoded)."""
+        return seconds if self.speech is None else self.speech.original(seconds, self.speech.chunk_of(seconds))
 
     def _restored(self, segments: list[Segment]) -> list[Segment]:
         """In the recording's times (with vad_filter the decoded audio is its speech alone)."""
@@ -296,13 +300,13 @@ class Transcriber:
         decoding = _Decoding(self, self.batch_size)
         try:
             while True:
-                decoding.drop_cancelled()
                 new = []
                 while decoding.recordings + len(new) < self.batch_size and (item := next(pending, None)) is not None:
                     if not item.cancelled:
                         new.append(self._start(item))
                 for job in decoding.submit(new):
-                    yield job.transcript()
+                    if job.done:  # else dropped, cancelled
+                        yield job.transcript()
                 if not decoding.busy:
                     return
                 for job in decoding.step():
@@ -544,7 +548,7 @@ class _Decoding:
     def close(self) -> None:
         self.batch.close()
 
-    def drop_cancelled(self) -> list[_Job]:
+    def _drop_cancelled(self) -> list[_Job]:
         """Stops decoding the jobs whose progress was cancelled (their rows freed at once,
         the other rows decoding on); returns them."""
         rows = {tag: job for tag, job in self.jobs.items() if job.audio.cancelled}
@@ -552,21 +556,24 @@ class _Decoding:
             self.batch.drop(set(rows))
         for tag in rows:
             del self.jobs[tag]
-        waiting = [job for job in self.waiting if job.audio.cancelled]
-        self.waiting = [job for job in self.waiting if not job.audio.cancelled]
-        return [*rows.values(), *waiting]
+        dropped, waiting, self.waiting = list(rows.values()), self.waiting, []
+        for job in waiting:  # one read of each job's flag: cancel() may land meanwhile
+            (dropped if job.audio.cancelled else self.waiting).append(job)
+        return dropped
 
     def submit(self, jobs: list[_Job]) -> list[_Job]:
-        """Encodes the current window of each job (and of the recordings waiting for their
-        next one) and starts decoding it, at the first temperature. Returns the recordings
-        with nothing to decode (no audio frames, or no speech kept by vad_filter), done."""
+        """Drops the jobs cancelled since the last call; encodes the current window of each
+        job (and of the recordings waiting for their next one) and starts decoding it, at the
+        first temperature. Returns the jobs it is done with: those dropped (not done), and the
+        recordings with nothing to decode (no audio frames, or no speech kept by vad_filter)."""
+        dropped = self._drop_cancelled()
         jobs, self.waiting = self.waiting + jobs, []
         empty = [job for job in jobs if job.done]
         for job in empty:
             job.report()
         jobs = [job for job in jobs if not job.done]
         if not jobs:
-            return empty
+            return dropped + empty
         o = self.owner
         target, draft = o.models.target, o.models.draft
         features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
@@ -594,7 +601,7 @@ class _Decoding:
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
             job.attempt, job.failed = 0, []
         self._add(jobs, [cross.get(i) for i in range(len(jobs))])
-        return empty
+        return dropped + empty
 
     def _add(self, jobs: list[_Job], cross: list[tuple[list[Tensor], list[Tensor]] | None] | None = None) -> None:
         """cross: each job's target cross-attention K/V where language detection computed them."""
@@ -717,10 +724,6 @@ class Scheduler:
                     break
                 admitted = self._admit()
             for key, decoding in list(self._decodings.items()):
-                if dropped := decoding.drop_cancelled():
-                    with self._wake:
-                        for job in dropped:
-                            self._cancel(job)
                 self._guarded(key, decoding.submit, admitted.get(key, []))
                 if key in self._decodings and decoding.busy:
                     self._guarded(key, decoding.step)
@@ -766,8 +769,9 @@ class Scheduler:
         self._futures.pop(id(job)).set_exception(Cancelled(job.audio.name))
 
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
-        """Runs a batch's submit or step and hands out what it finished; if it raises, every
-        job of that batch fails with the error, and the batch starts afresh."""
+        """Runs a batch's submit or step and hands out what it finished (and fails the jobs
+        it dropped, cancelled); if it raises, every job of that batch fails with the error,
+        and the batch starts afresh."""
         decoding = self._decodings[key]
         members = [*decoding.jobs.values(), *decoding.waiting, *(args[0] if args else [])]
         try:
@@ -782,6 +786,9 @@ class Scheduler:
             return
         with self._wake:
             for job in done:
+                if not job.done:  # dropped
+                    self._cancel(job)
+                    continue
                 self._served[1 if job.window_only else 0] += 1
                 self._served[2] += 0.0 if job.window_only else job.info.duration
                 self._futures.pop(id(job)).set_result(job)

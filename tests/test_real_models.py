@@ -10,10 +10,10 @@ import torch
 
 import asr.transcribe
 from asr.audio import SAMPLE_RATE, load_audio
-from asr.features import WINDOW_FRAMES, log_mel
+from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
-from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
+from asr.transcribe import AudioInput, Progress, TranscribeOptions, Transcriber
 from conftest import DEV, speech_between_silences
 
 
@@ -160,13 +160,22 @@ def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeyp
 def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, faster_whisper_base):
     """vad_filter: the 40 s of noise between two clips is cut out (one window decoded instead
     of three), the tokens are faster-whisper's with its vad_filter, and so are the segments' and
-    words' times back in the recording (within faster-whisper's rounding to 10 ms). A recording of
-    noise alone has nothing to decode."""
+    words' times back in the recording (within faster-whisper's rounding to 10 ms), also as a
+    Progress reports them, with how far decoding has got in the recording's time. A recording
+    of noise alone has nothing to decode."""
     from faster_whisper.vad import VadOptions, get_speech_timestamps
 
     recording = speech_between_silences()
     options = TranscribeOptions(language="en", vad_filter=True, word_timestamps=True)
-    ours = Transcriber(base_pair, options).transcribe(recording)
+    watched = Progress()
+    ours = Transcriber(base_pair, options).transcribe(AudioInput("pauses", recording, watched))
+    assert watched.segments == ours.segments and watched.fraction == 1.0
+    # Half a second into the second stretch of speech kept: past the pause, in the recording.
+    progress = Progress()
+    job = Transcriber(base_pair, options)._start(AudioInput("pauses", recording, progress))
+    job.seek = round((job.speech.ends[0] / SAMPLE_RATE + 0.5) / FRAME_SECONDS)
+    job.report()
+    assert progress.fraction * len(recording) == pytest.approx(job.speech.chunks[1][0] + 0.5 * SAMPLE_RATE, abs=400)
     plain = Transcriber(base_pair, replace(options, vad_filter=False)).transcribe(recording)
     kept = sum(c["end"] - c["start"] for c in get_speech_timestamps(recording, VadOptions())) / SAMPLE_RATE
     assert ours.info.windows == 1 and plain.info.windows == 3 and ours.info.duration_after_vad == kept < 25

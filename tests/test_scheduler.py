@@ -150,7 +150,8 @@ def test_a_cancelled_recording_stops_at_once_and_its_batchmates_decode_on(pair):
 
     def cancel_after_the_first_window(progress: Progress) -> threading.Thread:
         def watch() -> None:
-            while not progress.segments:
+            deadline = time.monotonic() + 300
+            while not progress.segments and time.monotonic() < deadline:
                 time.sleep(0.005)
             progress.cancel()
 
@@ -182,7 +183,9 @@ def test_a_cancelled_recording_stops_at_once_and_its_batchmates_decode_on(pair):
         with pytest.raises(Cancelled):
             shared.transcribe(AudioInput("early", sonnet, early))
         assert not early.started
-        load = scheduler.load()
+        deadline = time.monotonic() + 30  # the figures are taken at the end of the worker's round
+        while (load := scheduler.load()).cancelled < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
     finally:
         scheduler.close()
     assert (load.cancelled, load.failures, load.recordings_served, load.recordings, load.rows) == (2, 0, 1, 0, 0)
