@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import choose_dtypes, load_pair
-from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, TranscribeOptions, Transcriber, Transcript
+from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
 from asr.writers import FORMATS, SubtitleLayout, render, unwritable, write_atomic
 
 ERRORS_FILE = "errors.jsonl"
@@ -279,11 +279,13 @@ def transcribe_files(
     formats: Iterable[str],
     stream_above_seconds: float = STREAM_ABOVE_SECONDS,
     layout: SubtitleLayout = SubtitleLayout(),
+    on_progress: Callable[[Path, float], None] | None = None,
 ) -> Iterator[FileResult]:
     """Transcribes files in the order given, decoding transcriber.batch_size of them at a
     time, and yields each file's result as soon as it is done. A file that cannot be read
     fails alone. Should decoding itself fail, the files of that batch are redone one at a
-    time, so only a file that fails alone is reported, and the rest go on."""
+    time, so only a file that fails alone is reported, and the rest go on. on_progress:
+    called as each window of a file is decoded, with the file and its seconds decoded so far."""
     formats = tuple(formats)
     queue = iter(files)
     unreadable: list[FileResult] = []
@@ -291,9 +293,12 @@ def transcribe_files(
 
     def read(path: Path) -> AudioInput | FileResult:
         try:
-            return transcriber.read(path, stream_above_seconds=stream_above_seconds)
+            audio = transcriber.read(path, stream_above_seconds=stream_above_seconds)
         except Exception as error:  # AudioError names the problem; anything else is still this file's
             return FileResult(str(path), error=_reason(error, path))
+        if on_progress is None:
+            return audio
+        return dataclasses.replace(audio, progress=Progress(lambda p: on_progress(path, p.fraction * p.duration)))
 
     def inputs() -> Iterator[AudioInput]:
         for path in queue:
@@ -389,9 +394,30 @@ class _Recorder:
         # Longest first, so that files of similar length share batches and end together.
         self.todo = sorted(todo, key=lambda item: -(item.seconds or 0.0))
         self.by_source = {str(item.source): item for item in self.todo}
-        self.bar = tqdm(total=len(self.todo), unit="file", disable=not run.progress or not self.todo, file=sys.stderr,
-                        dynamic_ncols=True)
+        # In seconds of audio, not files: the longest files come first, so a count of files
+        # would make the first minutes' estimate of the time left far too long.
+        self.credited: dict[str, float] = {}  # audio seconds of each file in progress on the bar
+        self.decoded = 0.0  # audio seconds on the bar
+        self.bar = tqdm(total=round(sum(item.seconds or 0.0 for item in self.todo), 1), unit="s",
+                        bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of audio [{elapsed}<{remaining}{postfix}]",
+                        disable=not run.progress or not self.todo, file=sys.stderr, dynamic_ncols=True)
         self.started = time.perf_counter()  # after reading the headers; loaded() restarts it
+
+    def advanced(self, source: Path, seconds: float) -> None:
+        """A file in progress has `seconds` of its audio decoded (transcribe_files' on_progress)."""
+        item = self.by_source.get(str(source))
+        if item is not None:
+            self._credit(str(source), min(seconds, item.seconds or 0.0))
+
+    def _credit(self, source: str, seconds: float) -> None:
+        """Moves the bar to `seconds` of this file's audio (never back: a file redone alone starts again)."""
+        gained = max(seconds - self.credited.get(source, 0.0), 0.0)
+        self.credited[source] = self.credited.get(source, 0.0) + gained
+        self.decoded += gained
+        elapsed = time.perf_counter() - self.started
+        self.bar.set_postfix_str(f"{len(self.todo) - len(self.by_source)}/{len(self.todo)} files, RTFx "
+                                 f"{self.decoded / elapsed if elapsed else 0:.1f}", refresh=False)
+        self.bar.update(gained)  # redrawn at most every 0.1 s
 
     def record(self, result: FileResult) -> None:
         item = self.by_source.pop(result.source, None)
@@ -422,15 +448,14 @@ class _Recorder:
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
                 tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
                            f"{drafted}): {result.text or '(no speech found)'}", file=sys.stdout)
-        self.bar.update(1)
-        elapsed = time.perf_counter() - self.started
-        self.bar.set_postfix_str(f"{self.summary.audio_seconds / 3600:.2f} h audio, RTFx "
-                                 f"{self.summary.audio_seconds / elapsed if elapsed else 0:.1f}", refresh=False)
+        self._credit(result.source, item.seconds or result.seconds)
+        self.credited.pop(result.source, None)
 
     def loaded(self) -> None:
-        """The models have loaded: the run's clock (its RTFx) starts now."""
+        """The models have loaded: the run's clock (its RTFx, the bar's estimate) starts now."""
         now = time.perf_counter()
         self.summary.load_seconds, self.started = now - self.started, now
+        self.bar.reset(total=self.bar.total)
 
     def finish(self, lost_reason: str) -> FolderSummary:
         """lost_reason: for files that never came back (a worker lost for good)."""
@@ -465,7 +490,8 @@ def transcribe_folder(run: FolderRun, build: Callable[[], Transcriber]) -> Folde
             files = [item.source for item in recorder.todo]
             transcriber = build()
             recorder.loaded()
-            for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds, run.layout):
+            for result in transcribe_files(transcriber, files, run.formats, run.stream_above_seconds, run.layout,
+                                           recorder.advanced):
                 recorder.record(result)
     except BaseException:
         recorder.stop()

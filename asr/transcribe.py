@@ -121,7 +121,8 @@ class Progress:
     the transcript has gone), and Transcriber.transcribe raises Cancelled. Written by the
     decoding thread alone, each field replaced whole, so a reader never sees one half-built."""
 
-    def __init__(self) -> None:
+    def __init__(self, listener: Callable[[Progress], None] | None = None) -> None:
+        self.listener = listener  # called in the decoding thread after each report (as each window ends)
         self.started = False  # decoding has begun: no longer queued or waiting for a turn
         self.duration = 0.0  # of the recording, in seconds
         self.fraction = 0.0  # of the recording decoded
@@ -197,6 +198,8 @@ class _Job:
         progress.started, progress.duration = True, self.info.duration
         progress.fraction = 1.0 if self.done else min(self._recording_time(self.seek * FRAME_SECONDS) / self.info.duration, 1.0)
         progress.segments = progress.segments + self._restored(self.segments[len(progress.segments) :])
+        if progress.listener is not None:
+            progress.listener(progress)
 
     def _recording_time(self, seconds: float) -> float:
         """A time in the decoded audio as one in the recording (with vad_filter, the speech alone is decoded)."""

@@ -229,6 +229,28 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     assert errors_of(out).keys() == expected_errors.keys()
 
 
+def test_the_progress_bar_counts_seconds_of_audio_as_each_window_ends(tmp_path: Path, pair, capsys):
+    """Runs go longest file first, so the bar counts seconds of audio, not files (a count of
+    files would overestimate the time left), and a long file moves it window by window."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    jfk = load_audio(SHORT / "jfk.flac")
+    soundfile.write(source / "long.flac", np.concatenate([jfk, np.zeros(40 * SAMPLE_RATE, np.float32)]), SAMPLE_RATE)
+    shutil.copy(SHORT / "jfk.flac", source / "jfk.flac")
+    decoded: dict[str, list[float]] = {}
+    files = [source / "long.flac", source / "jfk.flac"]
+    results = list(batch.transcribe_files(Transcriber(pair, batch_size=2), files, ("txt",),
+                                          on_progress=lambda path, seconds: decoded.setdefault(path.name, []).append(seconds)))
+    assert [r.error for r in results] == [None, None]
+    # Reported as each window starts and ends: 51 s is two windows.
+    assert decoded["long.flac"][0] == 0 < decoded["long.flac"][1] < 51.0 == pytest.approx(decoded["long.flac"][-1])
+    assert decoded["jfk.flac"] == [0.0, pytest.approx(11.0, abs=0.01)]
+
+    transcribe_folder(FolderRun((source,), out, formats=("txt",), echo=False), lambda: Transcriber(pair, batch_size=2))
+    final = capsys.readouterr().err.split("\r")[-1]
+    assert "62/62 s of audio" in final and "2/2 files, RTFx" in final, final
+
+
 def test_a_decoding_failure_costs_only_its_file(tmp_path: Path, pair, monkeypatch):
     source, out = tmp_path / "in", tmp_path / "out"
     source.mkdir()
