@@ -20,8 +20,8 @@ import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
-from app.views import (PLACEHOLDER, error_html, figures_html, live_figures, live_html, progress_figures, segments_html,
-                       server_figures, transcript_html, upload_figures)
+from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, progress_figures,
+                       segments_html, server_figures, transcript_html, upload_figures)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Progress, Transcriber, Transcript
@@ -148,7 +148,9 @@ def sweep(directory: Path, max_age: float) -> None:
 def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settings: gr.components.Component) -> None:
     audio = gr.File(label="Audio or video file", file_types=sorted(AUDIO_EXTENSIONS), type="filepath",
                     elem_id="upload-file")
-    run = gr.Button("Transcribe", variant="primary", elem_id="upload-run")
+    with gr.Row():
+        run = gr.Button("Transcribe", variant="primary", elem_id="upload-run", scale=4)
+        stop = gr.Button("Stop", variant="stop", visible=False, elem_id="upload-stop", scale=1)
     figures = gr.HTML(elem_id="upload-figures")
     transcript = gr.HTML(PLACEHOLDER.format("Drop a file above: its timed transcript appears here."),
                          elem_id="upload-transcript")
@@ -156,17 +158,23 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
                         visible=False, elem_id="upload-downloads")
     # One listener for both: a click during the upload's own run (new settings) runs after it,
     # so the page ends with the newest settings' transcript, and UPLOADS bounds both together.
-    gr.on([audio.upload, run.click], functools.partial(transcribe_upload, engine, downloads_dir, keep_seconds),
-          [audio, *settings], [figures, transcript, downloads], concurrency_limit=UPLOADS, trigger_mode="always_last",
-          api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
+    decoding = gr.on([audio.upload, run.click], functools.partial(transcribe_upload, engine, downloads_dir, keep_seconds),
+                     [audio, *settings], [figures, transcript, downloads, stop], concurrency_limit=UPLOADS,
+                     trigger_mode="always_last", api_name="transcribe")  # gradio_client's /transcribe (benchmark_app.py)
+    # Stop closes the upload's handler as a visitor leaving does (the decoding stops); the
+    # segments decoded so far stay on the page.
+    stop.click(lambda: (figures_html([Figure("Stopped", "", "the rest of the file was not transcribed")]),
+                        gr.update(visible=False)),
+               None, [figures, stop], cancels=[decoding], queue=False)
 
 
 def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
                       task: str, draft_length: str, prompt: str, words: bool, silences: bool,
-                      subtitles: str) -> Iterator[tuple[str, str, dict]]:
-    """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S), then
-    its figures, transcript and downloads; or, for any failure, an error naming the visitor's
-    file (not the server's copy) in place of the transcript. When the visitor leaves, Gradio
+                      subtitles: str) -> Iterator[tuple[str, str, dict, dict]]:
+    """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S, with
+    the Stop button), then its figures, transcript and downloads; or, for any failure, an error
+    naming the visitor's file (not the server's copy) in place of the transcript. When the
+    visitor leaves or presses Stop, Gradio
     closes its wrapper of this generator at the next yield, and CPython then finalizes this
     one at once (GeneratorExit at the yield): the decoding stops (Progress.cancel), freeing
     its row (tests/test_app.py checks it in a browser)."""
@@ -187,7 +195,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
             so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
             yield (figures_html(progress_figures(progress, time.perf_counter() - handed_over)), so_far,
-                   gr.update(value=None, visible=False))
+                   gr.update(value=None, visible=False), gr.update(visible=True))
         result, seconds = decoding.result()
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
@@ -202,7 +210,8 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
-    yield figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True)
+    yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
+           gr.update(visible=False))
 
 
 def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tuple[Transcript, float]:
@@ -226,9 +235,9 @@ def in_thread(work: Callable[[], T]) -> Future[T]:
     return future
 
 
-def _failed(message: str) -> tuple[str, str, dict]:
+def _failed(message: str) -> tuple[str, str, dict, dict]:
     # Shown in place of the transcript, where the visitor is looking, until the next run.
-    return "", error_html(message), gr.update(value=None, visible=False)
+    return "", error_html(message), gr.update(value=None, visible=False), gr.update(visible=False)
 
 
 def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:

