@@ -216,8 +216,10 @@ class StreamingTranscriber:
         while True:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
-            if until == self._decoded_until:
+            if until == self._decoded_until and not len(self._waiting):
                 break  # nothing new to hear
+            # else new audio, or a full buffer decoded already that audio waits behind: it
+            # is decoded again as a backlog's (_agree), which cuts it and makes room
             window = self._transcribe(self._context)
             if self._context and self._hallucinated(window):
                 window = self._transcribe([])

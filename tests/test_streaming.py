@@ -244,6 +244,18 @@ def test_audio_past_a_full_window_waits_and_none_is_lost(transcriber):
     assert_append_only([first, last])
 
 
+def test_a_buffer_filled_to_a_whole_window_without_a_cut_makes_room_for_what_follows(transcriber):
+    """30 s of silence in 0.5 s chunks fill the buffer to exactly one window with nothing
+    committed, so nothing trims it, and the last chunk leaves no audio waiting: the next
+    calls found no room for new audio and nothing new in the buffer, and decoded nothing
+    again, so the stream ended with next to nothing of the speech that followed."""
+    samples = np.concatenate([np.zeros(30 * SAMPLE_RATE, np.float32), load_audio(JFK)])
+    stream = StreamingTranscriber(transcriber, timer=keeping_up())
+    updates = list(feed_recording(stream, samples, 0.5))
+    assert "ask not what your country can do for you" in normalize(updates[-1].committed_text)
+    assert_append_only(updates)
+
+
 def test_a_finished_stream_takes_no_more_audio(transcriber):
     """finish() commits everything, so audio after it could only be decoded against words
     no longer in the buffer (it used to commit them a second time): a clear error instead;
