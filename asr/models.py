@@ -413,6 +413,7 @@ CT2_CACHE = Path(os.environ.get("ASR_CACHE", Path.home() / ".cache" / "asr")) / 
 
 
 SOURCE_STAMP = "asr-source.json"  # in a cached conversion: the files it was made from
+CT2_BUILD = 2  # 2: with preprocessor_config.json (_feature_config)
 STALE_BUILD_SECONDS = 24 * 3600  # an unfinished build this old was left by a run that was killed
 
 
@@ -457,6 +458,7 @@ def ctranslate2_directory(source: str) -> Path:
                     raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
                 shutil.rmtree(building)
                 TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
+            _feature_config(directory, building)
             (building / SOURCE_STAMP).write_text(stamp)
             if out.exists():  # a stale build: moved aside whole (swept later if this is killed), then dropped
                 stale = building.with_name(building.name + ".stale")
@@ -471,11 +473,26 @@ def ctranslate2_directory(source: str) -> Path:
     return out
 
 
+def _feature_config(directory: Path, building: Path) -> None:
+    """faster-whisper reads the number of mel bins from preprocessor_config.json and takes 80
+    without one: a 128-bin target (large-v3, turbo, distil-large-v3) would fail every file.
+    The source's own copy, else one made from its config."""
+    if (directory / "preprocessor_config.json").is_file():
+        shutil.copy(directory / "preprocessor_config.json", building / "preprocessor_config.json")
+        return
+    mels = json.loads((directory / "config.json").read_text()).get("num_mel_bins")  # a transformers config's
+    if mels is not None:
+        (building / "preprocessor_config.json").write_text(json.dumps({"feature_size": mels}))
+
+
 def _source_stamp(directory: Path, parts: list[Path] | None) -> str:
-    """The files a conversion is made from, each with its size and modification time."""
-    files = [*parts, *(directory / name for name in ("config.json", "tokenizer.json", "vocabulary.txt"))] \
+    """The files a conversion is made from, each with its size and modification time, and the
+    version of the build (a cache made by an earlier one is made again)."""
+    files = [*parts, *(directory / name for name in ("config.json", "tokenizer.json", "vocabulary.txt",
+                                                     "preprocessor_config.json"))] \
         if parts is not None else sorted(path for path in directory.iterdir() if path.is_file())
-    return json.dumps([[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in files if path.exists()])
+    listed = [[str(path), path.stat().st_size, path.stat().st_mtime_ns] for path in files if path.exists()]
+    return json.dumps({"build": CT2_BUILD, "files": listed})
 
 
 def _built_from(out: Path, stamp: str) -> bool:

@@ -250,3 +250,9 @@ def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a
         found = list(pool.map(lambda _: ctranslate2_directory(str(source)), range(2)))
     assert found == [out, out] and len(made) == 1
     assert not [p for p in out.parent.iterdir() if p.name.startswith(f".{out.name}.") and p != running]
+
+    # A 128-bin target (large-v3's): faster-whisper takes 80 bins unless told otherwise.
+    from faster_whisper import WhisperModel as FasterWhisper
+
+    wide = ctranslate2_directory(str(save_tiny(tiny_target(15, dtype=torch.float32, num_mel_bins=128), tmp_path / "mels")))
+    assert FasterWhisper(str(wide), device="cpu").feature_extractor.mel_filters.shape[0] == 128
