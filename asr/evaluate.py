@@ -686,12 +686,21 @@ def render_markdown(report: dict, title: str) -> str:
     if report["n_files"]:
         identical = sum(1 for f in report["per_file"] if f.get("identical"))
         delta = "-" if report["wer_delta"] is None else f"{100 * report['wer_delta']:+.2f} points"
+        uncompared = len(report["per_file"]) - report["n_files"]
         lines += [
             "",
-            f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical, WER delta {delta}, "
+            f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical"
+            f"{f' ({uncompared} more not compared, see Failures)' if uncompared else ''}, WER delta {delta}, "
             f"{_number(report['speedup'], 'x')} faster end to end, "
             f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
+        differing = [f for f in report["per_file"] if f.get("identical") is False]
+        if differing:
+            lines += ["", f"Files where ours speculative differs from ours target-only ({len(differing)}):", ""]
+            lines += [f"- `{Path(f['file']).name}`: "
+                      + ("the same text, other segment times" if f[f"{SPECULATIVE}_text"] == f[f"{TARGET}_text"] else
+                         f"target-only \"{f[f'{TARGET}_text']}\" / speculative \"{f[f'{SPECULATIVE}_text']}\"")
+                      for f in differing]
     graphed = [(system, s["cuda_graphs"]) for system, s in report["systems"].items() if "cuda_graphs" in s]
     if graphed:
         lines += ["", "CUDA graphs in the timed runs (host seconds): " + "; ".join(

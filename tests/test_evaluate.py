@@ -191,6 +191,24 @@ def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):
     assert len(report["per_file"]) == len(CLIPS) + 1
 
 
+def test_the_report_names_the_files_where_speculative_differs_and_what_it_could_not_compare(evaluated):
+    """The parity headline counts the files not compared (unreadable, or a run failed) rather
+    than reading as all identical, and every file whose speculative transcript differs from
+    target-only is listed: with both texts, or as differing in segment times alone."""
+    results, environment, report = evaluated
+    markdown = render_markdown(report, "t")
+    assert "2/2 transcripts identical (1 more not compared, see Failures)" in markdown
+    assert "differs from ours target-only" not in markdown
+    first, second = [replace(r, runs=dict(r.runs)) for r in results if r.error is None]
+    first.runs[SPECULATIVE] = replace(first.runs[SPECULATIVE], text="something else", tokens=[400, 500])
+    second.runs[SPECULATIVE] = replace(second.runs[SPECULATIVE], segment_times=[(0.0, 0.5)])
+    markdown = render_markdown(build_report([first, second], system_names(()), environment), "t")
+    assert "0/2 transcripts identical, WER delta" in markdown
+    assert "Files where ours speculative differs from ours target-only (2):" in markdown
+    assert f'`{first.clip.path.name}`: target-only "{first.runs[TARGET].text}" / speculative "something else"' in markdown
+    assert f"`{second.clip.path.name}`: the same text, other segment times" in markdown
+
+
 def test_a_file_that_fails_its_batch_is_told_apart_from_its_batchmates(embedded, monkeypatch):
     """A batch that raises is run again a file at a time: the file that fails alone gets its
     own error, its batchmates say they were not measured, and why."""
