@@ -312,6 +312,13 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out}: {problem}")
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)
+        vocab = pair.target.vocab
+        # Said now: every batch of a language the target lacks would fail, and the run end with nothing scored.
+        if unknown := sorted({c.language for c in clips} - (set(vocab.languages) if vocab.multilingual else {"en"})):
+            first = next(c for c in clips if c.language == unknown[0])
+            raise ValueError(f"{args.manifest}: {pair.target.name} does not know the language {unknown[0]!r} "
+                             f"(of {first.path.name}{' and others' if len(unknown) > 1 else ''})"
+                             + ("; it is English-only" if not vocab.multilingual else ""))
         report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
     except (ValueError, OSError) as error:
         print(f"asr: {error}", file=sys.stderr)

@@ -455,3 +455,14 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
     assert [(c.path, c.duration, c.language) for c in clips] == [
         (tmp_path / "a.wav", None, "de"), (tmp_path / "b.wav", None, "es"), (tmp_path / "c.wav", None, "en")
     ]
+
+
+def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs(tmp_path: Path, capsys):
+    """Else every batch of that language fails, is retried file by file, and the run ends
+    with nothing scored."""
+    shutil.copy(DEV / "en_short" / CLIPS[0], tmp_path / CLIPS[0])
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\tlanguage\n{CLIPS[0]}\tsomething\tenglish\n")
+    out = tmp_path / "out"
+    assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out)]) == 2
+    assert f"does not know the language 'english' (of {CLIPS[0]})" in capsys.readouterr().err
+    assert not out.exists() or not list(out.iterdir())
