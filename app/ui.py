@@ -24,7 +24,7 @@ from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figur
                        segments_html, server_figures, transcript_html, upload_figures)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
-from asr.transcribe import AudioInput, Progress, Transcriber, Transcript
+from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
 T = TypeVar("T")
@@ -156,28 +156,42 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
                          elem_id="upload-transcript")
     downloads = gr.File(label="Download (txt, srt, vtt, json)", file_count="multiple", interactive=False,
                         visible=False, elem_id="upload-downloads")
+
+    def upload(path: str | None, language: str, task: str, draft_length: str, prompt: str, words: bool, silences: bool,
+               subtitles: str, request: gr.Request) -> Iterator[tuple[str, str, dict, dict]]:
+        yield from transcribe_upload(engine, downloads_dir, keep_seconds, path, language, task, draft_length, prompt,
+                                     words, silences, subtitles, request.session_hash)
+
     # One listener for both: a click during the upload's own run (new settings) runs after it,
     # so the page ends with the newest settings' transcript, and UPLOADS bounds both together.
-    decoding = gr.on([audio.upload, run.click], functools.partial(transcribe_upload, engine, downloads_dir, keep_seconds),
-                     [audio, *settings], [figures, transcript, downloads, stop], concurrency_limit=UPLOADS,
-                     trigger_mode="always_last", api_name="transcribe")  # gradio_client's /transcribe (benchmark_app.py)
-    # Stop closes the upload's handler as a visitor leaving does (the decoding stops); the
-    # segments decoded so far stay on the page.
-    stop.click(lambda: (figures_html([Figure("Stopped", "", "the rest of the file was not transcribed")]),
-                        gr.update(visible=False)),
-               None, [figures, stop], cancels=[decoding], queue=False)
+    gr.on([audio.upload, run.click], upload, [audio, *settings], [figures, transcript, downloads, stop],
+          concurrency_limit=UPLOADS, trigger_mode="always_last",
+          api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
+    stop.click(stop_upload, None, None, queue=False)
+
+
+# The upload decoding in each browser tab (by Gradio's session), which its Stop button stops.
+_UPLOADS: dict[str, Progress] = {}
+
+
+def stop_upload(request: gr.Request) -> None:
+    """Stops this tab's upload: its handler then shows it Stopped, with what was decoded. (The
+    handler says so itself: a listener's `cancels` would leave its progress updates in flight
+    free to arrive after the page said Stopped.)"""
+    if (progress := _UPLOADS.get(request.session_hash)) is not None:
+        progress.cancel()
 
 
 def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
-                      task: str, draft_length: str, prompt: str, words: bool, silences: bool,
-                      subtitles: str) -> Iterator[tuple[str, str, dict, dict]]:
+                      task: str, draft_length: str, prompt: str, words: bool, silences: bool, subtitles: str,
+                      session: str | None = None) -> Iterator[tuple[str, str, dict, dict]]:
     """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S, with
     the Stop button), then its figures, transcript and downloads; or, for any failure, an error
-    naming the visitor's file (not the server's copy) in place of the transcript. When the
-    visitor leaves or presses Stop, Gradio
-    closes its wrapper of this generator at the next yield, and CPython then finalizes this
-    one at once (GeneratorExit at the yield): the decoding stops (Progress.cancel), freeing
-    its row (tests/test_app.py checks it in a browser)."""
+    naming the visitor's file (not the server's copy) in place of the transcript. Stop (the
+    session's, stop_upload) ends it with the segments decoded so far. When the visitor
+    leaves, Gradio closes its wrapper of this generator at the next yield, and CPython then
+    finalizes this one at once (GeneratorExit at the yield): the decoding stops
+    (Progress.cancel), freeing its row (tests/test_app.py checks both in a browser)."""
     if not path:
         yield _failed("Choose an audio file first.")
         return
@@ -189,17 +203,23 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         return
     progress = Progress()
     handed_over = time.perf_counter()
+    if session is not None:
+        _UPLOADS[session] = progress
     try:
+        yield _progress(progress, 0.0)  # Stop at once: reading a long file takes a while
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
         decoding = in_thread(functools.partial(_decode, engine, transcriber, audio))
         while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
-            so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
-            yield (figures_html(progress_figures(progress, time.perf_counter() - handed_over)), so_far,
-                   gr.update(value=None, visible=False), gr.update(visible=True))
+            yield _progress(progress, time.perf_counter() - handed_over)
         result, seconds = decoding.result()
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
+    except Cancelled:  # Stop
+        so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
+        yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]), so_far,
+               gr.update(value=None, visible=False), gr.update(visible=False))
+        return
     except AudioError as error:
         yield _failed(str(error).replace(path, name))
         return
@@ -209,9 +229,17 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         return
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
+        if session is not None and _UPLOADS.get(session) is progress:
+            del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
            gr.update(visible=False))
+
+
+def _progress(progress: Progress, seconds: float) -> tuple[str, str, dict, dict]:
+    so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
+    return (figures_html(progress_figures(progress, seconds)), so_far, gr.update(value=None, visible=False),
+            gr.update(visible=True))
 
 
 def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tuple[Transcript, float]:

@@ -152,5 +152,5 @@ def server_figures(load: SchedulerLoad) -> list[Figure]:
         Figure("Audio served", f"{load.audio_seconds_served / 3600:.2f} h", f"{load.recordings_served} files"),
         Figure("Live updates", f"{load.windows_served}", "microphone windows decoded"),
         Figure("Failures", f"{load.failures}", "decoding errors (bad files are refused before)"),
-        Figure("Abandoned", f"{load.cancelled}", "uploads whose visitor left: decoding stopped"),
+        Figure("Cancelled", f"{load.cancelled}", "uploads stopped, or whose visitor left"),
     ]

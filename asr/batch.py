@@ -285,7 +285,7 @@ def transcribe_files(
     time, and yields each file's result as soon as it is done. A file that cannot be read
     fails alone. Should decoding itself fail, the files of that batch are redone one at a
     time, so only a file that fails alone is reported, and the rest go on. on_progress:
-    called as each window of a file is decoded, with the file and its seconds decoded so far."""
+    called as each window of a file starts and ends, with the file and its seconds decoded so far."""
     formats = tuple(formats)
     queue = iter(files)
     unreadable: list[FileResult] = []
@@ -409,11 +409,12 @@ class _Recorder:
         if item is not None:
             self._credit(str(source), min(seconds, item.seconds or 0.0))
 
-    def _credit(self, source: str, seconds: float) -> None:
-        """Moves the bar to `seconds` of this file's audio (never back: a file redone alone starts again)."""
+    def _credit(self, source: str, seconds: float, decoded: bool = True) -> None:
+        """Moves the bar to `seconds` of this file's audio (never back: a file redone alone
+        starts again); decoded: count them in the bar's RTFx (not a failed file's rest)."""
         gained = max(seconds - self.credited.get(source, 0.0), 0.0)
         self.credited[source] = self.credited.get(source, 0.0) + gained
-        self.decoded += gained
+        self.decoded += gained if decoded else 0.0
         elapsed = time.perf_counter() - self.started
         self.bar.set_postfix_str(f"{len(self.todo) - len(self.by_source)}/{len(self.todo)} files, RTFx "
                                  f"{self.decoded / elapsed if elapsed else 0:.1f}", refresh=False)
@@ -448,7 +449,9 @@ class _Recorder:
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
                 tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
                            f"{drafted}): {result.text or '(no speech found)'}", file=sys.stdout)
-        self._credit(result.source, item.seconds or result.seconds)
+        if item.seconds is None:  # its header did not tell: out of the bar's total until now
+            self.bar.total += result.seconds
+        self._credit(result.source, item.seconds or result.seconds, decoded=result.error is None)
         self.credited.pop(result.source, None)
 
     def loaded(self) -> None:
@@ -531,7 +534,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpus else ''} each; "
                        f"cluster has {cpus} CPU(s), {gpus} GPU(s)")
         context = ray.data.DataContext.get_current()
-        context.enable_progress_bars = False  # ours counts files, hours and RTFx
+        context.enable_progress_bars = False  # ours counts audio, files and RTFx
         context.max_errored_blocks = -1  # a lost batch is reported per file below, not fatal
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         # Paths as every node sees them: a worker's working directory is not this process's.

@@ -316,8 +316,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
         # Said now: every batch of a language the target lacks would fail, and the run end with nothing scored.
         if unknown := sorted({c.language for c in clips} - (set(vocab.languages) if vocab.multilingual else {"en"})):
             first = next(c for c in clips if c.language == unknown[0])
-            raise ValueError(f"{args.manifest}: {pair.target.name} does not know the language {unknown[0]!r} "
-                             f"(of {first.path.name}{' and others' if len(unknown) > 1 else ''})"
+            raise ValueError(f"{args.manifest}: {pair.target.name} does not know the language "
+                             f"{', '.join(map(repr, unknown))} (first in {first.path.name})"
                              + ("; it is English-only" if not vocab.multilingual else ""))
         report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
     except (ValueError, OSError) as error:

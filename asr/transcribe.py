@@ -116,10 +116,11 @@ class Cancelled(Exception):
 
 
 class Progress:
-    """One recording's transcription seen from another thread (AudioInput.progress): while it
-    decodes, how far it has got and its segments so far; cancel() stops it (whoever waits for
-    the transcript has gone), and Transcriber.transcribe raises Cancelled. Written by the
-    decoding thread alone, each field replaced whole, so a reader never sees one half-built."""
+    """One recording's transcription seen from another thread (AudioInput.progress; a new one
+    for each transcription): while it decodes, how far it has got and its segments so far;
+    cancel() stops it (whoever waits for the transcript has gone), and Transcriber.transcribe
+    raises Cancelled. Written by the decoding thread alone, each field replaced whole, so a
+    reader never sees one half-built."""
 
     def __init__(self, listener: Callable[[Progress], None] | None = None) -> None:
         self.listener = listener  # called in the decoding thread after each report (as each window ends)

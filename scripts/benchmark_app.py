@@ -157,8 +157,8 @@ def run_mode(mode: str, args: argparse.Namespace, clips: list[tuple[Path, float]
                 if time.monotonic() > deadline:
                     raise SystemExit(f"{mode} server did not answer in {STARTUP_S} s") from None
                 time.sleep(1)
-        # One upload first: a server whose endpoint fails at once would otherwise be asked
-        # millions of times in the run, and its figures would mean nothing.
+        # One upload first: the clients would otherwise ask a server whose endpoint fails at
+        # once again and again in a tight loop, and the figures would mean nothing.
         try:
             outcome, detail = judge(upload(Client(url, verbose=False), clips[0][0], args.language), False, "")
         except Exception as error:

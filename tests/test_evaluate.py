@@ -464,5 +464,5 @@ def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs
     (tmp_path / "manifest.tsv").write_text(f"file\treference\tlanguage\n{CLIPS[0]}\tsomething\tenglish\n")
     out = tmp_path / "out"
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out)]) == 2
-    assert f"does not know the language 'english' (of {CLIPS[0]})" in capsys.readouterr().err
+    assert f"does not know the language 'english' (first in {CLIPS[0]})" in capsys.readouterr().err
     assert not out.exists() or not list(out.iterdir())
