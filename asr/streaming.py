@@ -313,7 +313,7 @@ class StreamingTranscriber:
         """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
         then trims the buffer if it is long. A full buffer with audio waiting is committed
         and cut as offline (_closed_words, _cut_closed). Returns the words committed."""
-        segments = [] if window.silent else self._segments(window.tokens)
+        segments = [] if window.silent else self._split_at_committed(self._segments(window.tokens))
         words = [w for s in segments for w in s.words]
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
@@ -399,13 +399,39 @@ class StreamingTranscriber:
         keys = [_key(w) for w in words]
         if not known:
             return self._heard_again(words)
-        if keys[: len(known)] == known:
-            return len(known)
+        committed = "".join(known)
+        if "".join(keys).startswith(committed):  # the same words, however split ("bud-barriest", "bud, barriest")
+            done = total = 0
+            while done < len(keys) and total + len(keys[done]) <= len(committed):
+                total += len(keys[done])
+                done += 1
+            return done
         blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks() if b.size]
         if not blocks:
             return 0
         last = blocks[-1]
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
+
+    def _split_at_committed(self, segments: list[_Segment]) -> list[_Segment]:
+        """A hypothesis that starts with the committed words of the buffer but writes the last
+        of them joined to the next ("bud-barriest" after "bud berry" committed "bud") has
+        that word split where the committed text ends, so that what follows it is a word of its
+        own, to be committed in its turn (it was taken as committed, and lost)."""
+        committed = "".join(_key(w) for w in self._in_buffer)
+        words = [w for s in segments for w in s.words]
+        if not committed or not "".join(_key(w) for w in words).startswith(committed):
+            return segments
+        total = 0
+        for i, segment in enumerate(segments):
+            for j, word in enumerate(segment.words):
+                total += len(_key(word))
+                if total > len(committed):  # the committed text ends inside this word
+                    parts = _split_word(word, len(_key(word)) - (total - len(committed)))
+                    return [*segments[:i], replace(segment, words=[*segment.words[:j], *parts, *segment.words[j + 1 :]]),
+                            *segments[i + 1 :]]
+                if total == len(committed):
+                    return segments
+        return segments
 
     def _heard_again(self, words: list[Word]) -> int:
         """After a cut that left no committed word in the buffer: how many leading words of a
@@ -492,6 +518,20 @@ def _key(word: Word) -> str:
     """What two hypotheses must agree on: the word, not its case or punctuation (which
     Whisper revises as the sentence goes on)."""
     return NOT_WORD.sub("", word.text.lower()) or word.text.strip()
+
+
+def _split_word(word: Word, chars: int) -> list[Word]:
+    """The word cut after its first `chars` characters of key (_key), times shared by characters."""
+    counted, at = 0, 0
+    for at, char in enumerate(word.text):
+        counted += bool(NOT_WORD.fullmatch(char) is None)
+        if counted == chars:
+            break
+    head, tail = word.text[: at + 1], word.text[at + 1 :]
+    if not tail.strip() or not head.strip():
+        return [word]
+    middle = word.start + (word.end - word.start) * len(head.strip()) / len(word.text.strip())
+    return [Word(head, word.start, middle), Word(tail, middle, word.end)]
 
 
 def _timed_words(text: str, start: float, end: float) -> list[Word]:

@@ -165,6 +165,34 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
     assert stream.finish().committed_text == "Ask not what your country can do"
 
 
+@pytest.mark.parametrize("script, expected", [
+    # "bud" committed from "bud berry"; then "bud-barriest" as one word: "barriest" was taken as committed, and lost.
+    ([" Within thine own bud", " Within thine own bud berry.", " Within thine own bud-barriest thy content"],
+     "Within thine own bud-barriest thy content"),
+    # "bud-barriest" committed; then "bud, barriest" as two words: "barriest" was committed a second time.
+    ([" Within thine own bud-barriest", " Within thine own bud-barriest thy", " Within thine own bud, barriest thy content"],
+     "Within thine own bud-barriest thy content"),
+])
+def test_a_word_split_otherwise_than_when_it_was_committed_is_neither_lost_nor_repeated(transcriber, script, expected):
+    """Scripted hypotheses of one buffer (the first case is what a run on the sonnet met)."""
+    stream = StreamingTranscriber(transcriber)
+    script = list(script)
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), "en", 0.0, False,
+                            info)
+
+    stream.transcriber.transcribe_window = scripted
+    updates = []
+    for _ in range(4):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        updates.append(stream.process())
+    updates.append(stream.finish())
+    assert updates[-1].committed_text == expected
+    assert_append_only(updates)
+
+
 def test_the_committed_words_tail_heard_again_after_a_cut_is_not_committed_twice(transcriber):
     """Scripted hypotheses: the first two agree on their first segment only ("Ask not what"),
     and the buffer, longer than its trim length, is cut shortly before that segment's end.
