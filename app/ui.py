@@ -40,9 +40,11 @@ UPLOADS = 16
 QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
 LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
 MAX_UPLOAD = "1gb"
-# An upload's page shows its progress this often; Gradio also learns then whether the visitor
-# is still there (it closes the handler of one who left, which stops the decoding).
+# An upload's progress is looked at this often, and shown when it has moved (a window ended),
+# or after QUIET_UPDATE_S without an update: Gradio learns only at an update whether the
+# visitor is still there (it closes the handler of one who left, which stops the decoding).
 PROGRESS_EVERY_S = 1.0
+QUIET_UPDATE_S = 5.0
 # Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
 SUBTITLE_LAYOUTS = {"segments": SubtitleLayout(), "42x2": SubtitleLayout(max_line_width=42, max_line_count=2)}
 
@@ -185,7 +187,7 @@ def stop_upload(request: gr.Request) -> None:
 def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
                       task: str, draft_length: str, prompt: str, words: bool, silences: bool, subtitles: str,
                       session: str | None = None) -> Iterator[tuple[str, str, dict, dict]]:
-    """An upload's progress while it decodes (its segments so far, every PROGRESS_EVERY_S, with
+    """An upload's progress while it decodes (its segments so far, as windows end, with
     the Stop button), then its figures, transcript and downloads; or, for any failure, an error
     naming the visitor's file (not the server's copy) in place of the transcript. Stop (the
     session's, stop_upload) ends it with the segments decoded so far. When the visitor
@@ -206,12 +208,19 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
     if session is not None:
         _UPLOADS[session] = progress
     try:
-        yield _progress(progress, 0.0)  # Stop at once: reading a long file takes a while
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
-        decoding = in_thread(functools.partial(_decode, engine, transcriber, audio))
+        started = time.perf_counter()
+        # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
+        decoding = transcriber.submit(audio) if engine.scheduler is not None else in_thread(
+            functools.partial(_decode, engine, transcriber, audio))
+        shown, last = None, handed_over
         while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
-            yield _progress(progress, time.perf_counter() - handed_over)
-        result, seconds = decoding.result()
+            now, state = time.perf_counter(), (progress.started, progress.fraction, len(progress.segments))
+            if state != shown or now - last >= QUIET_UPDATE_S:
+                shown, last = state, now
+                yield _progress(progress, now - handed_over)
+        result, seconds = decoding.result() if engine.scheduler is None else (decoding.result(),
+                                                                              time.perf_counter() - started)
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
@@ -243,7 +252,7 @@ def _progress(progress: Progress, seconds: float) -> tuple[str, str, dict, dict]
 
 
 def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tuple[Transcript, float]:
-    """The transcript and the seconds it took once the models were this request's."""
+    """One request at a time: the transcript and the seconds it took once the models were this request's."""
     with engine.turn():
         started = time.perf_counter()
         return transcriber.transcribe(audio), time.perf_counter() - started

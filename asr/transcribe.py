@@ -279,10 +279,26 @@ class Transcriber:
         else:
             item = self.read(audio, name)
         if self.scheduler is not None:
-            return self.scheduler.run(self._start(item)).transcript()
+            return self.submit(item).result()
         for transcript in self.transcribe_many([item]):
             return transcript
         raise Cancelled(item.name)
+
+    def submit(self, audio: AudioInput) -> Future:
+        """With a scheduler: transcribe's work handed over without waiting for it (the
+        features are computed here, in the caller's thread); a Future of the Transcript."""
+        if self.scheduler is None:
+            raise ValueError("submit() needs a Transcriber with a scheduler")
+        transcript: Future = Future()
+
+        def done(job: Future) -> None:
+            try:
+                transcript.set_result(job.result().transcript())
+            except BaseException as error:
+                transcript.set_exception(error)
+
+        self.scheduler.submit(self._start(audio)).add_done_callback(done)
+        return transcript
 
     def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
@@ -692,6 +708,10 @@ class Scheduler:
     def run(self, job: _Job, encoder_frames: int | None = None) -> _Job:
         """Decodes the job (Transcriber.transcribe and transcribe_window hand theirs here) and
         returns it done; raises what decoding raised."""
+        return self.submit(job, encoder_frames).result()
+
+    def submit(self, job: _Job, encoder_frames: int | None = None) -> Future:
+        """run() without waiting: a Future of the job, done."""
         future: Future = Future()
         with self._wake:
             if self._closed:
@@ -699,7 +719,7 @@ class Scheduler:
             self._futures[id(job)] = future
             self._queue.append((job, encoder_frames, time.monotonic()))
             self._wake.notify()
-        return future.result()
+        return future
 
     def load(self) -> SchedulerLoad:
         """As of the worker's last round."""
