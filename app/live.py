@@ -124,8 +124,8 @@ class LiveSession:
                 with self._engine.turn():
                     update = self._streamer.finish() if stopping else self._streamer.process()
             except Exception:
-                # Once, tried again at the next pass (the buffer is kept): the scheduler fails
-                # every row of a batch that raises, another visitor's upload's fault too.
+                # Once, tried again at the next pass (the buffer is kept): a failure can pass
+                # (memory that other requests held).
                 if retried:
                     raise
                 retried = True

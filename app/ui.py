@@ -164,16 +164,18 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         yield from transcribe_upload(engine, downloads_dir, keep_seconds, path, language, task, draft_length, prompt,
                                      words, silences, subtitles, request.session_hash)
 
-    # One listener for both: a click during the upload's own run (new settings) runs after it,
-    # so the page ends with the newest settings' transcript, and UPLOADS bounds both together.
+    # One listener for both, UPLOADS bounding them together. A new file or a click (new
+    # settings) during a run starts at once: the tab's running upload steps aside (transcribe_upload).
     gr.on([audio.upload, run.click], upload, [audio, *settings], [figures, transcript, downloads, stop],
-          concurrency_limit=UPLOADS, trigger_mode="always_last",
+          concurrency_limit=UPLOADS, trigger_mode="multiple",
           api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
     stop.click(stop_upload, None, None, queue=False)
 
 
-# The upload decoding in each browser tab (by Gradio's session), which its Stop button stops.
+# The upload decoding in each browser tab (by Gradio's session), which its Stop button, or
+# the tab's next upload, stops.
 _UPLOADS: dict[str, Progress] = {}
+_UPLOADS_LOCK = threading.Lock()
 
 
 def stop_upload(request: gr.Request) -> None:
@@ -190,24 +192,30 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
     """An upload's progress while it decodes (its segments so far, as windows end, with
     the Stop button), then its figures, transcript and downloads; or, for any failure, an error
     naming the visitor's file (not the server's copy) in place of the transcript. Stop (the
-    session's, stop_upload) ends it with the segments decoded so far. When the visitor
+    session's, stop_upload) ends it with the segments decoded so far; the session's next
+    upload ends it without a word, the page being the new one's. When the visitor
     leaves, Gradio closes its wrapper of this generator at the next yield, and CPython then
     finalizes this one at once (GeneratorExit at the yield): the decoding stops
     (Progress.cancel), freeing its row (tests/test_app.py checks both in a browser)."""
-    if not path:
-        yield _failed("Choose an audio file first.")
-        return
-    name = Path(path).name  # the visitor's file name; the path is the server's upload cache
-    try:
-        transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
-    except ValueError as error:
-        yield _failed(str(error))
-        return
-    progress = Progress()
-    handed_over = time.perf_counter()
+    progress, superseded = Progress(), None
     if session is not None:
-        _UPLOADS[session] = progress
+        with _UPLOADS_LOCK:  # the tab's newest request: what the page shows is its
+            superseded, _UPLOADS[session] = _UPLOADS.get(session), progress
+        if superseded is not None:
+            superseded.cancel()
+    handed_over = time.perf_counter()
     try:
+        if superseded is not None:  # at once: the page shows the stopped upload's progress
+            yield _progress(progress, 0.0)
+        if not path:
+            yield _failed("Choose an audio file first.")
+            return
+        name = Path(path).name  # the visitor's file name; the path is the server's upload cache
+        try:
+            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
+        except ValueError as error:
+            yield _failed(str(error))
+            return
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
         started = time.perf_counter()
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
@@ -216,7 +224,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         shown, last = None, handed_over
         while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
             now, state = time.perf_counter(), (progress.started, progress.fraction, len(progress.segments))
-            if state != shown or now - last >= QUIET_UPDATE_S:
+            if not progress.cancelled and (state != shown or now - last >= QUIET_UPDATE_S):
                 shown, last = state, now
                 yield _progress(progress, now - handed_over)
         result, seconds = decoding.result() if engine.scheduler is None else (decoding.result(),
@@ -224,7 +232,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
-    except Cancelled:  # Stop
+    except Cancelled:  # Stop, or the session's next upload
+        if session is not None and _UPLOADS.get(session) is not progress:
+            return
         so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
         yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]), so_far,
                gr.update(value=None, visible=False), gr.update(visible=False))
@@ -238,8 +248,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         return
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
-        if session is not None and _UPLOADS.get(session) is progress:
-            del _UPLOADS[session]
+        with _UPLOADS_LOCK:
+            if session is not None and _UPLOADS.get(session) is progress:
+                del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
            gr.update(visible=False))

@@ -173,6 +173,7 @@ class _Job:
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
     speech: vad.SpeechMap | None = None  # with vad_filter: where the decoded audio lies in the recording
+    alone: bool = False  # a Scheduler's: in a batch of its own, its shared batch having failed
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
@@ -751,6 +752,9 @@ class Scheduler:
                 self._guarded(key, decoding.submit, admitted.get(key, []))
                 if key in self._decodings and decoding.busy:
                     self._guarded(key, decoding.step)
+                if key[-1] is not None and key in self._decodings and not decoding.busy:  # a job's own, done
+                    del self._decodings[key]
+                    decoding.close()
             self._measure()
         with self._wake:
             for future in self._futures.values():
@@ -775,12 +779,12 @@ class Scheduler:
             if job.audio.cancelled:
                 self._cancel(job)
                 continue
-            key = (*job.transcriber.batch_key, frames)
+            key = (*job.transcriber.batch_key, frames, id(job) if job.alone else None)
             if key not in self._decodings:
-                self._decodings[key] = _Decoding(job.transcriber, self.rows, frames)
+                self._decodings[key] = _Decoding(job.transcriber, 1 if job.alone else self.rows, frames)
             jobs = admitted.setdefault(key, [])
             recordings = self._decodings[key].recordings + sum(not j.window_only for j in jobs)
-            if job.window_only or recordings < self.rows:
+            if job.window_only or job.alone or recordings < self.rows:
                 jobs.append(job)
             else:
                 kept.append((job, frames, arrived))
@@ -794,8 +798,10 @@ class Scheduler:
 
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
         """Runs a batch's submit or step and hands out what it finished (and fails the jobs
-        it dropped, cancelled); if it raises, every job of that batch fails with the error,
-        and the batch starts afresh."""
+        it dropped, cancelled). If it raises, the batch starts afresh, and whose fault it was
+        is found by decoding each of its jobs again in a batch of its own, from its current
+        window (the windows before are kept): a job fails with the error its own batch
+        raises, and one visitor's bad upload fails no one else's."""
         decoding = self._decodings[key]
         members = [*decoding.jobs.values(), *decoding.waiting, *(args[0] if args else [])]
         try:
@@ -803,9 +809,14 @@ class Scheduler:
         except Exception as error:
             with self._wake:
                 del self._decodings[key]
-                self._served[3] += len(members)
-                for job in members:
-                    self._futures.pop(id(job)).set_exception(error)
+                if len(members) == 1 or key[-1] is not None:
+                    self._served[3] += len(members)
+                    for job in members:
+                        self._futures.pop(id(job)).set_exception(error)
+                else:
+                    for job in members:
+                        job.alone = True
+                        self._queue.append((job, decoding.encoder_frames, 0.0))
             decoding.close()
             return
         with self._wake:

@@ -35,6 +35,7 @@ from gradio_client import Client, handle_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from asr.audio import SAMPLE_RATE, load_audio  # noqa: E402
+from asr.writers import FORMATS  # noqa: E402
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 MODES = {"batched": [], "lock": ["--no-batching"]}
@@ -117,13 +118,30 @@ def tree_mb(root: Path) -> float:
 
 
 def judge(result: tuple, bad: bool, name: str) -> tuple[str, str]:
-    """A good file must give timed segments; a bad one an error naming the file."""
+    """A good file must give timed segments and a download of each format; a bad one an
+    error naming the file."""
     transcript = result[1] if isinstance(result, (list, tuple)) and len(result) > 1 else str(result)
     if "asr-error" in transcript:
         return ("clear-error" if bad and name in transcript else "wrong"), transcript[:300]
     if "asr-segment" in transcript or "No speech found" in transcript:
-        return ("wrong" if bad else "transcript"), ""
+        if bad:
+            return "wrong", ""
+        offered = sorted(Path(f["path"]).suffix.lstrip(".") for f in downloads(result[2]))
+        return ("transcript", "") if offered == sorted(FORMATS) else ("wrong", f"downloads offered: {offered}")
     return "wrong", transcript[:300]
+
+
+def downloads(output: object) -> list[dict]:
+    """The files the page offers (gr.update's value, or the value itself), as the server's FileData."""
+    value = output.get("value", output) if isinstance(output, dict) else output
+    return value if isinstance(value, list) else []
+
+
+def visitor(url: str) -> Client:
+    """A client that, like a visitor, leaves the transcript's files on the server until asked
+    for: gradio_client would fetch them all, and for a generator's endpoint twice (with the
+    last progress message, then with the completion), 0.1 s per request on this 2-core CPU."""
+    return Client(url, verbose=False, download_files=False)
 
 
 def upload(api: Client, path: Path, language: str) -> tuple:
@@ -160,7 +178,7 @@ def run_mode(mode: str, args: argparse.Namespace, clips: list[tuple[Path, float]
         # One upload first: the clients would otherwise ask a server whose endpoint fails at
         # once again and again in a tight loop, and the figures would mean nothing.
         try:
-            outcome, detail = judge(upload(Client(url, verbose=False), clips[0][0], args.language), False, "")
+            outcome, detail = judge(upload(visitor(url), clips[0][0], args.language), False, "")
         except Exception as error:
             outcome, detail = "exception", f"{type(error).__name__}: {error}"
         if outcome != "transcript":
@@ -171,7 +189,7 @@ def run_mode(mode: str, args: argparse.Namespace, clips: list[tuple[Path, float]
 
         def client(index: int) -> None:
             rng = random.Random(index)
-            api = Client(url, verbose=False)
+            api = visitor(url)
             while not stop.is_set():
                 is_bad = rng.random() < args.bad_share
                 path, seconds = (rng.choice(bad), 0.0) if is_bad else rng.choice(clips)

