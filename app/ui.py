@@ -164,26 +164,42 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
         yield from transcribe_upload(engine, downloads_dir, keep_seconds, path, language, task, draft_length, prompt,
                                      words, silences, subtitles, request.session_hash)
 
-    # One listener for both, UPLOADS bounding them together. A new file or a click (new
-    # settings) during a run starts at once: the tab's running upload steps aside (transcribe_upload).
+    def replace(path: str | None, language: str, task: str, draft_length: str, prompt: str, words: bool,
+                silences: bool, subtitles: str, request: gr.Request) -> None:
+        replace_upload(request.session_hash, (path, language, task, draft_length, prompt, words, silences, subtitles))
+
+    # One listener for both, UPLOADS bounding them together. A new file or new settings first
+    # stop the tab's running upload (replace_upload, at once, outside the queue); the new request
+    # runs once it has stopped (always_last), so the page ends with the newest request's result.
     gr.on([audio.upload, run.click], upload, [audio, *settings], [figures, transcript, downloads, stop],
-          concurrency_limit=UPLOADS, trigger_mode="multiple",
+          concurrency_limit=UPLOADS, trigger_mode="always_last",
           api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
+    gr.on([audio.upload, run.click], replace, [audio, *settings], None, queue=False,
+          api_visibility="undocumented")
     stop.click(stop_upload, None, None, queue=False)
 
 
-# The upload decoding in each browser tab (by Gradio's session), which its Stop button, or
-# the tab's next upload, stops.
-_UPLOADS: dict[str, Progress] = {}
-_UPLOADS_LOCK = threading.Lock()
+# The upload decoding in each browser tab (by Gradio's session), with its file and settings:
+# its Stop button, or a new file or new settings, stop it.
+_UPLOADS: dict[str, tuple[tuple, Progress]] = {}
 
 
 def stop_upload(request: gr.Request) -> None:
     """Stops this tab's upload: its handler then shows it Stopped, with what was decoded. (The
     handler says so itself: a listener's `cancels` would leave its progress updates in flight
     free to arrive after the page said Stopped.)"""
-    if (progress := _UPLOADS.get(request.session_hash)) is not None:
-        progress.cancel()
+    if (running := _UPLOADS.get(request.session_hash)) is not None:
+        running[1].cancel()
+
+
+def replace_upload(session: str, request: tuple) -> None:
+    """Stops this tab's upload if it is of another file or other settings than `request` (the
+    path and settings of a new one, waiting for it to end). The new request itself, when it
+    started at once (nothing ran), has the same file and settings, and goes on; so do API
+    clients' requests, which do not come through here."""
+    running = _UPLOADS.get(session)
+    if request[0] and running is not None and running[0] != request:
+        running[1].cancel()
 
 
 def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
@@ -192,30 +208,25 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
     """An upload's progress while it decodes (its segments so far, as windows end, with
     the Stop button), then its figures, transcript and downloads; or, for any failure, an error
     naming the visitor's file (not the server's copy) in place of the transcript. Stop (the
-    session's, stop_upload) ends it with the segments decoded so far; the session's next
-    upload ends it without a word, the page being the new one's. When the visitor
-    leaves, Gradio closes its wrapper of this generator at the next yield, and CPython then
-    finalizes this one at once (GeneratorExit at the yield): the decoding stops
-    (Progress.cancel), freeing its row (tests/test_app.py checks both in a browser)."""
-    progress, superseded = Progress(), None
-    if session is not None:
-        with _UPLOADS_LOCK:  # the tab's newest request: what the page shows is its
-            superseded, _UPLOADS[session] = _UPLOADS.get(session), progress
-        if superseded is not None:
-            superseded.cancel()
-    handed_over = time.perf_counter()
+    session's, stop_upload, or a new file or new settings, replace_upload) ends it with the
+    segments decoded so far. When the visitor leaves, Gradio closes its wrapper of this
+    generator at the next yield, and CPython then finalizes this one at once (GeneratorExit at
+    the yield): the decoding stops (Progress.cancel), freeing its row (tests/test_app.py
+    checks each in a browser)."""
+    if not path:
+        yield _failed("Choose an audio file first.")
+        return
+    name = Path(path).name  # the visitor's file name; the path is the server's upload cache
     try:
-        if superseded is not None:  # at once: the page shows the stopped upload's progress
-            yield _progress(progress, 0.0)
-        if not path:
-            yield _failed("Choose an audio file first.")
-            return
-        name = Path(path).name  # the visitor's file name; the path is the server's upload cache
-        try:
-            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
-        except ValueError as error:
-            yield _failed(str(error))
-            return
+        transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
+    except ValueError as error:
+        yield _failed(str(error))
+        return
+    progress = Progress()
+    handed_over = time.perf_counter()
+    if session is not None:
+        _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
+    try:
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
         started = time.perf_counter()
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
@@ -232,9 +243,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         sweep(downloads_dir, keep_seconds)
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
                                  SUBTITLE_LAYOUTS[subtitles])
-    except Cancelled:  # Stop, or the session's next upload
-        if session is not None and _UPLOADS.get(session) is not progress:
-            return
+    except Cancelled:  # Stop, or a new file or new settings
         so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
         yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]), so_far,
                gr.update(value=None, visible=False), gr.update(visible=False))
@@ -248,9 +257,8 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         return
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
-        with _UPLOADS_LOCK:
-            if session is not None and _UPLOADS.get(session) is progress:
-                del _UPLOADS[session]
+        if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
+            del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
            gr.update(visible=False))

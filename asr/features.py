@@ -122,7 +122,11 @@ class StreamedMel:
     def window(self, seek: int) -> Tensor:
         if self._stream is None:
             self._stream = _SampleStream(self._open())
-        window = _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)
+        try:
+            window = _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)
+        except Exception:
+            self._stream = None  # read again from the start if asked again: a failed read's blocks are lost
+            raise
         return _zero_past(window, self.frames - seek)
 
     def _log10_frames(self, stream: "_SampleStream", first: int, end: int) -> Tensor:

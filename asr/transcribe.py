@@ -173,7 +173,7 @@ class _Job:
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
     speech: vad.SpeechMap | None = None  # with vad_filter: where the decoded audio lies in the recording
-    alone: bool = False  # a Scheduler's: in a batch of its own, its shared batch having failed
+    alone: bool = False  # a Scheduler's: its window decoded in a batch of its own, its shared batch having failed
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
@@ -752,9 +752,8 @@ class Scheduler:
                 self._guarded(key, decoding.submit, admitted.get(key, []))
                 if key in self._decodings and decoding.busy:
                     self._guarded(key, decoding.step)
-                if key[-1] is not None and key in self._decodings and not decoding.busy:  # a job's own, done
-                    del self._decodings[key]
-                    decoding.close()
+                if key[-1] is not None and key in self._decodings and not decoding.jobs:  # a job's own, its window done
+                    self._rejoin(key)
             self._measure()
         with self._wake:
             for future in self._futures.values():
@@ -779,6 +778,9 @@ class Scheduler:
             if job.audio.cancelled:
                 self._cancel(job)
                 continue
+            if job.alone and any(k[-1] is not None for k in self._decodings):  # one at a time
+                kept.append((job, frames, arrived))
+                continue
             key = (*job.transcriber.batch_key, frames, id(job) if job.alone else None)
             if key not in self._decodings:
                 self._decodings[key] = _Decoding(job.transcriber, 1 if job.alone else self.rows, frames)
@@ -791,6 +793,16 @@ class Scheduler:
         self._queue = kept
         return admitted
 
+    def _rejoin(self, key: tuple) -> None:
+        """A job's own batch, its window decoded: the job, unless done, goes back to the shared
+        batch, first in line, for its next window."""
+        decoding = self._decodings.pop(key)
+        with self._wake:
+            for job in decoding.waiting:
+                job.alone = False
+                self._queue.insert(0, (job, decoding.encoder_frames, 0.0))
+        decoding.close()
+
     def _cancel(self, job: _Job) -> None:
         """Fails a cancelled job's caller (under the lock)."""
         self._served[4] += 1
@@ -799,9 +811,9 @@ class Scheduler:
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
         """Runs a batch's submit or step and hands out what it finished (and fails the jobs
         it dropped, cancelled). If it raises, the batch starts afresh, and whose fault it was
-        is found by decoding each of its jobs again in a batch of its own, from its current
-        window (the windows before are kept): a job fails with the error its own batch
-        raises, and one visitor's bad upload fails no one else's."""
+        is found by decoding each job's current window again in a batch of its own, one job
+        at a time (the windows before are kept; _rejoin): a job fails with the error its own
+        batch raises, so one visitor's bad upload fails no one else's."""
         decoding = self._decodings[key]
         members = [*decoding.jobs.values(), *decoding.waiting, *(args[0] if args else [])]
         try:
@@ -809,14 +821,15 @@ class Scheduler:
         except Exception as error:
             with self._wake:
                 del self._decodings[key]
-                if len(members) == 1 or key[-1] is not None:
-                    self._served[3] += len(members)
-                    for job in members:
+                for job in members:
+                    if job.audio.cancelled:
+                        self._cancel(job)
+                    elif len(members) == 1 or key[-1] is not None:
+                        self._served[3] += 1
                         self._futures.pop(id(job)).set_exception(error)
-                else:
-                    for job in members:
+                    else:
                         job.alone = True
-                        self._queue.append((job, decoding.encoder_frames, 0.0))
+                        self._queue.append((job, decoding.encoder_frames, 0.0))  # first in line
             decoding.close()
             return
         with self._wake:

