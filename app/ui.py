@@ -182,6 +182,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
 # The upload decoding in each browser tab (by Gradio's session), with its file and settings:
 # its Stop button, or a new file or new settings, stop it.
 _UPLOADS: dict[str, tuple[tuple, Progress]] = {}
+_UPLOADS_LOCK = threading.Lock()
 
 
 def stop_upload(request: gr.Request) -> None:
@@ -217,16 +218,17 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         yield _failed("Choose an audio file first.")
         return
     name = Path(path).name  # the visitor's file name; the path is the server's upload cache
-    try:
-        transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
-    except ValueError as error:
-        yield _failed(str(error))
-        return
     progress = Progress()
     handed_over = time.perf_counter()
     if session is not None:
-        _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
+        with _UPLOADS_LOCK:
+            _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
     try:
+        try:
+            transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
+        except ValueError as error:
+            yield _failed(str(error))
+            return
         audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
         started = time.perf_counter()
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
@@ -257,8 +259,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         return
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
-        if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
-            del _UPLOADS[session]
+        with _UPLOADS_LOCK:  # an API client's requests may overlap in one session
+            if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
+                del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
            gr.update(visible=False))
