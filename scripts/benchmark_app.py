@@ -140,7 +140,7 @@ def downloads(output: object) -> list[dict]:
 def visitor(url: str) -> Client:
     """A client that, like a visitor, leaves the transcript's files on the server until asked
     for: gradio_client would fetch them all, and for a generator's endpoint twice (with the
-    last progress message, then with the completion), 0.1 s per request on this 2-core CPU."""
+    last progress message, then with the completion), from the server under test."""
     return Client(url, verbose=False, download_files=False)
 
 
