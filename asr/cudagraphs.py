@@ -143,6 +143,17 @@ class CompiledSteps:
         return self._steps[step]
 
 
+def device_clock(device: torch.device) -> float:
+    """time.perf_counter() once the work queued on the device is done. On CUDA the host runs
+    ahead of the GPU, so a clock read at once would charge work queued before it (a batch's
+    encoder pass, its windows' prefills) to whatever is timed next: the next round, in the
+    adaptive draft length's costs (docs/gpu-check-2026-11-26.md). Where the device is idle,
+    as after a round's one read, waiting costs microseconds."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def compile_modes() -> list[str]:
     """torch.compile's modes the steps can be compiled in: not those with Inductor's own CUDA
     graphs ("reduce-overhead", "max-autotune"), which cannot run inside ours, nor those that

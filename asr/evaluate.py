@@ -27,7 +27,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
-from asr.cudagraphs import GraphCounts
+from asr.cudagraphs import GraphCounts, device_clock
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
@@ -111,11 +111,6 @@ class FileResult:
         return self.error is None and run is not None and run.error is None
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -142,8 +137,7 @@ class OurSystem:
             graphs = copy.copy(transcriber.engine.graphs.counts)
             started = time.perf_counter()
             transcripts = {t.source: t for t in transcriber.transcribe_many(items)}
-            _sync(self.pair.target.device)
-            wall = time.perf_counter() - started
+            wall = device_clock(self.pair.target.device) - started
             graphs = transcriber.engine.graphs.counts - graphs
         except Exception as error:  # the batch fails for this system; the evaluation goes on
             if len(items) == 1:
@@ -205,12 +199,10 @@ def _timed(module: nn.Module, device: torch.device) -> Iterator[list[float]]:
     total, started = [0.0], [0.0]
 
     def before(*_):
-        _sync(device)
-        started[0] = time.perf_counter()
+        started[0] = device_clock(device)
 
     def after(*_):
-        _sync(device)
-        total[0] += time.perf_counter() - started[0]
+        total[0] += device_clock(device) - started[0]
 
     handles = [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
     try:
@@ -338,8 +330,7 @@ class TransformersSystem(_OneFileAtATime):
         # Up to 30 s: one window, the audio padded with silence as transformers' feature
         # extractor pads it (what its users get); longer: transformers' long-form loop.
         features = mel[:, : max(content_frames(samples), WINDOW_FRAMES)][None].to(target.encoder_dtype)
-        _sync(target.device)
-        featured = time.perf_counter()
+        featured = device_clock(target.device)
         torch.manual_seed(options.seed)  # its temperature fallback samples from torch's global generator: reruns agree
         with (
             _timed(target.encoder, target.device) as encoder,
@@ -362,8 +353,7 @@ class TransformersSystem(_OneFileAtATime):
                 streamer=counter,
                 **extra,
             )
-        _sync(target.device)
-        finished = time.perf_counter()
+        finished = device_clock(target.device)
         sequence = output[0] if isinstance(output, torch.Tensor) else output["sequences"][0]
         tokens = [t for t in sequence.tolist() if t < vocab.eot]
         proposed = draft_passes[0]

@@ -9,7 +9,6 @@ graphs point at its tensors."""
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
@@ -18,6 +17,7 @@ import torch
 from torch import Tensor
 
 from asr import hints
+from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
 from asr.rules import DecodingRules
 
@@ -243,7 +243,7 @@ class Slots:
             self._resize(self._rows_for(self.live + len(windows), growing=True))
             free = [i for i, row in enumerate(self.slots) if row is None]
         slots = free[: len(windows)]
-        started = time.perf_counter()
+        started = device_clock(e.device)
         self._write_rows(slots, windows)
         tags = []
         for slot, w in zip(slots, windows):
@@ -252,7 +252,7 @@ class Slots:
                                    w.language)
             tags.append(self._tags)
             self._tags += 1
-        seconds = (time.perf_counter() - started) / len(windows)
+        seconds = (device_clock(e.device) - started) / len(windows)
         for slot in slots:
             self.slots[slot].seconds += seconds
         return tags

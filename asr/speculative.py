@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from asr import hints, sampling
-from asr.cudagraphs import CompiledSteps, StepGraphs, compilations
+from asr.cudagraphs import CompiledSteps, StepGraphs, compilations, device_clock
 from asr.decoder import DecoderRunner, attention_without_cudnn
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
@@ -140,7 +140,7 @@ class Batch(Slots):
         if sample:
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
             self._draft_probs()
-        started = time.perf_counter()
+        started = device_clock(e.device)  # not the windows' encoder and prefills queued before
         hinted = hints.propose(self, rows, sample) if any(row.hinted for row in rows) else None
         if hinted is None:
             k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0

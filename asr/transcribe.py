@@ -20,6 +20,7 @@ from torch import Tensor
 from asr import hints, vad
 from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
+from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
 from asr.models import ModelPair
 from asr.rules import DecodingRules
@@ -598,10 +599,10 @@ class _Decoding:
         o = self.owner
         target, draft = o.models.target, o.models.draft
         features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
-        started = time.perf_counter()
+        started = device_clock(target.device)
         encoded = target.encode(features)
         draft_encoded = draft.encode(features) if o.speculative and o.models.draft_has_own_encoder else None
-        encoder_seconds = (time.perf_counter() - started) / len(jobs)
+        encoder_seconds = (device_clock(target.device) - started) / len(jobs)
         started = time.perf_counter()
         undetected = [i for i, job in enumerate(jobs) if job.language is None]
         cross: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
