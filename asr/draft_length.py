@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median_low
 from typing import Iterable
 
 PRIOR = (1.0, 1.0)  # a language's (accepted, rejected) before any round: a mild prior
+RECENT = 5  # rounds of each kind whose times are kept; their median sets the costs
 
 
 @dataclass
@@ -15,9 +18,8 @@ class _Costs:
     k: int  # the best drafting length (>= 1) so far
     interval: int  # rounds between two that go the other way
     until_explore: int
-    plain: float | None = None  # seconds of a round without proposals
-    drafting: float | None = None  # seconds of a drafting round, of `proposals` proposals on average
-    proposals: float | None = None
+    plain: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))  # seconds of rounds without proposals
+    drafting: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (seconds, proposals)
     plain_wins: bool = False
     exploring: bool = False
     languages: list[str | None] = field(default_factory=list)  # the live rows' of the round under way
@@ -31,7 +33,10 @@ class DraftLength:
 
     from the measured per-token acceptance a and the measured wall time of whole rounds:
     plain ones (k = 0), and drafting ones, whose time beyond a plain round is per_proposal
-    per proposal (a draft step and its share of the verification). Whole rounds, because a
+    per proposal (a draft step and its share of the verification), each the median of the
+    last RECENT rounds of its kind, so that one stalled round (a garbage collection, another
+    process, work queued before it on a GPU) does not decide k for the next hundreds of
+    rounds, while the machine's drift still shows within a few. Whole rounds, because a
     round's cost is not always its kernels: on a GPU, a small model's round is mostly the
     host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
@@ -73,7 +78,7 @@ class DraftLength:
         c.languages = list(languages)
         self._choose(c)
         c.until_explore -= 1
-        c.exploring = c.until_explore <= 0 or (c.plain is None and c.drafting is not None)
+        c.exploring = c.until_explore <= 0 or (not c.plain and bool(c.drafting))
         if c.until_explore <= 0:
             c.until_explore = c.interval
         if c.plain_wins:
@@ -87,7 +92,7 @@ class DraftLength:
             return
         c = self._costs(rows)
         if k == 0:
-            c.plain = _average(c.plain, seconds)
+            c.plain.append(seconds)
         else:
             outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
             for language, kept in accepted:
@@ -97,8 +102,7 @@ class DraftLength:
             for language, (kept, rejected) in outcomes.items():
                 before = self._acceptance.get(language, PRIOR)
                 self._acceptance[language] = (decay * before[0] + kept, decay * before[1] + rejected)
-            c.drafting = _average(c.drafting, seconds)
-            c.proposals = _average(c.proposals, float(k))
+            c.drafting.append((seconds, k))
         chosen = c.plain_wins
         if self._choose(c) and c.exploring:
             confirmed = c.plain_wins == chosen
@@ -115,21 +119,17 @@ class DraftLength:
     def _choose(self, c: _Costs) -> bool:
         """Sets c.k and c.plain_wins from the measured costs and the acceptance of the round's
         languages; False while a cost is still unmeasured."""
-        if c.plain is None or c.drafting is None:
+        if not c.plain or not c.drafting:
             return False
         languages = c.languages or [None]
         alpha = sum(self.acceptance(language) for language in languages) / len(languages)
-        per_proposal = max(c.drafting - c.plain, 0.0) / c.proposals
+        plain = median_low(c.plain)  # the lower of two: a stall only ever adds time
+        per_proposal = median_low([max(seconds - plain, 0.0) / k for seconds, k in c.drafting])
 
         def tokens_per_second(k: int) -> float:
             expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            return expected / (c.plain + k * per_proposal)
+            return expected / (plain + k * per_proposal)
 
         c.k = max(range(1, self.maximum + 1), key=tokens_per_second)
         c.plain_wins = tokens_per_second(0) > tokens_per_second(c.k)
         return True
-
-
-def _average(mean: float | None, value: float) -> float:
-    """An exponential moving average (the machine's speed drifts)."""
-    return value if mean is None else 0.7 * mean + 0.3 * value

@@ -233,6 +233,26 @@ def test_draft_length_drafts_again_once_drafting_pays():
     assert chosen[-100:].count(0) <= 4
 
 
+@pytest.mark.parametrize("stalled", ["drafting", "plain"])
+def test_one_stalled_round_does_not_decide_the_draft_length_for_long(stalled):
+    """A round that takes 25 times its cost (a garbage collection, another process, on a GPU
+    work queued before it) is one of the last few rounds of its kind, not a mean that
+    decays only as rounds going the other way come, ever more rarely."""
+    costs = ONE_ROW if stalled == "drafting" else LARGE_BATCH  # where the stalled kind is the one that pays
+    losing = (lambda k: k == 0) if stalled == "drafting" else (lambda k: k > 0)
+    draft_length, rng = DraftLength(), random.Random(0)
+    before = rounds_of(draft_length, rounds=100, rng=rng, **costs)
+    while True:  # rounds as they come, until one of the stalled kind
+        k = draft_length.next_round()
+        seconds = costs["plain"] + k * (costs["draft_step"] + costs["per_proposal"])
+        stall = (k > 0) == (stalled == "drafting")
+        draft_length.update(k, 25 * seconds if stall else seconds, 1, [(None, k)])
+        if stall:
+            break
+    after = rounds_of(draft_length, rounds=128, rng=rng, **costs)
+    assert sum(map(losing, before[-64:])) <= 4 and sum(map(losing, after)) <= 4
+
+
 def test_a_drafting_round_that_first_catches_up_measures_nothing_and_the_way_is_tried_again():
     """Where no drafting wins, the round of one proposal that goes the other way first
     catches the draft up on the plain rounds before it, a cost no other drafting round has:
