@@ -5,6 +5,14 @@ query widths and batch sizes, over the self-attention cache (448 positions, mask
 encoder's 1,500 frames. Each shape is new to the process when first timed, so the first call
 includes what a kernel builds for it (cuDNN builds a plan per shape).
 
+A second table times each kernel alone at large-v3's decode shapes (the verification's 9
+queries and a draft step's 1, over the cache's 464 masked positions and the 1,500 frames, at
+batch 1 and 16): on CUDA per call as replays of a CUDA graph of 20 calls, as the engine runs
+them (kernel time, not launches); each of SDPA's backends where it takes the shape, and the
+attention written out as two matrix products around a softmax. On a GPU at batch 1 the
+verification's attention was 0.93 of 3.17 ms of kernel time per token, cuDNN's kernel 14.5
+us a call (docs/gpu-check-2026-11-26.md): which kernel serves these shapes best.
+
     python scripts/attention_first_use.py                 # CUDA, float16
     python scripts/attention_first_use.py --device cpu    # runs anywhere (no cuDNN there)"""
 
@@ -15,6 +23,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from asr.decoder import attention_without_cudnn
 
@@ -47,6 +57,57 @@ def main() -> None:
                     first, later = timed(call, device, args.repeats)
                     print(f"| {name} | {heads} | {n} | {queries} | {keys}{' masked' if masked else ''} "
                           f"| {first * 1e3:.1f} | {later * 1e6:.1f} |")
+    print()
+    kernels = {"cuDNN": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
+               "memory-efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH], "written out": None}
+    print("| heads | rows | queries | keys | " + " | ".join(f"{name} us" for name in kernels) + " |")
+    print("|---|---|---|---|" + "---|" * len(kernels))
+    for n in (1, 16):
+        for queries in (9, 1):
+            for keys, masked in ((464, True), (1500, False)):
+                query = torch.randn(n, 20, queries, 64, device=device, dtype=dtype)
+                key, value = (torch.randn(n, 20, keys, 64, device=device, dtype=dtype) for _ in range(2))
+                mask = torch.zeros(n, 1, queries, keys, device=device, dtype=dtype) if masked else None
+                cells = []
+                for backends in kernels.values():
+                    def call(backends=backends) -> None:
+                        if backends is None:
+                            written_out(query, key, value, mask)
+                            return
+                        with sdpa_kernel(backends):
+                            F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
+
+                    try:
+                        cells.append(f"{replayed(call, device, args.repeats) * 1e6:.1f}")
+                    except RuntimeError:  # this backend does not take the shape (or this device)
+                        cells.append("-")
+                print(f"| 20 | {n} | {queries} | {keys}{' masked' if masked else ''} | " + " | ".join(cells) + " |")
+
+
+def written_out(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    """Attention as two matrix products around a softmax (in float32, as the kernels accumulate)."""
+    scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
+    if mask is not None:
+        scores = scores + mask
+    return torch.softmax(scores, -1, dtype=torch.float32).to(value.dtype) @ value
+
+
+def replayed(call, device: torch.device, repeats: int, calls: int = 20) -> float:
+    """Seconds per call: on CUDA of `calls` calls captured in one graph and replayed
+    `repeats` times (after a warm-up outside it), elsewhere of eager calls."""
+    if device.type != "cuda":
+        return timed(call, device, repeats)[1]
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            call()
+    return timed(graph.replay, device, repeats)[1] / calls
 
 
 def timed(call, device: torch.device, repeats: int) -> tuple[float, float]:

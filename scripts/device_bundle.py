@@ -51,8 +51,10 @@ START_SECONDS = 90  # what a machine's start takes of it, about
 WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16,bfloat16", 320)
 AFTER = (("benchmark --batch-sizes 1,16 --acceptance 0.8 --repeats 1", 240),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("compile --batch-sizes 1 --repeats 2", 240), ("benchmark --repeats 2", 540), ("autotune", 540),
-         ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240), ("attention", 120))
+# The attention part first: which kernel should serve the verification (issue 15's largest item after the
+# matrix products, docs/gpu-check-2026-11-26.md).
+SPARE = (("attention", 120), ("compile --batch-sizes 1 --repeats 2", 240), ("benchmark --repeats 2", 540),
+         ("autotune", 540), ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240))
 CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report
 
 def main() -> None:

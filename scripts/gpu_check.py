@@ -149,7 +149,8 @@ def tests(out: Path, env: dict) -> dict:
 
 def attention(out: Path, env: dict) -> dict:
     """scripts/attention_first_use.py: an attention call's first and later costs, with and
-    without cuDNN (why only the target's verification uses it)."""
+    without cuDNN (why only the target's verification uses it), and each kernel's cost at
+    large-v3's decode shapes (which should serve the verification)."""
     command = [sys.executable, "scripts/attention_first_use.py"]
     code, output = run(command, env, out / "attention.log")
     return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}

@@ -207,12 +207,15 @@ def test_only_the_targets_verification_of_the_captured_width_may_use_cudnn_atten
 
 def test_attention_first_use_script_runs_on_cpu():
     """scripts/attention_first_use.py (the first-call costs behind attention_without_cudnn,
-    measured on a GPU) prints a row per setting and shape, here on a CPU."""
+    measured on a GPU, and each kernel's cost at large-v3's decode shapes) prints a row per
+    setting and shape, here on a CPU."""
     command = [sys.executable, str(REPO / "scripts" / "attention_first_use.py"), "--device", "cpu", "--repeats", "1"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| PyTorch") or line.startswith("| without")]
     assert len(rows) == 32 and all(float(row.split("|")[6]) > 0 for row in rows)
+    kernels = [line.split("|")[5:10] for line in done.stdout.splitlines() if line.startswith("| 20 |")]
+    assert len(kernels) == 8 and all(float(row[-1]) > 0 for row in kernels)  # the written-out attention, at least
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
