@@ -36,7 +36,9 @@ class DraftLength:
     per proposal (a draft step and its share of the verification), each the median of the
     last RECENT rounds of its kind, so that one stalled round (a garbage collection, another
     process, work queued before it on a GPU) does not decide k for the next hundreds of
-    rounds, while the machine's drift still shows within a few. Whole rounds, because a
+    rounds once a kind has two rounds measured; a lasting change shows after three rounds of
+    its kind (for the way not taken, measured every 16 to 64 rounds, up to 200 rounds
+    later). Whole rounds, because a
     round's cost is not always its kernels: on a GPU, a small model's round is mostly the
     host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain

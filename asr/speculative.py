@@ -140,7 +140,7 @@ class Batch(Slots):
         if sample:
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
             self._draft_probs()
-        started = device_clock(e.device)  # not the windows' encoder and prefills queued before
+        started = device_clock(e.device)  # not work queued before: the round's own only (on a GPU)
         hinted = hints.propose(self, rows, sample) if any(row.hinted for row in rows) else None
         if hinted is None:
             k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0

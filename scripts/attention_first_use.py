@@ -78,14 +78,19 @@ def main() -> None:
                             F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
 
                     try:
-                        cells.append(f"{replayed(call, device, args.repeats) * 1e6:.1f}")
-                    except RuntimeError:  # this backend does not take the shape (or this device)
+                        call()  # eagerly: a backend that does not take the shape (or the device) raises
+                    except RuntimeError:
                         cells.append("-")
+                        continue
+                    try:
+                        cells.append(f"{replayed(call, device, args.repeats) * 1e6:.1f}")
+                    except RuntimeError:
+                        cells.append("capture failed")
                 print(f"| 20 | {n} | {queries} | {keys}{' masked' if masked else ''} | " + " | ".join(cells) + " |")
 
 
 def written_out(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
-    """Attention as two matrix products around a softmax (in float32, as the kernels accumulate)."""
+    """Attention as two matrix products (in the inputs' dtype) around a softmax in float32."""
     scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
     if mask is not None:
         scores = scores + mask
@@ -103,10 +108,15 @@ def replayed(call, device: torch.device, repeats: int, calls: int = 20) -> float
         for _ in range(3):
             call()
     torch.cuda.current_stream(device).wait_stream(stream)
+    # As asr/cudagraphs.py captures: a capture that fails leaves no capture stream current.
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            call()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            for _ in range(calls):
+                call()
+        finally:
+            graph.capture_end()
     return timed(graph.replay, device, repeats)[1] / calls
 
 
