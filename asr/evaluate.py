@@ -39,6 +39,9 @@ from asr.writers import write_atomic
 TARGET, SPECULATIVE = "target", "speculative"
 TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED = "transformers_target", "transformers_assisted"
 FASTER_WHISPER = "faster_whisper"
+# faster-whisper's time limit for a file, far beyond what a file takes on a CPU: a file it hangs
+# on (its process is then stopped, and the next file gets a new one) fails, not the evaluation.
+PEER_SECONDS, PEER_SECONDS_PER_AUDIO_SECOND = 120.0, 10.0
 PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED), "faster-whisper": (FASTER_WHISPER,)}
 SPECULATIVE_SYSTEMS = (SPECULATIVE, TRANSFORMERS_ASSISTED)
 LABELS = {
@@ -69,7 +72,9 @@ NOTES = [
     "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
     "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
     "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
-    "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split).",
+    "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
+    f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
+    "of audio fails, and the next gets a new process.",
 ]
 
 
@@ -401,6 +406,7 @@ class FasterWhisperSystem(_OneFileAtATime):
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
         segments, seconds = self.process.transcribe(
+            timeout=PEER_SECONDS + PEER_SECONDS_PER_AUDIO_SECOND * len(item.samples) / SAMPLE_RATE,
             audio=item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1,
             best_of=1, temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,

@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from multiprocessing.connection import Connection
 
@@ -58,6 +59,10 @@ class FasterWhisperProcess:
     """A faster-whisper WhisperModel(**settings) in a child process, seeded with `seed`."""
 
     def __init__(self, settings: dict, seed: int):
+        self._settings, self._seed = settings, seed
+        self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair()
         try:
             # -I: neither the working directory nor PYTHONPATH ahead of the caller's path.
@@ -69,21 +74,40 @@ class FasterWhisperProcess:
         finally:
             theirs.close()
         self._connection = Connection(ours.detach())
-        self._ended: str | None = None
+        self._ended: str | None = None  # why the process ended, once it has
+        self._stopped = False  # killed for taking too long: the next request starts another
         try:
-            self._connection.send((settings, seed))
+            self._connection.send((self._settings, self._seed))
             self._answer()  # a model that cannot load fails here, not at the first file
         except Exception:
             self.close()
             raise
 
-    def transcribe(self, **arguments) -> tuple[list[tuple[str, list[int], float, float]], float]:
-        """faster-whisper's transcribe(**arguments): its segments as (text, tokens, start, end), and its seconds."""
+    def transcribe(self, timeout: float | None = None, **arguments) -> tuple[list[tuple[str, list[int], float, float]], float]:
+        """faster-whisper's transcribe(**arguments): its segments as (text, tokens, start, end), and its
+        seconds. With no answer within `timeout` seconds the process is killed (by a timer: sending
+        the audio blocks too once the process stops reading) and this raises; the next call starts
+        another, loading the model again."""
+        if self._stopped:
+            self.close(wait=0)
+            self._start()
+        watchdog = None if timeout is None else threading.Timer(timeout, self._stop, (timeout,))
+        if watchdog is not None:
+            watchdog.start()
         try:
-            self._connection.send(arguments)
-        except OSError:
-            self._died()
-        return self._answer()
+            try:
+                self._connection.send(arguments)
+            except OSError:
+                self._died()
+            return self._answer()
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+
+    def _stop(self, timeout: float) -> None:
+        self._ended = f"faster-whisper: no answer within {timeout:.0f} s (its process was stopped)"
+        self._stopped = True
+        self._process.kill()  # our send or receive then fails, and raises _ended
 
     def _answer(self):
         try:
@@ -103,10 +127,11 @@ class FasterWhisperProcess:
             self._ended = f"faster-whisper's process ended (exit status {status})"
         raise RuntimeError(self._ended)
 
-    def close(self) -> None:
+    def close(self, wait: float = 10) -> None:
+        """Ends the process: at once (wait 0), or after `wait` seconds for it to end by itself."""
         self._connection.close()  # the worker's recv() then ends it
         try:
-            self._process.wait(timeout=10)
+            self._process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()

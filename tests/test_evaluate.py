@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -299,6 +301,24 @@ def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp
     assert "ask not what your country can do for you" in "".join(text for text, _, _, _ in segments).lower() and seconds > 0
     process.close()
     assert process._process.poll() == 0
+
+
+def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets_a_new_process(tmp_path, monkeypatch):
+    """A file faster-whisper hangs on (here: its process stopped by SIGSTOP) fails once its time
+    limit passes, rather than holding `asr evaluate` for ever: the process is killed, and the
+    next file is transcribed by a new one."""
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    process = FasterWhisperProcess(dict(model_size_or_path=str(ctranslate2_directory("packaged:whisper-base")),
+                                        device="cpu", cpu_threads=1), seed=0)
+    hung = process._process
+    os.kill(hung.pid, signal.SIGSTOP)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="faster-whisper: no answer within 2 s"):
+        process.transcribe(timeout=2, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert 2 <= time.monotonic() - started < 30 and hung.poll() is not None  # killed, not left stopped
+    segments, _ = process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert process._process is not hung and "ask not what your country" in "".join(s[0] for s in segments).lower()
+    process.close()
 
 
 def test_faster_whispers_sampling_is_seeded_so_that_reruns_agree(tmp_path: Path):
