@@ -38,9 +38,8 @@ class DraftLength:
     process, work queued before it on a GPU) does not decide k for the next hundreds of
     rounds once a kind has two rounds measured; a lasting change shows after three rounds of
     its kind (for the way not taken, measured every 16 to 64 rounds, up to 200 rounds
-    later). Whole rounds, because a
-    round's cost is not always its kernels: on a GPU, a small model's round is mostly the
-    host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
+    later). Whole rounds, because a round's cost is not always its kernels: on a GPU, a
+    small model's round is mostly the host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
     passes, or with a small target on a GPU. Costs, and so k, are kept per batch size (the
     rows a round computes, up to a power of two): a batch that grows or drains gets the k
