@@ -94,8 +94,9 @@ class Run:
     text: str = ""
     tokens: list[int] = field(default_factory=list)  # text tokens, timestamps left out
     segment_times: list[tuple[float, float]] = field(default_factory=list)  # ours only
-    seconds: float = 0.0  # end to end: features, encoder, decoder
-    encoder_seconds: float | None = 0.0  # None: the system does not tell (faster-whisper)
+    seconds: float = 0.0  # end to end: features, encoder, decoder and the host's work around them
+    features_seconds: float | None = 0.0  # None: the system does not tell (faster-whisper)
+    encoder_seconds: float | None = 0.0
     decoder_seconds: float | None = 0.0
     stats: DecodeStats = field(default_factory=DecodeStats)
     # Ours on a GPU: the graph work (first uses, captures, replays) of the batch the file was
@@ -154,7 +155,7 @@ class OurSystem:
             why = f"not measured: its batch failed{f' on {culprits}' if culprits else ''} ({_describe(error)})"
             return [run if run.error else Run(error=why) for run in alone]
         infos = [transcripts[item.name].info for item in items]
-        busy = [info.encoder_seconds + info.decoder_seconds for info in infos]
+        busy = [info.features_seconds + info.encoder_seconds + info.decoder_seconds for info in infos]
         runs = []
         for item, info, spent in zip(items, infos, busy):
             transcript = transcripts[item.name]
@@ -162,8 +163,9 @@ class OurSystem:
                 text=transcript.text,
                 tokens=[t for s in transcript.segments for t in s.tokens],
                 segment_times=[(s.start, s.end) for s in transcript.segments],
-                # The batch's wall time, shared out as the engine attributes its encoder and decoder time.
+                # The batch's wall time, shared out as the engine attributes its features, encoder and decoder time.
                 seconds=wall * (spent / sum(busy) if sum(busy) else 1 / len(items)),
+                features_seconds=info.features_seconds,
                 encoder_seconds=info.encoder_seconds,
                 decoder_seconds=info.decoder_seconds,
                 stats=info.stats,
@@ -374,6 +376,7 @@ class TransformersSystem(_OneFileAtATime):
             text=vocab.decode(tokens).strip(),
             tokens=tokens,
             seconds=finished - started,
+            features_seconds=featured - started,
             encoder_seconds=encoder[0],
             decoder_seconds=finished - featured - encoder[0],
             stats=stats,
@@ -415,7 +418,7 @@ class FasterWhisperSystem(_OneFileAtATime):
         tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
         return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
                    segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds,
-                   encoder_seconds=None, decoder_seconds=None)
+                   features_seconds=None, encoder_seconds=None, decoder_seconds=None)
 
 
 def system_names(peers: tuple[str, ...]) -> list[str]:
@@ -549,6 +552,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             "wer": normalized_wer([n["reference"] for _, n in done], [n[system] for _, n in done]) if done else None,
             "seconds": seconds,
             "rtfx": _ratio(sum(r.duration for r, _ in done), seconds),
+            "features_seconds": _total(run.features_seconds for run in runs),
             "encoder_seconds": _total(run.encoder_seconds for run in runs),
             "decoder_seconds": _total(run.decoder_seconds for run in runs),
             "speedup_vs_target": _ratio(sum(r.runs[TARGET].seconds for r, _ in done), seconds),
@@ -594,6 +598,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                 continue
             entry[f"{system}_text"] = run.text
             entry[f"{system}_seconds"] = run.seconds
+            entry[f"{system}_features_seconds"] = run.features_seconds
             entry[f"{system}_encoder_seconds"] = run.encoder_seconds
             entry[f"{system}_decoder_seconds"] = run.decoder_seconds
             if system in SPECULATIVE_SYSTEMS:
@@ -648,6 +653,11 @@ def _total(values: Iterable[float | None]) -> float | None:
     return None if None in values else sum(values)
 
 
+def _rest(times: dict) -> float:
+    """A system's seconds outside its features, encoder and decoder (its per-file or summary times)."""
+    return times["seconds"] - times["features_seconds"] - times["encoder_seconds"] - times["decoder_seconds"]
+
+
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
@@ -697,6 +707,11 @@ def render_markdown(report: dict, title: str) -> str:
                       + ("the same text, other segment times" if f[f"{SPECULATIVE}_text"] == f[f"{TARGET}_text"] else
                          f"target-only \"{f[f'{TARGET}_text']}\" / speculative \"{f[f'{SPECULATIVE}_text']}\"")
                       for f in differing]
+    split = [(system, s) for system, s in report["systems"].items() if s.get("features_seconds") is not None]
+    if split:
+        lines += ["", "Where the seconds went (features, encoder, decoder, and the rest: the host's work around them): "
+                  + "; ".join(f"{LABELS[system]}: {_number(s['features_seconds'])}, {_number(s['encoder_seconds'])}, "
+                              f"{_number(s['decoder_seconds'])}, {_number(_rest(s))}" for system, s in split) + "."]
     graphed = [(system, s["cuda_graphs"]) for system, s in report["systems"].items() if "cuda_graphs" in s]
     if graphed:
         lines += ["", "CUDA graphs in the timed runs (host seconds): " + "; ".join(
@@ -780,14 +795,13 @@ def render_plots(report: dict) -> dict[str, bytes]:
     ax.tick_params(axis="x", labelrotation=15)
 
     ax = figures["time_split.png"].subplots()
-    systems = [s for s in systems if report["systems"][s]["encoder_seconds"] is not None]  # not faster-whisper's
-    labels = [LABELS[s] for s in systems]
-    encoder = [report["systems"][s]["encoder_seconds"] for s in systems]
-    decoder = [report["systems"][s]["decoder_seconds"] for s in systems]
-    other = [max(report["systems"][s]["seconds"] - e - d, 0.0) for s, e, d in zip(systems, encoder, decoder)]
-    ax.barh(labels, encoder, label="encoder")
-    ax.barh(labels, decoder, left=encoder, label="decoder")
-    ax.barh(labels, other, left=[e + d for e, d in zip(encoder, decoder)], label="features and other")
+    split = [report["systems"][s] for s in systems if report["systems"][s]["features_seconds"] is not None]  # not faster-whisper's
+    labels = [LABELS[s] for s in systems if report["systems"][s]["features_seconds"] is not None]
+    left = [0.0] * len(split)
+    for part, values in [("features", [t["features_seconds"] for t in split]), ("encoder", [t["encoder_seconds"] for t in split]),
+                         ("decoder", [t["decoder_seconds"] for t in split]), ("the rest", [max(_rest(t), 0.0) for t in split])]:
+        ax.barh(labels, values, left=left, label=part)
+        left = [a + b for a, b in zip(left, values)]
     ax.set(xlabel="seconds", title="Where the time goes")
     ax.invert_yaxis()
     ax.legend()

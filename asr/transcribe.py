@@ -83,6 +83,7 @@ class TranscriptionInfo:
     duration: float
     speculative: bool
     stats: DecodeStats = field(default_factory=DecodeStats)
+    features_seconds: float = 0.0  # log-mel features (on the models' device)
     encoder_seconds: float = 0.0
     decoder_seconds: float = 0.0
     windows: int = 0
@@ -388,11 +389,14 @@ class Transcriber:
             if self.options.vad_filter:
                 raise ValueError(f"{audio.name}: vad_filter needs the whole recording, not one read block by block")
             mel, frames, duration = audio.samples, audio.samples.frames, audio.samples.duration
+            features_seconds = 0.0  # its features are computed window by window (_Decoding.submit)
         else:
             samples, duration = audio.samples, len(audio.samples) / SAMPLE_RATE
             if self.options.vad_filter and not window_only:
                 samples, speech = vad.speech_only(samples)
+            started = device_clock(target.device)
             mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
+            features_seconds = device_clock(target.device) - started
             frames = content_frames(samples)
         info = TranscriptionInfo(
             language=self.options.language or ("en" if not self.vocab.multilingual else ""),
@@ -402,6 +406,7 @@ class Transcriber:
             speculative=self.speculative,
             dtype=target.dtype_label,
             duration_after_vad=None if speech is None else speech.seconds,
+            features_seconds=features_seconds,
         )
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []
@@ -598,8 +603,10 @@ class _Decoding:
             return dropped + empty
         o = self.owner
         target, draft = o.models.target, o.models.draft
+        began = device_clock(target.device)
         features = torch.stack([job.window()[:, : self.encoder_frames].to(target.device) for job in jobs])
         started = device_clock(target.device)
+        features_seconds = (started - began) / len(jobs)
         encoded = target.encode(features)
         draft_encoded = draft.encode(features) if o.speculative and o.models.draft_has_own_encoder else None
         encoder_seconds = (device_clock(target.device) - started) / len(jobs)
@@ -617,6 +624,7 @@ class _Decoding:
         detection_seconds = (time.perf_counter() - started) / len(jobs)
         for i, job in enumerate(jobs):
             job.report()
+            job.info.features_seconds += features_seconds
             job.info.encoder_seconds += encoder_seconds
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]

@@ -141,6 +141,7 @@ def to_json(transcript: Transcript) -> str:
             "target_forward_passes": stats.target_passes,
             "tokens": stats.tokens,
             "windows": info.windows,
+            "features_seconds": round(info.features_seconds, 4),
             "encoder_seconds": round(info.encoder_seconds, 4),
             "decoder_seconds": round(info.decoder_seconds, 4),
         },

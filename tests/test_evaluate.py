@@ -107,6 +107,9 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     assert set(written["systems"]) == {TARGET, SPECULATIVE}
     for system in written["systems"].values():
         assert {"wer", "seconds", "rtfx"} <= system.keys() and system["seconds"] > 0
+        # Every part measured, and the batch's wall time covers them (the rest: the host's work around them).
+        parts = [system["features_seconds"], system["encoder_seconds"], system["decoder_seconds"]]
+        assert min(parts) > 0 and sum(parts) <= system["seconds"]
     assert {"acceptance_rate", "tokens_per_target_pass", "hint_tokens"} <= written["systems"][SPECULATIVE].keys()
     assert written["systems"][SPECULATIVE]["tokens_per_target_pass"] > 1
     histogram_matches_totals(written["systems"][SPECULATIVE])
@@ -117,6 +120,7 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     assert written["speedup"] > 0 and written["decoder_speedup"] > 0
     table = (tmp_path / "report.md").read_text()
     assert "| ours, speculative | 2 |" in table and "2/2 transcripts identical" in table
+    assert "Where the seconds went (features, encoder, decoder, and the rest" in table
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.part"))  # atomic writes leave no temporaries
@@ -243,6 +247,7 @@ def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     assert plain["identical_to_target_fraction"] == 1.0
     assert assisted["files"] == 1 and 0 < assisted["acceptance_rate"] <= 1 and assisted["tokens_per_target_pass"] > 1
     assert "tokens_per_target_pass" not in plain
+    assert 0 < plain["features_seconds"] and sum(plain[f"{part}_seconds"] for part in ("features", "encoder", "decoder")) <= plain["seconds"] + 1e-9
     histogram_matches_totals(assisted)
     assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
 
