@@ -206,6 +206,10 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
             "acceptance": speculative.get("acceptance_rate"), "tokens_per_pass": speculative.get("tokens_per_target_pass"),
             "graphs": {"target-only": target.get("cuda_graphs"), "speculative": speculative.get("cuda_graphs")},
             "warm_up": report["environment"].get("warm_up_graphs"),  # untimed, before the timed runs
+            # Per system: seconds of features, encoder, decoder, and the rest (the host's work around them).
+            "split": {name: [system[f"{part}_seconds"] for part in ("features", "encoder", "decoder")]
+                      + [system["seconds"] - sum(system[f"{part}_seconds"] for part in ("features", "encoder", "decoder"))]
+                      for name, system in (("target-only", target), ("speculative", speculative))},
         }
     return {"ok": ok, "runs": results}
 
@@ -299,6 +303,9 @@ def write(report: dict, out: Path) -> None:
                     system = "target-only" if system == "target" else system
                     lines.append(f"- {manifest}, {system}'s warm-up before them (untimed): {g['eager']} first uses "
                                  f"({g['eager_seconds']:.2f} s), {g['captures']} captures ({g['capture_seconds']:.2f} s)")
+            lines += ["", "Seconds of features, encoder, decoder and the rest (the host's work around them):", ""]
+            lines += [f"- {manifest}, {system}: " + ", ".join(f"{value:.3f}" for value in split)
+                      for manifest, r in result["runs"].items() for system, split in (r.get("split") or {}).items()]
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "stream":
             lines += ["", "```", result["output"], "```"]

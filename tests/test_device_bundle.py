@@ -127,7 +127,8 @@ def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part
     spec.loader.exec_module(check)
     run = {"files": 3, "identical": 3, "wer_target": None, "wer_speculative": None, "wer_delta": None,
            "seconds_target": 0.5, "seconds_speculative": 0.0, "speedup": None, "decoder_speedup": None,
-           "acceptance": None, "tokens_per_pass": None, "graphs": {}, "warm_up": None, "command": "asr.cli evaluate"}
+           "acceptance": None, "tokens_per_pass": None, "graphs": {}, "warm_up": None, "command": "asr.cli evaluate",
+           "split": {"target-only": [0.01, 0.2, 0.25, 0.04]}}
     report = {"environment": {"GPU": "none"},
               "parts": {"evaluate float16": {"ok": True, "runs": {"manifest.tsv": run}, "part_seconds": 1.0}}}
     (tmp_path / "report").mkdir()
@@ -135,4 +136,5 @@ def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part
     check.write(report, tmp_path / "report")
     assert "| manifest.tsv | 3 | 3/3 | - | - | - | 0.50 | 0.00 | -x | -x | - | - |" in \
         (tmp_path / "out" / "report" / "gpu_check.md").read_text()
+    assert "- manifest.tsv, target-only: 0.010, 0.200, 0.250, 0.040" in (tmp_path / "report" / "gpu_check.md").read_text()
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["gpu_check.json", "gpu_check.md"]
