@@ -11,7 +11,15 @@ batch 1 and 16): on CUDA per call as replays of a CUDA graph of 20 calls, as the
 them (kernel time, not launches); each of SDPA's backends where it takes the shape, and the
 attention written out as two matrix products around a softmax. On a GPU at batch 1 the
 verification's attention was 0.93 of 3.17 ms of kernel time per token, cuDNN's kernel 14.5
-us a call (docs/gpu-check-2026-11-26.md): which kernel serves these shapes best.
+us a call (docs/gpu-check-2026-11-26.md), and at batch 16 43 us, 2.76 of 5.97 ms: which
+kernel serves these shapes best.
+
+For the masked self-attention it also times kernels that take each row's length instead of
+a mask (flash's and the memory-efficient kernel's variable-length forms, causal from the
+bottom right), over a cache laid out position-major ([rows x positions, heads, 64]), with
+64 and with all 464 positions in use: they need no mask and skip the positions past a row's
+length, where a masked kernel reads all 464. Their outputs are checked against masked
+attention (the largest difference is printed).
 
     python scripts/attention_first_use.py                 # CUDA, float16
     python scripts/attention_first_use.py --device cpu    # runs anywhere (no cuDNN there)"""
@@ -60,8 +68,11 @@ def main() -> None:
     print()
     kernels = {"cuDNN": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
                "memory-efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH], "written out": None}
-    print("| heads | rows | queries | keys | " + " | ".join(f"{name} us" for name in kernels) + " |")
-    print("|---|---|---|---|" + "---|" * len(kernels))
+    by_length = [(kind, used) for kind in ("flash", "memory-efficient") for used in (64, 464)]
+    print("| heads | rows | queries | keys | " + " | ".join(f"{name} us" for name in kernels) + " | "
+          + " | ".join(f"{kind}, row lengths ({used} used) us" for kind, used in by_length) + " |")
+    print("|---|---|---|---|" + "---|" * (len(kernels) + len(by_length)))
+    differences: dict[str, float] = {}
     for n in (1, 16):
         for queries in (9, 1):
             for keys, masked in ((464, True), (1500, False)):
@@ -86,7 +97,55 @@ def main() -> None:
                         cells.append(f"{replayed(call, device, args.repeats) * 1e6:.1f}")
                     except RuntimeError:
                         cells.append("capture failed")
+                for kind, used in by_length:
+                    cells.append(lengths_cell(kind, query, key, value, used, device, args.repeats, differences)
+                                 if masked else "n/a")
                 print(f"| 20 | {n} | {queries} | {keys}{' masked' if masked else ''} | " + " | ".join(cells) + " |")
+    if differences:
+        print()
+        print("Row lengths against a mask, largest difference: "
+              + ", ".join(f"{kind} {difference:.2g}" for kind, difference in differences.items()))
+
+
+def lengths_cell(kind: str, query: Tensor, key: Tensor, value: Tensor, used: int, device: torch.device, repeats: int,
+                 differences: dict[str, float]) -> str:
+    """The table's cell for a kernel taking row lengths (`used` positions of each row): its
+    time per call, '-' where this build or device has no such kernel; records how far its
+    output lies from masked attention's."""
+    n, heads, queries, width = query.shape
+    keys = key.shape[2]
+    # Laid out as the kernels read them, once (a cache kept so would need no copy).
+    packed = [t.transpose(1, 2).reshape(-1, heads, width).contiguous() for t in (query, key, value)]
+    starts_q = torch.arange(0, (n + 1) * queries, queries, dtype=torch.int32, device=device)
+    starts_k = torch.arange(0, (n + 1) * keys, keys, dtype=torch.int32, device=device)
+    lengths = torch.full((n,), used, dtype=torch.int32, device=device)
+
+    def call() -> Tensor:
+        q, k, v = packed
+        if kind == "flash":
+            out = torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, queries, keys, 0.0, True, False,
+                                                          seqused_k=lengths)[0]
+        else:  # mask type 2: causal from the bottom right
+            out = torch.ops.aten._efficient_attention_forward(q[None], k[None], v[None], None, starts_q, starts_k, queries,
+                                                              keys, 0.0, 2, False, seqlen_k=lengths)[0][0]
+        return out.view(n, queries, heads, width).transpose(1, 2)
+
+    try:
+        out = call()
+    except (RuntimeError, TypeError, NotImplementedError):
+        return "-"
+    # Query i of a row sits at position used - queries + i and sees the positions up to it.
+    positions = torch.arange(used - queries, used, device=device)
+    mask = torch.full((queries, keys), float("-inf"), device=device, dtype=query.dtype)
+    mask.masked_fill_(torch.arange(keys, device=device)[None, :] <= positions[:, None], 0.0)
+    with sdpa_kernel([SDPBackend.MATH]):
+        expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask.float())
+    label = f"{kind}, row lengths"
+    differences[label] = max(differences.get(label, 0.0), (out.float() - expected).abs().max().item())
+    try:
+        return f"{replayed(call, device, repeats) * 1e6:.1f}"
+    except RuntimeError:
+        return "capture failed"
 
 
 def written_out(query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:

@@ -216,6 +216,10 @@ def test_attention_first_use_script_runs_on_cpu():
     assert len(rows) == 32 and all(float(row.split("|")[6]) > 0 for row in rows)
     kernels = [line.split("|")[5:10] for line in done.stdout.splitlines() if line.startswith("| 20 |")]
     assert len(kernels) == 8 and all(float(row[-1]) > 0 for row in kernels)  # the written-out attention, at least
+    # Kernels taking row lengths: CUDA's alone (none on a CPU), for the masked self-attention only.
+    by_length = [line.split("|")[10:14] for line in done.stdout.splitlines() if line.startswith("| 20 |")]
+    assert all(cells == [" - "] * 4 if "masked" in line else [" n/a "] * 4
+               for line, cells in zip([x for x in done.stdout.splitlines() if x.startswith("| 20 |")], by_length))
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
