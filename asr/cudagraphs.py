@@ -144,13 +144,17 @@ class CompiledSteps:
 
 
 def device_clock(device: torch.device) -> float:
-    """time.perf_counter() once the work queued on the device is done. On CUDA the host runs
-    ahead of the GPU, so a clock read at once would charge work queued before it (a batch's
-    encoder pass, its windows' prefills) to whatever is timed next: the next round, in the
-    adaptive draft length's costs (docs/gpu-check-2026-11-26.md). Where the device is idle,
-    as after a round's one read, waiting costs microseconds."""
+    """time.perf_counter() once the work queued on the device (on this thread's stream) is
+    done. On CUDA the host runs ahead of the GPU, so a clock read at once would charge work
+    queued before it (a batch's encoder pass, its windows' prefills) to whatever is timed
+    next: the next round, in the adaptive draft length's costs (docs/gpu-check-2026-11-26.md).
+    Where the device is idle, as after a round's one read, waiting costs microseconds. The
+    stream's, not the whole device's: a device-wide synchronize from a visitor's thread
+    (timing its features) could invalidate a capture under way on the scheduler's side
+    stream. (Its stream is the scheduler's default one, so it waits for the rounds queued
+    there, as the features' own copy to the GPU does.)"""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
     return time.perf_counter()
 
 

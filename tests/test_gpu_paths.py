@@ -813,3 +813,49 @@ def test_transcriber_on_cuda_gives_the_same_transcripts_with_and_without_graphs(
     assert with_graphs == without
     assert all(words for segments in with_graphs.values() for _, words in segments)
     assert graphed.engine.graphs.counts.captures > 0 and graphed.engine.graphs.counts.failed == 0
+
+
+def test_device_clock_waits_for_its_threads_stream_not_the_whole_device(monkeypatch):
+    """device_clock runs in visitors' threads too (Transcriber._start times the features
+    there, beside a scheduler's worker that may be capturing a graph on its side stream): it
+    synchronises the calling thread's stream, never the whole device."""
+    from asr import cudagraphs
+
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(("device", device)))
+    monkeypatch.setattr(torch.cuda, "current_stream",
+                        lambda device=None: SimpleNamespace(synchronize=lambda: synced.append(("stream", device))))
+    cuda_device = torch.device("cuda", 1)
+    cudagraphs.device_clock(cuda_device)
+    cudagraphs.device_clock(torch.device("cpu"))  # nothing to wait for
+    assert synced == [("stream", cuda_device)]
+
+
+@cuda
+def test_a_clock_read_in_another_thread_does_not_break_a_capture():
+    """While the scheduler's worker captures steps (on its side stream), visitors' threads
+    read device_clock (Transcriber._start, timing their features): no capture fails."""
+    import threading
+
+    from asr.cudagraphs import device_clock
+
+    device = torch.device("cuda")
+    x = torch.zeros(256, 256, device=device)
+    graphs, store, stop = StepGraphs(True, device), {}, threading.Event()
+
+    def visitor() -> None:
+        y = torch.ones(256, 256, device=device)
+        while not stop.is_set():
+            y.mul_(1.0)
+            device_clock(device)
+
+    thread = threading.Thread(target=visitor)
+    thread.start()
+    try:
+        for key in range(20):
+            for _ in range(2):  # a first use, then the capture
+                graphs.run(store, ("step", key), lambda: [x.add_(1.0) for _ in range(300)], [x])
+    finally:
+        stop.set()
+        thread.join()
+    assert graphs.counts.captures == 20 and graphs.counts.failed == 0
