@@ -38,7 +38,9 @@ LIVE_SESSIONS = 8
 # (up to the scheduler's rows; the rest wait there for a row), or take turns without batching.
 UPLOADS = 16
 QUEUE_SIZE = 64  # events waiting beyond these get "queue full" rather than piling up
-LIVE_TIME_LIMIT_S = 15 * 60  # frees the slot of a recording left running
+# A recording left running ends after this long: its session finishes (on_chunk; Gradio's own
+# time limit ends the stream event, but the browser, still recording, starts another).
+LIVE_TIME_LIMIT_S = 15 * 60
 MAX_UPLOAD = "1gb"
 # An upload's progress is looked at this often, and shown when it has moved (a window ended),
 # or after QUIET_UPDATE_S without an update: Gradio learns only at an update whether the
@@ -338,20 +340,26 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
                 return error_html(str(error)), gr.skip(), None
         elif live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays
             return show(live)
+        elif live.recorded_seconds() > LIVE_TIME_LIMIT_S:  # left running: it ends here, with its final text
+            live.finish()
+            return show(live)
         if chunk is not None:
             live.feed(*chunk)
         return show(live)
 
-    def on_stop(live: LiveSession | None) -> tuple[str | dict, str | dict, LiveSession | None]:
-        if live is None:
-            return gr.skip(), gr.skip(), None
+    def on_stop(live: LiveSession | None) -> tuple[str | dict, str | dict]:
+        """Not an output: the session. Record pressed while this waits for the final decode has
+        reset it for the next recording (on_start), and writing this finished one back would
+        hand that recording's chunks to it, which takes no more audio."""
+        if live is None:  # stopped before a chunk arrived: nothing was heard
+            return live_html("", "", listening=False), gr.skip()
         live.finish()
-        return show(live)
+        return show(live)[:2]
 
     microphone.start_recording(on_start, None, [text, figures, session], show_progress="hidden")
     microphone.stream(on_chunk, [microphone, session, *settings], [text, figures, session],
                       concurrency_limit=LIVE_SESSIONS, time_limit=LIVE_TIME_LIMIT_S, show_progress="hidden")
-    microphone.stop_recording(on_stop, [session], [text, figures, session], concurrency_limit=LIVE_SESSIONS,
+    microphone.stop_recording(on_stop, [session], [text, figures], concurrency_limit=LIVE_SESSIONS,
                               show_progress="hidden")
 
 
