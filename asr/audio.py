@@ -74,7 +74,10 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     if rate != SAMPLE_RATE:
         import soxr
 
+        given = samples.size
         samples = soxr.resample(samples, rate, SAMPLE_RATE, quality="HQ")
+        if samples.size == 0:  # a few samples at a high rate
+            raise AudioError(f"{name}: too short ({given} samples at {rate} Hz, none at {SAMPLE_RATE} Hz)")
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 

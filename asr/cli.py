@@ -275,6 +275,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
     run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats),
                     layout=SubtitleLayout(args.max_line_width, args.max_line_count), overwrite=args.overwrite,
                     progress=not args.no_progress and sys.stderr.isatty())
+    # With --overwrite the same command would redo the files this run finished.
+    resume = "the same command without --overwrite resumes" if args.overwrite else "the same command resumes"
     try:
         if args.ray is None:
             summary = transcribe_folder(run, spec.build)
@@ -282,13 +284,13 @@ def transcribe_command(args: argparse.Namespace) -> int:
             cluster = RayOptions(None if args.ray == LOCAL_RAY else args.ray, args.workers, args.cpus_per_worker)
             summary = transcribe_folder_on_ray(run, spec, cluster, on_cluster=lambda line: print(line, file=sys.stderr))
     except OutputError as error:
-        print(f"asr: {error}; transcripts written so far stay, and the same command resumes", file=sys.stderr)
+        print(f"asr: {error}; transcripts written so far stay, and {resume}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as error:  # a model that cannot load, or options it refuses
         print(f"asr: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print("asr: interrupted; transcripts written so far stay, and the same command resumes", file=sys.stderr)
+        print(f"asr: interrupted; transcripts written so far stay, and {resume}", file=sys.stderr)
         return 130
     print(summary.describe(), file=sys.stderr)
     return 1 if summary.failed else 0

@@ -241,8 +241,10 @@ class Transcriber:
             raise ValueError("temperatures: give at least one")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
-        if not self.vocab.multilingual and (options.task == "translate" or options.language not in (None, "en")):
-            raise ValueError(f"{target.name} is English-only: it cannot translate or transcribe {options.language!r}")
+        if not self.vocab.multilingual and options.task == "translate":
+            raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
+        if not self.vocab.multilingual and options.language not in (None, "en"):
+            raise ValueError(f"{target.name} is English-only: it cannot transcribe {options.language!r}")
 
     @property
     def speculative(self) -> bool:

@@ -77,6 +77,10 @@ def test_silent_missing_and_odd_inputs(tmp_path: Path):
         to_model_input(np.array([0.1, np.nan], dtype=np.float32), 16000, "x")
     with pytest.raises(AudioError, match="limit"):
         to_model_input(np.zeros(30_000, dtype=np.float32), 1, "huge")  # 8.3 hours
+    # One sample at 48 kHz resamples to none: named, not numpy's "zero-size array" from deep inside.
+    soundfile.write(tmp_path / "blip.wav", np.full(1, 0.5, dtype=np.float32), 48000)
+    with pytest.raises(AudioError, match=r"blip.wav: too short \(1 samples at 48000 Hz"):
+        load_audio(tmp_path / "blip.wav")
     many_channels = np.random.default_rng(0).normal(0, 0.1, (4800, 6)).astype(np.float32)
     assert to_model_input(many_channels, 48000).shape == (1600,)
 

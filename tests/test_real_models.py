@@ -290,5 +290,7 @@ def test_english_only_packaged_model():
     transcript = Transcriber(pair).transcribe(DEV / "en_short" / "jfk.flac")
     assert transcript.info.language == "en"
     assert "ask not what your country" in transcript.text.lower()
-    with pytest.raises(ValueError, match="English-only"):
+    with pytest.raises(ValueError, match="English-only: it cannot translate"):
         Transcriber(pair, TranscribeOptions(task="translate"))
+    with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
+        Transcriber(pair, TranscribeOptions(language="de"))
