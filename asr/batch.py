@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -34,7 +35,8 @@ from tqdm import tqdm
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
-from asr.writers import FORMATS, SubtitleLayout, render, unwritable, write_atomic
+from asr.writers import (FORMATS, NAME_MAX, TEMPORARY_END, SubtitleLayout, render, temporary_prefix, unwritable,
+                         write_atomic)
 
 ERRORS_FILE = "errors.jsonl"
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
@@ -159,13 +161,16 @@ def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] |
     return found
 
 
-def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFile], list[FileResult]]:
+def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] = FORMATS,
+                 fold_case: bool = False) -> tuple[list[PlannedFile], list[FileResult]]:
     """Each audio file with the stem of its outputs: a folder's tree is mirrored under
     out_dir, a file named directly lands at its top. Inputs that are missing, empty
-    folders and files whose outputs would collide come back as failures."""
+    folders, files whose outputs' names would be too long and files whose outputs would
+    collide (fold_case: in names differing only in case too) come back as failures."""
+    longest = max(formats, key=len)
     planned: list[PlannedFile] = []
     failures: list[FileResult] = []
-    owners: dict[Path, Path] = {}  # output stem -> the source that claimed it
+    owners: dict[str, PlannedFile] = {}  # output stem (case-folded with fold_case) -> the file that claimed it
     sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
     for path in inputs:
         if path.is_dir():
@@ -180,16 +185,35 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path) -> tuple[list[PlannedFil
             failures.append(FileResult(str(path), error="no such file or folder"))
             files = []
         for source, relative in files:
-            if source.resolve() in sources:
+            try:
+                real = source.resolve()
+            except RuntimeError:  # Python before 3.13 raises this on a link that leads back to itself
+                failures.append(FileResult(str(source), error="a symbolic link that leads back to itself"))
+                continue
+            if real in sources:
                 continue
             stem = out_dir / relative.parent / relative.stem
-            owner = owners.setdefault(stem, source)
-            if owner is source:
-                planned.append(PlannedFile(source, stem))
-                sources.add(source.resolve())
+            if len(os.fsencode(f"{stem.name}.{longest}")) > NAME_MAX:
+                failures.append(FileResult(str(source), error=f"the name of its outputs ({stem.name}.{longest}) would be "
+                                                              f"longer than a file name can be ({NAME_MAX} bytes)"))
+                continue
+            owner = owners.setdefault(str(stem).casefold() if fold_case else str(stem), PlannedFile(source, stem))
+            if owner.source is source:
+                planned.append(owner)
+                sources.add(real)
             else:
-                failures.append(FileResult(str(source), error=f"same output name as {owner}: both would write {stem}.*"))
+                case = "" if owner.stem == stem else " (the output folder's file system ignores case in names)"
+                failures.append(FileResult(str(source), error=f"same output name as {owner.source}: both would write "
+                                                              f"{stem}.*{case}"))
     return planned, failures
+
+
+def ignores_case(folder: Path) -> bool:
+    """Whether this folder's file system takes names differing only in case for one file
+    (macOS and Windows by default, FAT): there, "Talk.wav" and "talk.mp3" share outputs."""
+    with tempfile.NamedTemporaryFile(dir=folder, prefix=".case-") as probe:
+        name = Path(probe.name).name
+        return (folder / name.swapcase()).exists()
 
 
 def is_complete(item: PlannedFile, formats: Iterable[str]) -> bool:
@@ -204,14 +228,14 @@ def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str]) -> int
     for item in files:
         for fmt in formats:
             output = item.output(fmt)
-            wanted.setdefault(output.parent, set()).add(output.name)
+            wanted.setdefault(output.parent, set()).add(temporary_prefix(output.name))
     removed = 0
-    for folder, names in wanted.items():
+    for folder, prefixes in wanted.items():
         if not folder.is_dir():
             continue
         for entry in folder.iterdir():
             name = entry.name
-            if name.startswith(".") and name.endswith(".part") and name[1:].rsplit(".", 2)[0] in names:
+            if name.endswith(".part") and name[:-TEMPORARY_END] in prefixes:
                 entry.unlink(missing_ok=True)
                 removed += 1
     return removed
@@ -378,7 +402,7 @@ class _Recorder:
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
-            files, failures = plan_outputs(run.inputs, run.out_dir)
+            files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, ignores_case(run.out_dir))
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, run.formats)

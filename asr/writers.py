@@ -15,6 +15,7 @@ from typing import Callable
 from asr.transcribe import Segment, Transcript
 
 FORMATS = ("txt", "srt", "vtt", "json")
+NAME_MAX = 255  # bytes in a file's name on the common file systems (ext4, xfs, btrfs, APFS)
 # Read once, at import: reading it means setting it, which races with threads creating files.
 UMASK = os.umask(0o022)
 os.umask(UMASK)
@@ -183,7 +184,7 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     crash leaves the old file or the new one, never part of one. The file gets the mode a
     plain open() would give it (the temporary file's own is private)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name), suffix=".part")
     try:
         with os.fdopen(handle, "wb") as out:
             # backslashreplace: a file name that is not UTF-8 (in a JSON transcript's source) as \udcXX
@@ -195,6 +196,15 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+TEMPORARY_END = len("abcd1234.part")  # what mkstemp adds to temporary_prefix: 8 random characters, the suffix
+
+
+def temporary_prefix(name: str) -> str:
+    """How write_atomic's temporary files for `name` start: ".NAME.", cut where the
+    temporary's name would not fit where NAME fits."""
+    return os.fsencode(f".{name}.")[:NAME_MAX - TEMPORARY_END].decode("utf-8", "ignore")
 
 
 def write_transcript(transcript: Transcript, out_dir: Path, stem: str, formats: list[str],

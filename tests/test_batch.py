@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from functools import partial
 from pathlib import Path
@@ -72,6 +73,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "ext").symlink_to(tmp_path / "elsewhere")  # a linked folder is walked
     (source / "a" / "c" / "loop").symlink_to(source)  # a link back up the tree is not walked again
     (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
+    (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
     inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty"]
@@ -88,20 +90,51 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
         ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
-    assert reasons.keys() == {"b.wav", "missing", "empty", "locked"}
+    assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav"}
+    assert reasons["self.wav"] == "a symbolic link that leads back to itself"
     assert reasons["locked"] == "cannot read this folder (Permission denied)"
     assert reasons["b.wav"].startswith(f"same output name as {source / 'a' / 'b.flac'}")
     assert reasons["missing"] == "no such file or folder" and reasons["empty"].startswith("folder holds no audio files")
+
+
+def test_names_too_long_for_outputs_and_names_alike_but_for_case_fail_before_decoding(tmp_path: Path):
+    """On macOS and Windows, Talk.wav's outputs and talk.mp3's are the same files: the one
+    would overwrite (and, resumed, stand for) the other. A name the file system takes with
+    a short extension may not fit with ".json", nor may write_atomic's temporary name."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir(), out.mkdir()
+    fits, too_long = "y" * 250, "x" * 251  # 250 + ".json" is 255 bytes, a file system's most
+    for name in ["Talk.wav", "talk.mp3", "Other.wav", f"{fits}.wav", f"{too_long}.wav"]:
+        (source / name).write_bytes(b"x")
+    assert not batch.ignores_case(out)  # this Linux file system tells them apart: both are done
+    planned, failures = plan_outputs([source], out, ["txt", "json"])
+    assert {p.stem.name for p in planned} == {"Other", "Talk", fits, "talk"}
+    assert [(Path(f.source).name, f.error) for f in failures] == [
+        (f"{too_long}.wav", f"the name of its outputs ({too_long}.json) would be longer than a file name can be (255 bytes)")]
+    planned, failures = plan_outputs([source], out, ["txt", "json"], fold_case=True)
+    assert {p.stem.name for p in planned} == {"Other", "Talk", fits}
+    reasons = {Path(f.source).name: f.error for f in failures}
+    assert reasons.keys() == {"talk.mp3", f"{too_long}.wav"} and reasons["talk.mp3"] == (
+        f"same output name as {source / 'Talk.wav'}: both would write {out / 'talk'}.* "
+        "(the output folder's file system ignores case in names)")
+    # The longest output's temporary name fits too, and a killed run's is swept.
+    item = next(p for p in planned if p.stem.name == fits)
+    batch.write_atomic(item.output("json"), "{}")
+    handle, stale = tempfile.mkstemp(dir=out, prefix=batch.temporary_prefix(item.output("json").name), suffix=".part")
+    os.close(handle)  # as write_atomic makes them: a killed run's
+    stale = Path(stale)
+    assert len(stale.name.encode()) == 255 and item.output("json").read_text() == "{}"
+    assert remove_partials([item], ["json"]) == 1 and not stale.exists()
 
 
 def test_partial_outputs_are_removed_and_complete_ones_recognised(tmp_path: Path):
     item = PlannedFile(tmp_path / "in.flac", tmp_path / "out" / "talk")
     item.stem.parent.mkdir()
     item.output("txt").write_text("done\n")
-    stale = [item.stem.parent / ".talk.json.x1y2.part", item.stem.parent / ".talk.txt.abc.part"]
+    stale = [item.stem.parent / ".talk.json.x1y2_3z4.part", item.stem.parent / ".talk.txt.abcdefgh.part"]
     for path in stale:
         path.write_text("half")
-    other = item.stem.parent / ".talker.json.zz.part"  # not ours
+    other = item.stem.parent / ".talker.json.zz9_zz9z.part"  # not ours
     other.write_text("half")
     assert not is_complete(item, ["txt", "json"]) and is_complete(item, ["txt"])
     assert remove_partials([item], ["txt", "json"]) == 2
@@ -405,7 +438,7 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     half = next(s for s in stems if s not in finished)
     (out / f"{half}.txt").parent.mkdir(parents=True, exist_ok=True)
     (out / f"{half}.txt").write_text("stale\n")
-    (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.json.k9x2.part").write_text('{"text": "half')
+    (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.json.k9x2ab_c.part").write_text('{"text": "half')
     before = {k: v for k, v in outputs_state(out).items() if k.rsplit(".", 1)[0] in finished}
     assert len(before) == 2 * len(finished)
     time.sleep(0.05)  # so that a rewrite would show in the mtime
