@@ -244,7 +244,7 @@ def load_model(
     elif model_parts is not None or (directory / "model.bin").is_file():
         model = load_ct2_directory(directory, dtype, model_parts)
         # CTranslate2's converter writes null where the checkpoint had none
-        suppress, begin_suppress = config.get("suppress_ids") or [], config.get("suppress_ids_begin") or []
+        suppress, begin_suppress = config.get("suppress_ids"), config.get("suppress_ids_begin")
         heads = config.get("alignment_heads")
     elif config:
         if config.get("model_type") != "whisper":
@@ -260,7 +260,9 @@ def load_model(
                              f"({', '.join(sorted(missing)[:3])}, ...): an incomplete or damaged save")
         model.eval()
         generation = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
-        suppress, begin_suppress = generation.get("suppress_tokens") or [], generation.get("begin_suppress_tokens") or []
+        # Not config.json's: save_pretrained writes WhisperConfig's defaults there, whose
+        # begin_suppress_tokens hold the English-only end of text (50256) for every model.
+        suppress, begin_suppress = generation.get("suppress_tokens"), generation.get("begin_suppress_tokens")
         heads = generation.get("alignment_heads")
     else:
         raise FileNotFoundError(f"{directory}: neither a save_pretrained directory (config.json) nor a CTranslate2 one (model.bin)")
@@ -268,6 +270,10 @@ def load_model(
     if not tokenizer_file.is_file():
         raise FileNotFoundError(f"{directory}: tokenizer.json is missing")
     vocab = Vocabulary.from_tokenizer_file(tokenizer_file, size=model.config.vocab_size)
+    # Files that name none: Whisper's defaults, as openai/whisper and faster-whisper apply
+    # them: without, brackets and music notes are free to be written, and a blank to begin.
+    suppress = vocab.non_speech_tokens() if suppress is None else suppress
+    begin_suppress = [*vocab.encode(" "), vocab.eot] if begin_suppress is None else begin_suppress
     model.to(device=device, dtype=dtype)
     if head_token_ids is not None:
         head_token_ids = head_token_ids.to(device)

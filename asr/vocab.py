@@ -43,6 +43,21 @@ class Vocabulary:
         """Control tokens a transcript must never contain (as openai/whisper suppresses)."""
         return [self.transcribe, self.translate, self.sot, self.sot_prev, self.sot_lm, self.no_speech]
 
+    def non_speech_tokens(self) -> list[int]:
+        """Symbols speech is not written with (brackets, slashes, music notes, ...): Whisper's
+        own list, computed from the tokenizer as openai/whisper and faster-whisper do, for
+        models whose files name no suppressed tokens. A symbol counts where it is one token,
+        alone or after a space; a music note always, by its first token."""
+        symbols = [*'"#()*+/:;<=>@[\\]^_`{|}~「」『』',
+                   *"<< >> <<< >>> -- --- -( -[ (' (\" (( )) ((( ))) [[ ]] {{ }} ♪♪ ♪♪♪".split()]
+        notes = "♩♪♫♬♭♮♯"
+        found = {self.encode(" -")[0], self.encode(" '")[0]}
+        for symbol in [*symbols, *notes]:
+            for tokens in (self.encode(symbol), self.encode(" " + symbol)):
+                if len(tokens) == 1 or symbol in notes:
+                    found.add(tokens[0])
+        return sorted(found)
+
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 

@@ -18,7 +18,7 @@ from asr.audio import load_audio
 from asr.ct2 import CT2FormatError
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.models import IncompatibleModels, ctranslate2_directory, load_model, load_pair
-from conftest import DEV, decoder_only_draft, perturbed, save_tiny, tiny_target
+from conftest import DEV, decoder_only_draft, packaged_weights, perturbed, save_tiny, tiny_target
 
 PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
 
@@ -46,6 +46,25 @@ def test_save_pretrained_round_trip(tmp_path: Path):
     assert loaded.vocab.multilingual and loaded.vocab.eot == 50257
     assert 50363 not in loaded.suppress and 1 in loaded.suppress
     torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
+
+
+def test_a_save_naming_no_suppressed_tokens_gets_whispers_defaults(tmp_path: Path):
+    """Without generation_config.json (or with a CTranslate2 config's nulls, above), a model
+    once decoded with nothing suppressed; openai/whisper and faster-whisper compute Whisper's
+    non-speech list from the tokenizer. Computed from whisper-base's, it is the list its own
+    files give. config.json's lists are WhisperConfig's defaults (its begin list names the
+    English-only end of text), not the model's; an empty list in generation_config.json stays empty."""
+    packaged = json.loads((packaged_weights() / "config.json").read_text())
+    directory = save_tiny(tiny_target(0, dtype=torch.float32), tmp_path / "tiny")
+    (directory / "generation_config.json").unlink()
+    loaded = load_model(str(directory))
+    assert loaded.suppress == loaded.vocab.non_speech_tokens()
+    assert sorted(loaded.suppress + loaded.vocab.non_speech_specials()) == packaged["suppress_ids"]
+    assert loaded.begin_suppress == packaged["suppress_ids_begin"] == [220, 50257]
+    assert json.loads((directory / "config.json").read_text())["begin_suppress_tokens"] == [220, 50256]
+    (directory / "generation_config.json").write_text(json.dumps({"suppress_tokens": [7, 8], "begin_suppress_tokens": []}))
+    given = load_model(str(directory))
+    assert given.suppress == [7, 8] and given.begin_suppress == []
 
 
 def test_hub_id_loads_from_the_hub_cache_layout(tmp_path: Path, monkeypatch):
@@ -93,7 +112,8 @@ def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path, qu
         config = json.loads((tmp_path / "ct2" / "config.json").read_text())
         config["suppress_ids"] = config["suppress_ids_begin"] = None  # the converter's, for a checkpoint without them
         (tmp_path / "ct2" / "config.json").write_text(json.dumps(config))
-        assert load_model(str(tmp_path / "ct2")).suppress == []
+        fallback = load_model(str(tmp_path / "ct2"))  # Whisper's defaults, not nothing
+        assert fallback.suppress == fallback.vocab.non_speech_tokens() and fallback.begin_suppress == [220, 50257]
     ours, theirs = loaded.model.model.decoder.layers[0].fc1.weight, original.model.decoder.layers[0].fc1.weight
     assert ((ours - theirs).abs() <= step * theirs.abs().amax() + 1e-7).all()
 
