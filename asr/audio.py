@@ -25,6 +25,8 @@ def load_audio(path: str | Path) -> np.ndarray:
         raise AudioError(f"{path}: is a directory, not an audio file")
     if path.stat().st_size == 0:
         raise AudioError(f"{path}: empty file")
+    if (seconds := audio_seconds(path)) is not None and seconds > MAX_SECONDS:  # before it fills memory
+        raise AudioError(_too_long(str(path), seconds))
     try:
         samples, rate = _read_soundfile(path)
     except Exception as error:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
@@ -68,7 +70,7 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     if rate <= 0:
         raise AudioError(f"{name}: invalid sample rate {rate}")
     if samples.size / rate > MAX_SECONDS:
-        raise AudioError(f"{name}: {samples.size / rate / 3600:.1f} h is longer than the {MAX_SECONDS // 3600} h limit")
+        raise AudioError(_too_long(name, samples.size / rate))
     if not np.isfinite(samples).all():
         raise AudioError(f"{name}: contains NaN or infinite samples")
     if rate != SAMPLE_RATE:
@@ -79,6 +81,10 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
         if samples.size == 0:  # a few samples at a high rate
             raise AudioError(f"{name}: too short ({given} samples at {rate} Hz, none at {SAMPLE_RATE} Hz)")
     return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def _too_long(name: str, seconds: float) -> str:
+    return f"{name}: {seconds / 3600:.1f} h is longer than the {MAX_SECONDS // 3600} h limit"
 
 
 def audio_seconds(path: str | Path) -> float | None:
@@ -164,7 +170,11 @@ def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
 
 
 def _read_ffmpeg(path: Path) -> tuple[np.ndarray, int]:
-    chunks = list(_ffmpeg_blocks(path, block_seconds=0))
+    chunks, size = [], 0
+    for chunk in _ffmpeg_blocks(path, block_seconds=0):  # counted as read: not every container states its length
+        chunks.append(chunk)
+        if (size := size + len(chunk)) > MAX_SECONDS * SAMPLE_RATE:
+            raise AudioError(_too_long(str(path), size / SAMPLE_RATE))
     if not chunks:
         raise AudioError(f"{path}: contains no audio samples")
     return np.concatenate(chunks), SAMPLE_RATE

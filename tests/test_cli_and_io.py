@@ -85,6 +85,31 @@ def test_silent_missing_and_odd_inputs(tmp_path: Path):
     assert to_model_input(many_channels, 48000).shape == (1600,)
 
 
+def test_a_recording_over_the_limit_is_refused_before_it_is_decoded(tmp_path: Path, monkeypatch):
+    """The limit guards memory: read whole first, a 10 h 48 kHz stereo file held 7 GB before
+    it was refused. Its header tells; a container that does not is counted as it decodes."""
+    from asr import audio
+
+    soundfile.write(tmp_path / "long.wav", np.full(30_000, 0.1, dtype=np.float32), 1)  # 8.3 h at 1 Hz, 120 kB
+    monkeypatch.setattr(audio, "_read_soundfile", lambda path: pytest.fail("decoded before the limit was checked"))
+    with pytest.raises(AudioError, match=r"long.wav: 8.3 h is longer than the 6 h limit"):
+        load_audio(tmp_path / "long.wav")
+    monkeypatch.undo()
+    import av
+
+    path = tmp_path / "clip.m4a"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("aac", rate=16000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.full((1, 16000), 0.1, dtype=np.float32), format="flt", layout="mono")
+        frame.sample_rate = 16000
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    monkeypatch.setattr(audio, "MAX_SECONDS", 0.5)  # as if hours long, with no length in its header
+    monkeypatch.setattr(audio, "audio_seconds", lambda path: None)
+    with pytest.raises(AudioError, match=r"clip.m4a: .* h is longer than the .* h limit"):
+        load_audio(path)
+
+
 def _transcript() -> Transcript:
     segments = [
         Segment(0, 0.0, 2.5, " Hello there.", [1], -0.2, 1.1, 0.01, 0.0),
