@@ -197,6 +197,10 @@ def engine_options(args: argparse.Namespace) -> dict:
     return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
 
 
+# A model that cannot load (or fit on the GPU), input or options it refuses: one line, no traceback.
+CANNOT_RUN = (ValueError, OSError, torch.OutOfMemoryError)
+
+
 def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch.dtype]:
     """The device, the decoders' dtype and the encoders' (choose_dtypes)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
@@ -212,6 +216,8 @@ def device_problem(name: str, here: bool = True) -> str | None:
         device = torch.device(name)
     except RuntimeError:
         return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {name}: not supported; decoding runs on cpu or cuda"
     if device.type != "cuda" or not here:
         return None
     if not torch.cuda.is_available():
@@ -286,7 +292,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
     except OutputError as error:
         print(f"asr: {error}; transcripts written so far stay, and {resume}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as error:  # a model that cannot load, or options it refuses
+    except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -322,7 +328,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
                              f"{', '.join(map(repr, unknown))} (first in {first.path.name})"
                              + ("; it is English-only" if not vocab.multilingual else ""))
         report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
-    except (ValueError, OSError) as error:
+    except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
     for failure in report["failures"]:
@@ -348,7 +354,7 @@ def app_command(args: argparse.Namespace) -> int:
     try:
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)
-    except (ValueError, OSError) as error:
+    except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
     from app.engine import Engine  # gradio takes seconds to import: only this command pays
@@ -379,7 +385,7 @@ def stream_command(args: argparse.Namespace) -> int:
                                       encoder_padding_seconds=args.encoder_padding_seconds,
                                       clock=(lambda: time.monotonic() - started) if args.realtime else None)
         stream.warm_up()
-    except (ValueError, OSError) as error:
+    except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
     started = time.monotonic()  # the stream starts once the models are warm

@@ -35,7 +35,10 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
     def string() -> str:
         nonlocal offset
         n = take("<H")
-        text = bytes(view[offset : offset + n]).rstrip(b"\0").decode()
+        try:
+            text = bytes(view[offset : offset + n]).rstrip(b"\0").decode()
+        except UnicodeDecodeError as error:
+            raise CT2FormatError(f"{source}: damaged CTranslate2 model file (a name at byte {offset} is not text)") from error
         offset += n
         return text
 
@@ -67,6 +70,8 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
         offset += n_bytes
     for _ in range(take("<I")):
         alias, target = string(), string()
+        if target not in variables:
+            raise CT2FormatError(f"{source}: damaged CTranslate2 model file ({alias} names {target}, which it lacks)")
         variables[alias] = variables[target]
     return variables
 
@@ -162,4 +167,9 @@ def load_ct2_directory(directory: Path, dtype: torch.dtype, model_parts: list[Pa
         if not part.is_file():
             raise FileNotFoundError(f"{part}: missing; a CTranslate2 Whisper directory holds model.bin, config.json, tokenizer.json")
     data = parts[0].read_bytes() if len(parts) == 1 else b"".join(p.read_bytes() for p in parts)
-    return to_transformers(read_variables(data, str(parts[0])), dtype)
+    variables = read_variables(data, str(parts[0]))
+    try:
+        return to_transformers(variables, dtype)
+    except (KeyError, RuntimeError) as error:  # a tensor's name or shape is not what Whisper's are
+        raise CT2FormatError(f"{parts[0]}: damaged CTranslate2 model file, or not a Whisper model's "
+                             f"({type(error).__name__}: {error})") from error

@@ -332,6 +332,21 @@ def test_cli_transcribes_with_compiled_steps(tmp_path: Path):
     assert compiled["text"] == eager["text"] and compiled["stats"]["draft_tokens_accepted"] > 0
 
 
+def test_a_gpu_too_small_for_the_models_is_said_in_a_line(tmp_path: Path, capsys, monkeypatch):
+    """Out of GPU memory while the models load: torch's own message, not a traceback."""
+    from asr import batch, cli
+
+    def too_big(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 3.7 GiB")
+
+    monkeypatch.setattr(batch, "load_pair", too_big)
+    monkeypatch.setattr(cli, "load_pair", too_big)
+    clip = str(DEV / "en_short" / "jfk.flac")
+    for command in (["transcribe", clip, "--out-dir", str(tmp_path / "out")], ["stream", clip]):
+        assert main(command) == 2
+        assert "asr: CUDA out of memory. Tried to allocate 2.00 GiB" in capsys.readouterr().err
+
+
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert main(["transcribe", str(SAMPLES), "--formats", "docx"]) == 2
     assert "unknown format" in capsys.readouterr().err
@@ -349,6 +364,8 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert f"--device {missing}: " in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--ray", "10.0.0.1:6379", "--device", "gpu"]) == 2
     assert "--device gpu: not a device" in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--device", "mps"]) == 2
+    assert "--device mps: not supported; decoding runs on cpu or cuda" in capsys.readouterr().err
     (tmp_path / "a-file").write_text("")
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file")]) == 2
     assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err

@@ -118,6 +118,34 @@ def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path, qu
     assert ((ours - theirs).abs() <= step * theirs.abs().amax() + 1e-7).all()
 
 
+def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
+    """Damage found by flipping bytes of a converted model.bin: a name that is not text, an
+    alias to a tensor the file lacks, a tensor renamed (KeyError, or a bare UnicodeDecodeError,
+    escaped before)."""
+    import shutil
+
+    from ctranslate2.converters import TransformersConverter
+
+    original = tiny_target(2, dtype=torch.float32)
+    with torch.no_grad():  # tied, as Whisper's are: the converter stores the output head as an alias
+        original.model.decoder.embed_tokens.weight.copy_(original.proj_out.weight)
+    source = save_tiny(original, tmp_path / "hf")
+    TransformersConverter(str(source), copy_files=["tokenizer.json"]).convert(str(tmp_path / "ct2"), quantization="float32")
+    good = (tmp_path / "ct2" / "model.bin").read_bytes()
+    alias = good.rindex(b"decoder/embeddings/weight")  # the output head's alias names it last
+    damages = {
+        "not text": good.replace(b"encoder/conv1/weight", b"encoder/conv1/\xffeight", 1),
+        "names decoder/embeddings/weighx, which it lacks": good[:alias + 24] + b"x" + good[alias + 25:],
+        "not a Whisper model's \\(KeyError: 'encoder/conv1/weight'": good.replace(b"encoder/conv1/weight",
+                                                                                    b"encoder/conv1/weighx", 1),
+    }
+    for problem, data in damages.items():
+        shutil.copytree(tmp_path / "ct2", tmp_path / "bad", dirs_exist_ok=True)
+        (tmp_path / "bad" / "model.bin").write_bytes(data)
+        with pytest.raises(CT2FormatError, match=f"{tmp_path / 'bad' / 'model.bin'}: damaged .*{problem}"):
+            load_model(str(tmp_path / "bad"))
+
+
 @pytest.fixture(scope="module")
 def base_ct2_dir(tmp_path_factory) -> Path:
     """The packaged whisper-base laid out as a plain faster-whisper directory (what
