@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
+import hashlib
 import json
 import logging
 import os
@@ -39,6 +40,7 @@ from asr.writers import (FORMATS, NAME_MAX, TEMPORARY_END, SubtitleLayout, rende
                          write_atomic)
 
 ERRORS_FILE = "errors.jsonl"
+SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
@@ -249,6 +251,74 @@ class OutputError(RuntimeError):
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # write errors after which no other file's would succeed
 
 
+def fingerprint(path: Path) -> str:
+    """Which recording a file holds, as a copy or a move keeps it: its size and a hash of its
+    start, middle and end (64 KiB each)."""
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        digest = hashlib.sha256()
+        for offset in sorted({0, max(size // 2 - 32768, 0), max(size - 65536, 0)}):
+            file.seek(offset)
+            digest.update(file.read(65536))
+    return f"{size}:{digest.hexdigest()[:32]}"
+
+
+class Sources:
+    """OUT/.sources.jsonl: for each file transcribed, the stem of its outputs (relative to OUT),
+    its source and fingerprint, appended as its outputs are complete. A later run that finds
+    a file's outputs complete skips it only where they are of the same recording: recorders
+    reuse names (REC001.wav every day), and a second day's folder into the same OUT would
+    otherwise be taken for done. Outputs it has no line for (an older run's) count as done."""
+
+    def __init__(self, out_dir: Path, fold_case: bool):
+        self.out_dir, self.fold_case = out_dir, fold_case
+        self.path = out_dir / SOURCES_FILE
+        self._known: dict[str, dict] = {}
+        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines() if self.path.is_file() else []
+        for line in lines:
+            with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short by a kill
+                record = json.loads(line)
+                self._known[self._key(record["stem"])] = record
+        if len(lines) > 2 * len(self._known):  # files redone (--overwrite) leave lines that no longer count
+            write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
+        self._handle = None
+
+    def _key(self, stem: str) -> str:
+        return stem.casefold() if self.fold_case else stem
+
+    def _stem(self, item: PlannedFile) -> str:
+        return item.stem.relative_to(self.out_dir).as_posix()
+
+    def other_recording(self, item: PlannedFile) -> str | None:
+        """The source of another recording whose transcript item's outputs hold, or None."""
+        record = self._known.get(self._key(self._stem(item)))
+        if record is None:
+            return None
+        try:
+            same = fingerprint(item.source) == record.get("fingerprint")
+        except OSError:  # unreadable now: nothing says the outputs are not its
+            return None
+        return None if same else str(record.get("source"))
+
+    def add(self, item: PlannedFile) -> None:
+        try:
+            record = {"stem": self._stem(item), "source": str(item.source), "fingerprint": fingerprint(item.source)}
+        except OSError:  # gone since it was read: the outputs stand without a line, as an older run's
+            return
+        try:
+            if self._handle is None:
+                self._handle = open(self.path, "a", encoding="ascii")  # names not UTF-8 as JSON's \udcXX escapes
+            self._handle.write(json.dumps(record) + "\n")
+            self._handle.flush()
+        except OSError as error:
+            raise OutputError(f"{self.path}: cannot record a finished file ({error.strerror or error})") from error
+
+    def close(self) -> None:
+        if self._handle is not None:
+            with contextlib.suppress(OSError):
+                self._handle.close()
+
+
 class ErrorLog:
     """OUT/errors.jsonl: one JSON object per failed file, appended and flushed as it
     happens. Each run starts it afresh, since it retries every file that failed before; a
@@ -401,17 +471,22 @@ class _Recorder:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
+        fold_case = ignores_case(run.out_dir)
+        self.sources = Sources(run.out_dir, fold_case)
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
-            files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, ignores_case(run.out_dir))
+            files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case)
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, run.formats)
             todo = []
             for item in files:
-                if not run.overwrite and is_complete(item, run.formats):
-                    self.summary.skipped += 1
-                else:
+                if run.overwrite or not is_complete(item, run.formats):
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
+                elif other := self.sources.other_recording(item):
+                    self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of another recording, "
+                                                   f"{other}: --overwrite replaces them, or give another --out-dir")
+                else:
+                    self.summary.skipped += 1
         except BaseException:
             self.log.close(pending=None)
             raise
@@ -454,6 +529,7 @@ class _Recorder:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
+                self.sources.add(item)
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run
@@ -490,6 +566,7 @@ class _Recorder:
             self.record(FileResult(source, error=lost_reason))
         self.bar.close()
         self.log.close()
+        self.sources.close()
         self.summary.wall_seconds = time.perf_counter() - self.started
         if self.summary.failed:
             self.summary.errors_file = self.log.path
@@ -499,6 +576,7 @@ class _Recorder:
         """Ends a run cut short: the files left are neither done nor failed."""
         self.bar.close()
         self.log.close(pending=self.by_source)
+        self.sources.close()
 
     def _failed(self, source: str, reason: str) -> None:
         self.summary.failed += 1

@@ -281,6 +281,35 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     assert errors_of(out).keys() == expected_errors.keys()
 
 
+def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_path: Path, pair):
+    """Recorders reuse names: day 2's REC001.wav into day 1's output folder was skipped as
+    done, its transcript day 1's. Outputs are matched to the recording they are of (a copy
+    or a move is the same recording); outputs no line tells of (an older run's) count as done."""
+    day1, day2, moved, out = tmp_path / "day1", tmp_path / "day2", tmp_path / "archive" / "day1", tmp_path / "out"
+    for folder, clip in ((day1, "1089-134691-0000.flac"), (day2, "6930-75918-0000.flac")):
+        folder.mkdir(parents=True)
+        shutil.copy(SHORT / clip, folder / "REC001.flac")
+    shutil.copytree(day1, moved)
+
+    def run(folder: Path, **options):
+        summary = transcribe_folder(FolderRun((folder,), out, **quiet(**options)), lambda: Transcriber(pair, batch_size=2))
+        return summary.ok, summary.failed, summary.skipped
+
+    assert run(day1) == (1, 0, 0)
+    first = (out / "REC001.txt").read_text()
+    assert "wait no longer" in first and run(day1) == (0, 0, 1) and run(moved) == (0, 0, 1)
+    assert run(day2) == (0, 1, 0) and (out / "REC001.txt").read_text() == first  # not skipped, not overwritten
+    assert errors_of(out) == {"REC001.flac": f"its outputs {out / 'REC001'}.* are the transcript of another recording, "
+                                             f"{day1 / 'REC001.flac'}: --overwrite replaces them, or give another --out-dir"}
+    assert run(day2, overwrite=True) == (1, 0, 0) and "Concorde" in (out / "REC001.txt").read_text()
+    assert run(day2) == (0, 0, 1) and run(day1) == (0, 1, 0)
+    for _ in range(2):  # lines of files redone are dropped once they are most of the file
+        run(day2, overwrite=True)
+    assert len((out / batch.SOURCES_FILE).read_text().splitlines()) <= 2
+    (out / batch.SOURCES_FILE).unlink()  # as an older run left it
+    assert run(day1) == (0, 0, 1)
+
+
 def test_the_progress_bar_counts_seconds_of_audio_as_each_window_ends(tmp_path: Path, pair, capsys, monkeypatch):
     """Runs go longest file first, so the bar counts seconds of audio, not files (a count of
     files would overestimate the time left), and a long file moves it window by window."""
