@@ -477,7 +477,7 @@ class _Recorder:
             files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case)
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
-            remove_partials(files, run.formats)
+            remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now
             todo = []
             for item in files:
                 if run.overwrite or not is_complete(item, run.formats):

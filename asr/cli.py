@@ -255,6 +255,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
         print("asr: --max-line-count needs --max-line-width (where lines break) and --word-timestamps (the cues' times)",
               file=sys.stderr)
         return 2
+    if args.max_line_width is not None and not {"srt", "vtt"} & set(formats):
+        print("asr: --max-line-width lays out srt and vtt cues, and --formats asks for neither", file=sys.stderr)
+        return 2
     if args.out_dir.exists() and not args.out_dir.is_dir():
         print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
         return 2

@@ -70,6 +70,7 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
     (files relative to the manifest's folder; an empty reference is a clip without speech).
     Optional: duration_seconds, and the clip's language as a language column or "lang=de"
     in a notes column (default: English). A row that does not fit is an error naming its line."""
+    csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
     try:
         with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is not part of "file"
             reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)

@@ -521,6 +521,9 @@ def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: s
             f"draft {draft.name} reads {d.num_mel_bins} mel bins, target {target.name} reads {t.num_mel_bins}: "
             "large-v3 models use 128, earlier ones 80; pick a draft of the same generation"
         )
+    if draft.encoder is None and draft_encoder == "own":
+        raise IncompatibleModels(f"--draft-encoder own: draft {draft.name} has no encoder of its own (it reads the "
+                                 "target's encoder output); leave --draft-encoder at auto or shared")
     if draft.encoder is None or draft_encoder == "shared":
         width = draft.runner.cross_attention_width
         if width != t.d_model:

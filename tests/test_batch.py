@@ -468,6 +468,7 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     (out / f"{half}.txt").parent.mkdir(parents=True, exist_ok=True)
     (out / f"{half}.txt").write_text("stale\n")
     (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.json.k9x2ab_c.part").write_text('{"text": "half')
+    (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.srt.k9x2ab_d.part").write_text("1\n")  # --formats srt's
     before = {k: v for k, v in outputs_state(out).items() if k.rsplit(".", 1)[0] in finished}
     assert len(before) == 2 * len(finished)
     time.sleep(0.05)  # so that a rewrite would show in the mtime

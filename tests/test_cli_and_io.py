@@ -372,6 +372,9 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert "--out-dir " + str(tmp_path / "a-file") + ": exists and is not a folder" in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "a-file" / "out")]) == 1
     assert f"--out-dir {tmp_path / 'a-file' / 'out'}: {tmp_path / 'a-file'} is not a folder" in capsys.readouterr().err
+    assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--formats", "txt,json",
+                 "--max-line-width", "42"]) == 2
+    assert "--max-line-width lays out srt and vtt cues, and --formats asks for neither" in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "out"), "--workers", "2"]) == 2
     assert "--workers and --cpus-per-worker go with --ray" in capsys.readouterr().err
     for command, flag, value, message in [

@@ -440,6 +440,10 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
     (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
     assert [(c.path.name, c.reference, c.language) for c in read_manifest(tmp_path / "ok.tsv")] == [
         ("a.wav", "Hi", "de"), ("silence.wav", "", "en")]
+    # An hour read aloud is about 60,000 characters; a long book chapter passes csv's 131,072.
+    chapter = "the quick brown fox jumps over the lazy dog " * 5000
+    (tmp_path / "long.tsv").write_text(f"file\treference\nbook.mp3\t{chapter}\n")
+    assert read_manifest(tmp_path / "long.tsv")[0].reference == chapter
 
 
 def test_wer_counts_a_transcript_of_an_empty_reference_as_insertions():

@@ -203,6 +203,8 @@ def test_decoder_only_draft_shares_the_target_encoder(tmp_path: Path):
     save_tiny(decoder_only_draft(target, noise=0.1, seed=3), tmp_path / "draft")
     pair = load_pair(str(tmp_path / "target"), str(tmp_path / "draft"))
     assert pair.draft.encoder is None and not pair.draft_has_own_encoder
+    with pytest.raises(IncompatibleModels, match="--draft-encoder own: draft .* has no encoder of its own"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "draft"), draft_encoder="own")  # it was silently shared
 
 
 def test_full_draft_with_the_targets_encoder_shares_it_and_frees_its_copy(tmp_path: Path):
