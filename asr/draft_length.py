@@ -86,6 +86,16 @@ class DraftLength:
             return 1 if c.exploring else 0
         return 0 if c.exploring else c.k
 
+    def current(self, rows: int = 1, languages: Iterable[str | None] = (None,)) -> int:
+        """k as measured so far for a round that goes unmeasured and explores nothing (rows
+        drafting beside rows that follow their hints)."""
+        if self.fixed is not None:
+            return self.fixed
+        c = self._costs(rows)
+        c.languages = list(languages)
+        self._choose(c)
+        return 0 if c.plain_wins else c.k
+
     def update(self, k: int, seconds: float, rows: int = 1, accepted: Iterable[tuple[str | None, int]] = ()) -> None:
         """A round's outcome: k proposed per row, the round's wall time, the rows it computed,
         and each live row's language and proposals accepted."""

@@ -59,38 +59,56 @@ class HintRound:
     """A round's proposals from hints, written after each row's kept tokens."""
 
     proposed: list[int]  # per slot: tokens its hint proposed
+    drafted: list[int]  # per slot: tokens the draft proposed (rows not following a hint)
     k: int  # the round's proposals per row (the verification checks k + 1 positions)
     probs: Tensor | None = None  # when sampling: the proposals as distributions (all mass on each) [R, >= k, V]
     noise: Tensor | None = None  # and the verification's uniforms [R, >= 2k + 1] (it reads the first k, 2k + 1)
 
 
-def propose(batch: Batch, rows: list[Row], sample: bool) -> HintRound | None:
-    """Rows following their hints propose the rest of them; in fixed shapes, unless every row
-    samples, at most max_draft_tokens (a greedy row's logits then always come from passes of
-    one width: on a GPU, target-only's to the bit). None where no row follows its hint."""
-    s, e = batch.state, batch.engine
+def follow_round(batch: Batch) -> list[int] | None:
+    """Which rows follow their hints this round: per slot, the hint's tokens left to
+    propose (0 for a row that does not follow one); None where no live row follows."""
+    s = batch.state
     on, shift = follow(s.hint, s.hint_length, s.hint_shift, s.hint_on, s.tokens, s.length, s.sample_begin)
     s.hint_on.copy_(on & s.live)
     s.hint_shift.copy_(shift)
     offset = s.length - s.sample_begin + s.hint_shift  # index in the hint of the first proposal
-    left = torch.where(s.hint_on, s.hint_length - offset, 0)
-    left_list = left.tolist()
-    if not any(left_list[i] > 0 for i, row in enumerate(batch.slots) if row is not None):
-        return None
+    left = torch.where(s.hint_on, s.hint_length - offset, 0).clamp(min=0).tolist()
+    live = [n for n, row in zip(left, batch.slots) if row is not None]
+    return left if any(live) else None
+
+
+def propose(batch: Batch, rows: list[Row], sample: bool, left: list[int], drafted: int) -> HintRound:
+    """Rows following their hints propose the rest of them (left: follow_round's), written
+    over what the draft proposed this round (drafted tokens a row, for the rows that follow
+    none; their cache of the hint rows' tokens is cut where the hints begin). In fixed
+    shapes, unless every row samples, at most max_draft_tokens (a greedy row's logits then
+    always come from passes of one width: on a GPU, target-only's to the bit)."""
+    s, e = batch.state, batch.engine
     remaining = min(row.limit - row.length for row in rows)
-    k = max(min(max(left_list), remaining - 1), 0)
+    k = max(min(max(left), remaining - 1), drafted, 0)
     if e.verify_width and any(row.temperature == 0 for row in rows):
         k = min(k, e.max_draft_tokens)
     k = min(k, max(e.max_draft_tokens, HINT_POSITIONS // len(batch.slots)))
-    proposed = left.clamp(max=k).tolist()
     steps = torch.arange(k, device=e.device)
-    s.tokens.scatter_(1, s.length[:, None] + steps, s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1)))
+    offset = s.length - s.sample_begin + s.hint_shift
+    positions = s.length[:, None] + steps
+    drafts = ~s.hint_on[:, None] & (steps < drafted)  # [R, k] the draft's proposals, kept
+    hinted = s.hint.gather(1, (offset[:, None] + steps).clamp(0, e.capacity - 1))
+    s.tokens.scatter_(1, positions, torch.where(drafts, s.tokens.gather(1, positions), hinted))
+    if drafted:
+        s.draft_cached.copy_(torch.where(s.hint_on, torch.minimum(s.draft_cached, s.length), s.draft_cached))
+    proposed = [min(n, k) for n in left]
+    by_draft = [0 if n or row is None else min(drafted, k) for n, row in zip(left, batch.slots)]
     if not sample:
-        return HintRound(proposed, k)
-    proposals = s.tokens.gather(1, s.length[:, None] + steps)[:, :, None]
+        return HintRound(proposed, by_draft, k)
+    # A hint's tokens as a draft with all its mass on each; the draft's own keep its distributions.
+    proposals = s.tokens.gather(1, positions)[:, :, None]
     if k <= e.max_draft_tokens:  # the draft's buffers (and so a captured verification's)
-        s.draft_probs[:, :k].zero_().scatter_(2, proposals, 1.0)
-        return HintRound(proposed, k, s.draft_probs, s.noise[:, e.max_draft_tokens:])
+        probs = s.draft_probs[:, :k].masked_fill_(~drafts[:, :, None], 0.0)
+        probs.scatter_add_(2, proposals, (~drafts)[:, :, None].to(probs.dtype))
+        return HintRound(proposed, by_draft, k, s.draft_probs, s.noise[:, e.max_draft_tokens:])
     probs = torch.zeros(len(batch.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals, 1.0)
+    probs[:, :drafted] = torch.where(drafts[:, :drafted, None], s.draft_probs[:, :drafted], probs[:, :drafted])
     noise = torch.rand(len(batch.slots), 2 * k + 1, device=e.device, generator=batch.generator).neg_().add_(1)
-    return HintRound(proposed, k, probs, noise)
+    return HintRound(proposed, by_draft, k, probs, noise)

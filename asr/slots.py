@@ -391,9 +391,9 @@ class Slots:
         if not self.engine.fixed_shapes and 2 * self.live <= len(self.slots) and self.live < len(self.slots):
             self._resize(self.live)
 
-    def _record(self, out: list[list[int]], k: int, hinted: list[int] | None, seconds: float) -> list[int]:
+    def _record(self, out: list[list[int]], drafted: list[int], hinted: list[int] | None, seconds: float) -> list[int]:
         """Books a round's summary (State.out, read on the host) on its rows: tokens kept,
-        proposals accepted (the draft's k, or per slot those its hint proposed), where the
+        proposals accepted (per slot, those the draft proposed, or its hint), where the
         draft's cache ends, the round's time shared; returns the slots whose rows finished."""
         kept, accepted, finished, gap, _ = out
         share = seconds / self.live
@@ -402,13 +402,13 @@ class Slots:
             if row is None:
                 continue
             stats = row.stats
-            if hinted is not None:
+            if hinted is not None and hinted[i]:
                 stats.hint_proposed += hinted[i]
                 stats.hint_accepted += min(accepted[i], hinted[i])
-            elif k:
-                stats.draft_proposed += k
-                stats.draft_accepted += accepted[i]
-                stats.accepted_per_pass.append(accepted[i])
+            elif drafted[i]:
+                stats.draft_proposed += drafted[i]
+                stats.draft_accepted += min(accepted[i], drafted[i])
+                stats.accepted_per_pass.append(min(accepted[i], drafted[i]))
             stats.target_passes += 1
             stats.tokens += kept[i]
             stats.tokens_per_pass.append(kept[i])

@@ -141,12 +141,18 @@ class Batch(Slots):
             s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
             self._draft_probs()
         started = device_clock(e.device)  # not work queued before: the round's own only (on a GPU)
-        hinted = hints.propose(self, rows, sample) if any(row.hinted for row in rows) else None
-        if hinted is None:
+        left = hints.follow_round(self) if any(row.hinted for row in rows) else None
+        if left is None:
             k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0
             k, representative = self._propose(k, max(row.gap for row in rows), sample, rows) if k else (0, True)
             draft_probs, noise = (s.draft_probs, s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
+            hinted = None
         else:
+            # Rows not following a hint (an upload's beside a stream's) draft meanwhile, as measured.
+            drafting = [row.language for row, n in zip(self.slots, left) if row is not None and not n]
+            k = self.draft_length.current(len(self.slots), drafting) if self.use_draft and drafting else 0
+            k = self._propose(k, max(row.gap for row in rows), sample, rows)[0] if k else 0
+            hinted = hints.propose(self, rows, sample, left, k)
             k, representative, draft_probs, noise = hinted.k, False, hinted.probs, hinted.noise
         # Fixed shapes: verify_width positions, k read from the state (wider: see hints.propose).
         width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
@@ -160,7 +166,8 @@ class Batch(Slots):
                                      [(row.language, accepted) for row, accepted in zip(self.slots, out[1]) if row is not None])
         elif self.use_draft and hinted is None:
             self.draft_length.unmeasured(len(self.slots))
-        done = self._record(out, k, None if hinted is None else hinted.proposed, seconds)
+        drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
+        done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
         return self._finish(done, out[4]) if done else []
 
     def _draft_probs(self) -> Tensor:

@@ -382,6 +382,27 @@ def test_any_hint_keeps_greedy_output_exact(seed: int, previous_text: bool, time
                     assert stats.hint_accepted > 5
                 assert stats.hint_accepted <= stats.hint_proposed
 
+@pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
+def test_rows_without_a_hint_draft_while_their_batchmates_follow_theirs(fixed: bool):
+    """An upload beside a live stream (the web page's scheduler batches both): while the
+    stream's row follows its hint, the upload's row drafted nothing and kept one token a
+    round. It drafts in every round now, and the tokens stay the target's."""
+    target, features = tiny_target(0), windows(0)  # rows that run to MAX_NEW
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state[:2]
+    rules, prompts = rules_for(False), [prompt_for(False)] * 2
+    expected = [s.tokens for s in SpeculativeDecoder(runner(target)).decode(encoded, prompts, rules, max_new_tokens=MAX_NEW)]
+    assert list(map(len, expected)) == [MAX_NEW, MAX_NEW]
+    decoder = SpeculativeDecoder(runner(target), runner(target), max_draft_tokens=4, fixed_shapes=fixed)  # a draft always right
+    streamed, uploaded = decoder.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, hints=[expected[0], []],
+                                        draft_length=DraftLength(fixed=3))
+    assert [streamed.tokens, uploaded.tokens] == expected
+    assert streamed.stats.hint_accepted >= 4 and streamed.stats.draft_proposed == 0
+    stats = uploaded.stats
+    assert stats.draft_proposed == 3 * stats.target_passes and stats.draft_accepted == stats.draft_proposed
+    assert stats.target_passes == MAX_NEW // 4 and stats.hint_proposed == 0
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "sampling"])
 def test_a_rounds_hint_proposals_are_bounded_over_its_rows(monkeypatch, temperature: float):
     """Rows following long hints verify them in rounds of at most HINT_POSITIONS positions

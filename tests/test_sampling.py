@@ -88,7 +88,8 @@ def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
     a draft with all its mass on each: accepted with the target's probability, else drawn
     from the rest. Also when no proposal fits before a row's limit (max_new_tokens=1: the
     round verifies k = 0 proposals and must still sample). In fixed shapes the proposals go
-    through the draft's tensors, as a captured verification reads them."""
+    through the draft's tensors, as a captured verification reads them. Half the rows have
+    no hint and draft meanwhile, with the draft's own distributions, in the same rounds."""
     target = tiny_target(7, dtype=torch.float32)
     features = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
@@ -100,14 +101,18 @@ def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
     generator = torch.Generator().manual_seed(0)
     rows = 250
     for max_new in (3, 1):
-        samples, hint_proposed, hint_accepted = [], 0, 0
+        samples, hint_proposed, hint_accepted, draft_proposed = ([], []), 0, 0, 0
         for _ in range(4):
             result = decoder.decode(encoded.expand(rows, -1, -1), [PROMPT] * rows, RULES, max_new_tokens=max_new,
                                     temperature=TEMPERATURE, draft_length=DraftLength(fixed=2), generator=generator,
-                                    hints=[hint] * rows)
-            samples += [s.tokens[0] for s in result]
+                                    hints=[hint if row % 2 else [] for row in range(rows)])
+            for row, s in enumerate(result):
+                samples[row % 2].append(s.tokens[0])
             hint_proposed += sum(s.stats.hint_proposed for s in result)
             hint_accepted += sum(s.stats.hint_accepted for s in result)
+            draft_proposed += sum(s.stats.draft_proposed for s in result[::2])
         if max_new > 1:
             assert 0 < hint_accepted < hint_proposed, "the hint should be accepted sometimes, rejected sometimes"
-        assert chi_square_p(Counter(samples), p_target) > 1e-3, f"max_new_tokens={max_new}"
+            assert draft_proposed >= 2 * rows, "the rows without a hint draft in the hinted rounds"
+        for hinted in (0, 1):
+            assert chi_square_p(Counter(samples[hinted]), p_target) > 1e-3, f"max_new_tokens={max_new}, hinted={hinted}"
