@@ -25,6 +25,7 @@ import os
 import sys
 import tempfile
 import time
+import unicodedata
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -36,8 +37,8 @@ from tqdm import tqdm
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
-from asr.writers import (FORMATS, NAME_MAX, TEMPORARY_END, SubtitleLayout, render, temporary_prefix, unwritable,
-                         write_atomic)
+from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
+                         temporary_prefix, unwritable, write_atomic)
 
 ERRORS_FILE = "errors.jsonl"
 SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
@@ -188,18 +189,21 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             files = []
         for source, relative in files:
             try:
-                real = source.resolve()
-            except RuntimeError:  # Python before 3.13 raises this on a link that leads back to itself
+                real = source.resolve(strict=True)
+            except FileNotFoundError:
+                failures.append(FileResult(str(source), error="a symbolic link to a file that does not exist"))
+                continue
+            except (RuntimeError, OSError):  # a loop: RuntimeError before Python 3.13, OSError (ELOOP) since
                 failures.append(FileResult(str(source), error="a symbolic link that leads back to itself"))
                 continue
             if real in sources:
                 continue
             stem = out_dir / relative.parent / relative.stem
-            if len(os.fsencode(f"{stem.name}.{longest}")) > NAME_MAX:
+            if name_length(f"{stem.name}.{longest}") > NAME_MAX:
                 failures.append(FileResult(str(source), error=f"the name of its outputs ({stem.name}.{longest}) would be "
-                                                              f"longer than a file name can be ({NAME_MAX} bytes)"))
+                                                              f"longer than a file name can be ({NAME_MAX} {NAME_UNIT})"))
                 continue
-            owner = owners.setdefault(str(stem).casefold() if fold_case else str(stem), PlannedFile(source, stem))
+            owner = owners.setdefault(folded(str(stem)) if fold_case else str(stem), PlannedFile(source, stem))
             if owner.source is source:
                 planned.append(owner)
                 sources.add(real)
@@ -208,6 +212,12 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
                 failures.append(FileResult(str(source), error=f"same output name as {owner.source}: both would write "
                                                               f"{stem}.*{case}"))
     return planned, failures
+
+
+def folded(name: str) -> str:
+    """A name as a file system that ignores case compares it: APFS also takes é written as
+    one character or two for the same (lower(), not casefold(): none of them takes ß for ss)."""
+    return unicodedata.normalize("NFC", name).lower()
 
 
 def ignores_case(folder: Path) -> bool:
@@ -265,10 +275,12 @@ def fingerprint(path: Path) -> str:
 
 class Sources:
     """OUT/.sources.jsonl: for each file transcribed, the stem of its outputs (relative to OUT),
-    its source and fingerprint, appended as its outputs are complete. A later run that finds
-    a file's outputs complete skips it only where they are of the same recording: recorders
-    reuse names (REC001.wav every day), and a second day's folder into the same OUT would
-    otherwise be taken for done. Outputs it has no line for (an older run's) count as done."""
+    its source, size, modification time and fingerprint, appended as its outputs are complete.
+    A later run that finds outputs, complete or not, under a file's name takes them for its
+    own only where they are of the same recording (the same size and time, or else the same
+    fingerprint): recorders reuse names (REC001.wav every day), and a second day's folder
+    into the same OUT would otherwise be skipped as done, or replace the first's transcript.
+    Outputs it has no line for (an older run's) are taken for the file's own."""
 
     def __init__(self, out_dir: Path, fold_case: bool):
         self.out_dir, self.fold_case = out_dir, fold_case
@@ -284,7 +296,7 @@ class Sources:
         self._handle = None
 
     def _key(self, stem: str) -> str:
-        return stem.casefold() if self.fold_case else stem
+        return folded(stem) if self.fold_case else stem
 
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
@@ -295,6 +307,9 @@ class Sources:
         if record is None:
             return None
         try:
+            stat = item.source.stat()
+            if [stat.st_size, stat.st_mtime_ns] == record.get("stat"):  # untouched since: no need to read it
+                return None
             same = fingerprint(item.source) == record.get("fingerprint")
         except OSError:  # unreadable now: nothing says the outputs are not its
             return None
@@ -302,9 +317,12 @@ class Sources:
 
     def add(self, item: PlannedFile) -> None:
         try:
-            record = {"stem": self._stem(item), "source": str(item.source), "fingerprint": fingerprint(item.source)}
+            stat = item.source.stat()
+            record = {"stem": self._stem(item), "source": str(item.source), "stat": [stat.st_size, stat.st_mtime_ns],
+                      "fingerprint": fingerprint(item.source)}
         except OSError:  # gone since it was read: the outputs stand without a line, as an older run's
             return
+        self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
                 self._handle = open(self.path, "a", encoding="ascii")  # names not UTF-8 as JSON's \udcXX escapes
@@ -471,20 +489,22 @@ class _Recorder:
         run.out_dir.mkdir(parents=True, exist_ok=True)
         self.log = ErrorLog(run.out_dir / ERRORS_FILE)
         self.summary = FolderSummary()
-        fold_case = ignores_case(run.out_dir)
-        self.sources = Sources(run.out_dir, fold_case)
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
+            fold_case = ignores_case(run.out_dir)
+            self.sources = Sources(run.out_dir, fold_case)
             files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case)
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now
             todo = []
             for item in files:
-                if run.overwrite or not is_complete(item, run.formats):
-                    todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
-                elif other := self.sources.other_recording(item):
+                # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
+                written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
+                if written and (other := self.sources.other_recording(item)) is not None:
                     self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of another recording, "
                                                    f"{other}: --overwrite replaces them, or give another --out-dir")
+                elif run.overwrite or not is_complete(item, run.formats):
+                    todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
                     self.summary.skipped += 1
         except BaseException:
@@ -525,7 +545,10 @@ class _Recorder:
             return  # a repeat (Ray may run a lost batch again)
         if result.error is None:
             try:
-                for fmt in self.run.formats:  # a file's outputs all come from one run (an --overwrite cut short)
+                # A file's outputs all come from one run (an --overwrite cut short), and from one
+                # recording: another's in formats not asked for now go too.
+                replaced = FORMATS if self.sources.other_recording(item) is not None else self.run.formats
+                for fmt in replaced:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])

@@ -198,7 +198,7 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 
 # A model that cannot load (or fit on the GPU), input or options it refuses: one line, no traceback.
-CANNOT_RUN = (ValueError, OSError, torch.OutOfMemoryError)
+CANNOT_RUN = (ValueError, OSError, getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError))  # torch < 2.5: cuda's
 
 
 def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch.dtype]:

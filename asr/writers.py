@@ -15,7 +15,8 @@ from typing import Callable
 from asr.transcribe import Segment, Transcript
 
 FORMATS = ("txt", "srt", "vtt", "json")
-NAME_MAX = 255  # bytes in a file's name on the common file systems (ext4, xfs, btrfs, APFS)
+# The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
+NAME_MAX, NAME_UNIT = 255, ("UTF-16 units" if os.name == "nt" else "bytes")
 # Read once, at import: reading it means setting it, which races with threads creating files.
 UMASK = os.umask(0o022)
 os.umask(UMASK)
@@ -190,12 +191,18 @@ def write_atomic(path: Path, data: str | bytes) -> None:
             # backslashreplace: a file name that is not UTF-8 (in a JSON transcript's source) as \udcXX
             out.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)
             out.flush()
-            os.fchmod(out.fileno(), 0o666 & ~UMASK)
+            if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, whose files are not private anyway
+                os.fchmod(out.fileno(), 0o666 & ~UMASK)
             os.fsync(out.fileno())
         os.replace(temporary, path)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
         raise
+
+
+def name_length(name: str) -> int:
+    """A file name's length as NAME_MAX counts it here."""
+    return len(name.encode("utf-16-le", "surrogatepass")) // 2 if os.name == "nt" else len(os.fsencode(name))
 
 
 TEMPORARY_END = len("abcd1234.part")  # what mkstemp adds to temporary_prefix: 8 random characters, the suffix

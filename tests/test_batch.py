@@ -74,6 +74,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "a" / "c" / "loop").symlink_to(source)  # a link back up the tree is not walked again
     (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
     (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
+    (source / "gone.wav").symlink_to(tmp_path / "deleted.wav")
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
     inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty"]
@@ -90,8 +91,9 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
         ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
-    assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav"}
+    assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav"}
     assert reasons["self.wav"] == "a symbolic link that leads back to itself"
+    assert reasons["gone.wav"] == "a symbolic link to a file that does not exist"
     assert reasons["locked"] == "cannot read this folder (Permission denied)"
     assert reasons["b.wav"].startswith(f"same output name as {source / 'a' / 'b.flac'}")
     assert reasons["missing"] == "no such file or folder" and reasons["empty"].startswith("folder holds no audio files")
@@ -104,17 +106,19 @@ def test_names_too_long_for_outputs_and_names_alike_but_for_case_fail_before_dec
     source, out = tmp_path / "in", tmp_path / "out"
     source.mkdir(), out.mkdir()
     fits, too_long = "y" * 250, "x" * 251  # 250 + ".json" is 255 bytes, a file system's most
-    for name in ["Talk.wav", "talk.mp3", "Other.wav", f"{fits}.wav", f"{too_long}.wav"]:
+    nfc, nfd = "caf\u00e9", "cafe\u0301"  # é as one character, as macOS writes it: two, which APFS takes for the same
+    for name in ["Talk.wav", "talk.mp3", "Other.wav", f"{fits}.wav", f"{too_long}.wav", f"{nfc}.wav", f"{nfd}.mp3",
+                 "Stra\u00dfe.wav", "Strasse.wav"]:
         (source / name).write_bytes(b"x")
     assert not batch.ignores_case(out)  # this Linux file system tells them apart: both are done
     planned, failures = plan_outputs([source], out, ["txt", "json"])
-    assert {p.stem.name for p in planned} == {"Other", "Talk", fits, "talk"}
+    assert {p.stem.name for p in planned} == {"Other", "Talk", fits, "talk", nfc, nfd, "Stra\u00dfe", "Strasse"}
     assert [(Path(f.source).name, f.error) for f in failures] == [
         (f"{too_long}.wav", f"the name of its outputs ({too_long}.json) would be longer than a file name can be (255 bytes)")]
     planned, failures = plan_outputs([source], out, ["txt", "json"], fold_case=True)
-    assert {p.stem.name for p in planned} == {"Other", "Talk", fits}
+    assert {p.stem.name for p in planned} == {"Other", "Talk", fits, nfd, "Stra\u00dfe", "Strasse"}  # none takes ß for ss
     reasons = {Path(f.source).name: f.error for f in failures}
-    assert reasons.keys() == {"talk.mp3", f"{too_long}.wav"} and reasons["talk.mp3"] == (
+    assert reasons.keys() == {"talk.mp3", f"{too_long}.wav", f"{nfc}.wav"} and reasons["talk.mp3"] == (
         f"same output name as {source / 'Talk.wav'}: both would write {out / 'talk'}.* "
         "(the output folder's file system ignores case in names)")
     # The longest output's temporary name fits too, and a killed run's is swept.
@@ -291,8 +295,9 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
         shutil.copy(SHORT / clip, folder / "REC001.flac")
     shutil.copytree(day1, moved)
 
-    def run(folder: Path, **options):
-        summary = transcribe_folder(FolderRun((folder,), out, **quiet(**options)), lambda: Transcriber(pair, batch_size=2))
+    def run(folder: Path, formats=("txt", "json"), **options):
+        summary = transcribe_folder(FolderRun((folder,), out, **quiet(formats, **options)),
+                                    lambda: Transcriber(pair, batch_size=2))
         return summary.ok, summary.failed, summary.skipped
 
     assert run(day1) == (1, 0, 0)
@@ -306,8 +311,16 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
     for _ in range(2):  # lines of files redone are dropped once they are most of the file
         run(day2, overwrite=True)
     assert len((out / batch.SOURCES_FILE).read_text().splitlines()) <= 2
+    os.utime(day2 / "REC001.flac", ns=(10**18, 10**18))  # touched, not changed: read to tell
+    assert run(day2) == (0, 0, 1)
     (out / batch.SOURCES_FILE).unlink()  # as an older run left it
     assert run(day1) == (0, 0, 1)
+    # Outputs in part (an earlier run asked for fewer formats) are a recording's too.
+    shutil.rmtree(out)
+    assert run(day1, formats=("txt",)) == (1, 0, 0) and run(day2) == (0, 1, 0)
+    assert (out / "REC001.txt").read_text() == first and not (out / "REC001.json").exists()
+    assert run(day2, overwrite=True, formats=("json",)) == (1, 0, 0)  # day 1's txt goes: not beside day 2's json
+    assert not (out / "REC001.txt").exists() and "Concorde" in (out / "REC001.json").read_text()
 
 
 def test_the_progress_bar_counts_seconds_of_audio_as_each_window_ends(tmp_path: Path, pair, capsys, monkeypatch):

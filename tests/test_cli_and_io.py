@@ -106,8 +106,17 @@ def test_a_recording_over_the_limit_is_refused_before_it_is_decoded(tmp_path: Pa
             container.mux(packet)
     monkeypatch.setattr(audio, "MAX_SECONDS", 0.5)  # as if hours long, with no length in its header
     monkeypatch.setattr(audio, "audio_seconds", lambda path: None)
+    blocks, read = audio._ffmpeg_blocks, []
+
+    def counted(path, block_seconds):
+        for block in blocks(path, block_seconds):
+            read.append(len(block))
+            yield block
+
+    monkeypatch.setattr(audio, "_ffmpeg_blocks", counted)
     with pytest.raises(AudioError, match=r"clip.m4a: .* h is longer than the .* h limit"):
         load_audio(path)
+    assert 0.5 * SAMPLE_RATE < sum(read) < 0.75 * SAMPLE_RATE  # it stopped there, not after the whole second
 
 
 def _transcript() -> Transcript:
