@@ -98,7 +98,8 @@ def propose(batch: Batch, rows: list[Row], sample: bool, left: list[int], drafte
     s.tokens.scatter_(1, positions, torch.where(drafts, s.tokens.gather(1, positions), hinted))
     if drafted:
         s.draft_cached.copy_(torch.where(s.hint_on, torch.minimum(s.draft_cached, s.length), s.draft_cached))
-    proposed = [min(n, k) for n in left]
+    # Counted up to a row's limit: k may pass it where other rows draft.
+    proposed = [0 if row is None else min(n, k, max(row.limit - row.length - 1, 0)) for n, row in zip(left, batch.slots)]
     by_draft = [0 if n or row is None else min(drafted, k) for n, row in zip(left, batch.slots)]
     if not sample:
         return HintRound(proposed, by_draft, k)

@@ -57,15 +57,17 @@ class SpeechMap:
 
     def restore(self, segment: Segment) -> Segment:
         """The segment with its (and its words') times in the recording. A word keeps both
-        ends in the chunk of its middle, as faster-whisper maps them."""
-        words = None
-        if segment.words is not None:
-            words = []
-            for word in segment.words:
-                chunk = self.chunk_of((word.start + word.end) / 2)
-                words.append(replace(word, start=self.original(word.start, chunk), end=self.original(word.end, chunk)))
-        return replace(segment, start=self.original(segment.start, self.chunk_of(segment.start)),
-                       end=self.original(segment.end, self.chunk_of(segment.end, is_end=True)), words=words)
+        ends in the chunk of its middle, as faster-whisper maps them, and a segment with
+        words spans them (its own ends, mapped alone, could take in a cut's silence where
+        its first or last word straddles the cut)."""
+        if not segment.words:
+            return replace(segment, start=self.original(segment.start, self.chunk_of(segment.start)),
+                           end=self.original(segment.end, self.chunk_of(segment.end, is_end=True)))
+        words = []
+        for word in segment.words:
+            chunk = self.chunk_of((word.start + word.end) / 2)
+            words.append(replace(word, start=self.original(word.start, chunk), end=self.original(word.end, chunk)))
+        return replace(segment, start=words[0].start, end=words[-1].end, words=words)
 
 
 def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:

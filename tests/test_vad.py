@@ -3,6 +3,8 @@ whose joins the times hit exactly (the real recordings seldom do)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from asr.transcribe import Segment
@@ -29,10 +31,18 @@ def test_times_map_back_as_faster_whispers_do():
 
 def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
     """A segment ending at a join ends in the chunk before it; a word keeps both ends in the
-    chunk of its middle, so the word across the join at 1.024 s lies wholly in the second."""
+    chunk of its middle, so the word across the join at 1.024 s lies wholly in the second,
+    and a segment with words spans them, as faster-whisper's do (its own end, 1.28 s, left
+    the last word, 3.24-3.34 s, outside it; a first word straddling a join put its start
+    before the cut's silence)."""
     words = [Word(" in", 0.9, 1.0, 0.9), Word(" two", 1.0, 1.1, 0.8)]
-    segment = Segment(0, 0.9, 1.024, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0, words)
-    restored = SpeechMap(CHUNKS).restore(segment)
+    bare = Segment(0, 0.9, 1.024, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0)
+    restored = SpeechMap(CHUNKS).restore(bare)
     assert (restored.start, restored.end) == (1.156, 1.28)  # 0.256 s cut before the first chunk
+    restored = SpeechMap(CHUNKS).restore(replace(bare, words=words))
     assert [(w.start, w.end) for w in restored.words] == [(1.156, 1.256), (3.24, 3.34)]  # 2.24 s cut before the second
-    assert restored.text == segment.text and restored.tokens == segment.tokens
+    assert (restored.start, restored.end) == (1.156, 3.34)
+    assert restored.text == bare.text and restored.tokens == bare.tokens
+    straddling = Segment(0, 1.0, 1.3, " two", [2], -0.1, 1.0, 0.0, 0.0, words[1:])  # from the first chunk's end
+    restored = SpeechMap(CHUNKS).restore(straddling)
+    assert (restored.start, restored.end) == (3.24, 3.34)  # not 1.256: the cut's 2.24 s of silence are not the segment's
