@@ -472,11 +472,14 @@ class Transcriber:
 
     def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
         """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
-        and move the seek to the end of the last complete segment."""
+        and move the seek to the end of the last complete segment. The job changes only
+        once nothing can fail (the word alignment, a GPU pass): a batch that raises has its
+        jobs decode their current window again (Scheduler._guarded)."""
         segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
         offset = job.seek * FRAME_SECONDS
+        seek = job.seek + segment_frames
         if self._silent(sequence):
-            job.seek += segment_frames
+            job.seek = seek
             return
         tokens = sequence.tokens
         ts_begin = self.vocab.timestamp_begin
@@ -493,17 +496,14 @@ class Transcriber:
                 end = (piece[-1] - ts_begin) * TIMESTAMP_SECONDS
                 pieces.append((offset + start, offset + end, piece))
                 last_slice = current
-            if single_ending:
-                job.seek += segment_frames
-            else:
-                job.seek += (tokens[last_slice - 1] - ts_begin) * FRAMES_PER_TIMESTAMP
+            if not single_ending:
+                seek = job.seek + (tokens[last_slice - 1] - ts_begin) * FRAMES_PER_TIMESTAMP
         else:
             duration = segment_frames * FRAME_SECONDS
             timestamps = [t for t in tokens if t >= ts_begin]
             if timestamps and timestamps[-1] != ts_begin:
                 duration = (timestamps[-1] - ts_begin) * TIMESTAMP_SECONDS
             pieces.append((offset, offset + duration, tokens))
-            job.seek += segment_frames
 
         ratio = compression_ratio(self.vocab.decode(tokens).strip())
         texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
@@ -519,7 +519,8 @@ class Transcriber:
             pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
             job.last_speech = speech_end(words, times, job.last_speech)
             if not single_ending and job.last_speech > offset:
-                job.seek = round(job.last_speech / FRAME_SECONDS)
+                seek = round(job.last_speech / FRAME_SECONDS)
+        job.seek = seek
         # Whisper drops instantaneous and empty segments (after timing the words of all).
         keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         kept: list[int] = []

