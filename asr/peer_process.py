@@ -75,7 +75,7 @@ class FasterWhisperProcess:
             theirs.close()
         self._connection = Connection(ours.detach())
         self._ended: str | None = None  # why the process ended, once it has
-        self._stopped = False  # killed for taking too long: the next request starts another
+        self._stopped = False  # ended (killed for taking too long, or crashed): the next request starts another
         try:
             self._connection.send((self._settings, self._seed))
             self._answer()  # a model that cannot load fails here, not at the first file
@@ -125,6 +125,7 @@ class FasterWhisperProcess:
             except subprocess.TimeoutExpired:
                 status = None
             self._ended = f"faster-whisper's process ended (exit status {status})"
+        self._stopped = True  # a crash (a segfault, out of memory) is this file's: the next starts another
         raise RuntimeError(self._ended)
 
     def close(self, wait: float = 10) -> None:

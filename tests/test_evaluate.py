@@ -323,6 +323,12 @@ def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets
     assert 2 <= time.monotonic() - started < 30 and hung.poll() is not None  # killed, not left stopped
     segments, _ = process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
     assert process._process is not hung and "ask not what your country" in "".join(s[0] for s in segments).lower()
+    crashed = process._process  # a crash too (a segfault, out of memory) costs only its file
+    os.kill(crashed.pid, signal.SIGKILL)
+    with pytest.raises(RuntimeError, match=r"faster-whisper's process ended \(exit status -9\)"):
+        process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    segments, _ = process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert process._process is not crashed and "ask not what your country" in "".join(s[0] for s in segments).lower()
     process.close()
 
 
