@@ -56,13 +56,15 @@ class SubtitleLayout:
 # A silence this long from one word's end to the next word's start ends a cue (Whisper's
 # subtitle writer measures from one word's start to the next's, which a long word trips).
 PAUSE_SECONDS = 3.0
+MIN_CUE_SECONDS = 0.5  # a first cue of no time (a segment past the audio's end, clamped to it) is shown this long
 Piece = tuple[float, float, str]  # a word to lay out: start, end, text (leading space included)
 
 
 def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     """The transcript as subtitle cues (start, end, lines) laid out as asked. A blank line ends
     a cue and "-->" starts one, so neither may be in a cue's text; a cue without text is
-    none, and a cue never starts before the previous one ends (players would stack them)."""
+    none, a cue never starts before the previous one ends (players would stack them), and
+    none lasts no time."""
     segments, width = transcript.segments, layout.max_line_width
     if width is None:
         laid_out = [(s.start, s.end, s.text) for s in segments]
@@ -73,9 +75,15 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     cues: list[Piece] = []
     for start, end, text in laid_out:
         text = "\n".join(line.strip() for line in re.sub(r"-{2,}>", "->", text).splitlines() if line.strip())
-        if text:
-            start = max(start, cues[-1][1]) if cues else start
-            cues.append((start, max(end, start), text))
+        if not text:
+            continue
+        start = max(start, cues[-1][1]) if cues else start
+        if end > start:
+            cues.append((start, end, text))
+        elif cues:  # a cue of no time, which players never show: its text goes with the cue before
+            cues[-1] = (cues[-1][0], cues[-1][1], f"{cues[-1][2]} {text}")
+        else:
+            cues.append((start, start + MIN_CUE_SECONDS, text))
     return cues
 
 

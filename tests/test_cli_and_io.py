@@ -128,6 +128,20 @@ def _transcript() -> Transcript:
     return Transcript("talk.flac", segments, info)
 
 
+def test_no_cue_lasts_no_time():
+    """Players never show a cue that ends where it starts: a segment inside the one before,
+    a word of no time after a pause, a segment past the audio's end clamped to it."""
+    info = TranscriptionInfo("en", 0.99, 30.0, True, DecodeStats(10, 8, 3, 10, 12), 0.5, 1.5, 1)
+    inside = Transcript("a", [Segment(0, 0.0, 5.0, " Hello.", [1], -0.2, 1.1, 0.01, 0.0),
+                              Segment(1, 3.0, 4.0, " Again.", [2], -0.2, 1.1, 0.01, 0.0)], info)
+    assert writers.to_srt(inside) == "1\n00:00:00,000 --> 00:00:05,000\nHello. Again.\n"
+    words = [Word(" Hi", 0.0, 1.0, 0.9), Word(" Bye", 5.0, 5.0, 0.9)]
+    paused = Transcript("b", [Segment(0, 0.0, 5.0, " Hi Bye", [1], -0.2, 1.1, 0.01, 0.0, words)], info)
+    assert writers.to_vtt(paused, writers.SubtitleLayout(42, 2)) == "WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHi Bye\n"
+    past = Transcript("c", [Segment(0, 30.0, 30.0, " Thanks.", [1], -0.2, 1.1, 0.01, 0.0)], info)
+    assert writers.to_srt(past) == "1\n00:00:30,000 --> 00:00:30,500\nThanks.\n"
+
+
 def test_writers_render_every_format(tmp_path: Path):
     transcript = _transcript()
     transcript.segments[0] = replace(transcript.segments[0], words=[Word(" Hello", 0.0, 0.62, 0.91234),
