@@ -17,7 +17,8 @@ class AudioError(ValueError):
     """The file could not be used as audio; the message names it and the problem."""
 
 
-def load_audio(path: str | Path) -> np.ndarray:
+def load_audio(path: str | Path, seconds: float | None = None) -> np.ndarray:
+    """seconds: the duration the file's header states, where the caller has read it (audio_seconds)."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
@@ -25,7 +26,9 @@ def load_audio(path: str | Path) -> np.ndarray:
         raise AudioError(f"{path}: is a directory, not an audio file")
     if path.stat().st_size == 0:
         raise AudioError(f"{path}: empty file")
-    if (seconds := audio_seconds(path)) is not None and seconds > MAX_SECONDS:  # before it fills memory
+    if seconds is None:
+        seconds = audio_seconds(path)
+    if seconds is not None and seconds > MAX_SECONDS:  # before it fills memory
         raise AudioError(_too_long(str(path), seconds))
     try:
         samples, rate = _read_soundfile(path)

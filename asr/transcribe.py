@@ -312,7 +312,7 @@ class Transcriber:
         unusable input either way."""
         seconds = audio_seconds(path)
         if seconds is None or seconds <= stream_above_seconds or self.options.vad_filter:
-            return AudioInput(name or str(path), load_audio(path))
+            return AudioInput(name or str(path), load_audio(path, seconds))
         mel = StreamedMel(lambda: stream_audio(path), self.models.target.config.num_mel_bins, str(path))
         return AudioInput(name or str(path), mel)
 
