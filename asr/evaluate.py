@@ -54,8 +54,8 @@ LABELS = {
 PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time_split.png")
 NOTES = [
     "Timing: each file is decoded by every system in one process, in an order that rotates from batch to batch; "
-    "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; the first batch is "
-    "decoded once beforehand, untimed, to warm up; on a GPU our engines capture every step their batches can meet "
+    "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; each language's first "
+    "batch is decoded once beforehand, untimed, to warm up; on a GPU our engines capture every step their batches can meet "
     "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times; "
     "for the transformers systems, the same text tokens as our target-only transcript.",
@@ -461,7 +461,7 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
             else:
                 systems[name] = TransformersSystem(pair, options.transcribe, assisted=name == TRANSFORMERS_ASSISTED)
         names = list(systems)
-        warmed = False
+        warmed: set[str] = set()
         with tqdm(total=len(results), desc="evaluate", unit="file", disable=not options.progress) as bar:
             for index, batch in enumerate(batches):
                 loaded: list[tuple[FileResult, AudioInput]] = []
@@ -475,12 +475,13 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                     loaded.append((result, AudioInput(str(results.index(result)), samples)))
                 items = [item for _, item in loaded]
                 language = batch[0].clip.language
-                if items and not warmed:
-                    # First calls pay one-off costs (weight packing, allocations): a first batch, cut to 30 s, untimed.
+                if items and language not in warmed:
+                    # First calls pay one-off costs (weight packing, allocations; on a GPU our new
+                    # Transcriber for each language too): each language's first batch, cut to 30 s, untimed.
                     warm = [AudioInput(item.name, item.samples[:WINDOW_SAMPLES]) for item in items]
                     for system in systems.values():
                         system.run(warm if isinstance(system, OurSystem) else warm[:1], language)
-                    warmed = True
+                    warmed.add(language)
                 if items:
                     # The systems take turns, starting one further on each batch, to share the machine's drift.
                     shift = index % len(names)
