@@ -59,7 +59,7 @@ import statistics
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -241,31 +241,63 @@ def main() -> None:
     ]
     print("\n".join(header), flush=True)
     torch.manual_seed(args.seed)
-    rows = random_section(args, device, dtype, batch_sizes, bandwidth)
+    report = Report(args.out, header, args.profile)
+    random_section(args, device, dtype, batch_sizes, bandwidth, report)
     if not args.no_real:
         if (args.dev / "manifest.tsv").is_file():
             header.append(f"Section 2: {args.real_target} + {args.real_draft} on the short clips of {args.dev} "
                           "(greedy, timestamps, natural end-of-text).")
             print(header[-1], flush=True)
-            rows += real_section(args, device, dtype, batch_sizes, bandwidth)
+            real_section(args, device, dtype, batch_sizes, bandwidth, report)
         else:
             print(f"Section 2 skipped: no {args.dev / 'manifest.tsv'}", flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    table = markdown(rows)
-    (args.out / "benchmark_gpu.md").write_text("\n\n".join(header) + "\n\n" + table + "\n")
-    report = {"header": header, "rows": [asdict(r) for r in rows], "command": shown_command(sys.argv[1:]),
-              "date": time.strftime("%Y-%m-%d")}
-    (args.out / "benchmark_gpu.json").write_text(json.dumps(report, indent=1))
+    report.save(finished=True)
+    rows = report.rows
     if args.readme:
-        write_readme(args.readme, [report])
-    if args.profile:
-        (args.out / "benchmark_gpu_kernels.md").write_text("\n\n".join(header) + "\n\n" + kernel_breakdown(rows) + "\n")
-    print("\n" + table)
+        write_readme(args.readme, [report.json()])
+    print("\n" + markdown(rows))
     if importlib.util.find_spec("matplotlib") is None:  # the figures are in the table
         print(f"\nwrote {args.out}/benchmark_gpu.md, .json (no plot: matplotlib is not installed)")
     else:
         plot(rows, args.out / "benchmark_gpu.png")
         print(f"\nwrote {args.out}/benchmark_gpu.md, .json, .png")
+
+
+class Report:
+    """benchmark_gpu.md and .json (and with --profile benchmark_gpu_kernels.md) in OUT,
+    written again as each batch of rows comes, so that a run stopped from outside (a GPU lent
+    for minutes) leaves what it measured; until the run ends their header says so."""
+
+    def __init__(self, out: Path, header: list[str], profiled: bool):
+        self.out, self.header, self.profiled = out, header, profiled
+        self._groups: list[list[Row]] = []  # measure()'s lists, whose rows it replaces once profiled
+        out.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [row for group in self._groups for row in group]
+
+    def add(self, rows: list[Row]) -> None:
+        self._groups.append(rows)
+        self.save()
+
+    def json(self, finished: bool = True) -> dict:
+        return {"header": self._header(finished), "rows": [asdict(r) for r in self.rows], "command": shown_command(sys.argv[1:]),
+                "date": time.strftime("%Y-%m-%d")}
+
+    def save(self, finished: bool = False) -> None:
+        header = "\n\n".join(self._header(finished))
+        writes = {"benchmark_gpu.md": header + "\n\n" + markdown(self.rows) + "\n",
+                  "benchmark_gpu.json": json.dumps(self.json(finished), indent=1)}
+        if self.profiled:
+            writes["benchmark_gpu_kernels.md"] = header + "\n\n" + kernel_breakdown(self.rows) + "\n"
+        for name, text in writes.items():  # whole or not at all: a run stopped mid-write leaves the last one
+            part = self.out / f".{name}.part"
+            part.write_text(text)
+            part.replace(self.out / name)
+
+    def _header(self, finished: bool) -> list[str]:
+        return self.header if finished else [*self.header, "UNFINISHED: the rows measured so far (the run went on, or was stopped)."]
 
 
 def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., SpeculativeDecoder]:
@@ -293,7 +325,7 @@ def compiled(mode: str) -> str:
 
 
 def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
-                   bandwidth: float) -> list[Row]:
+                   bandwidth: float, report: Report) -> None:
     geometry = GEOMETRIES[args.geometry]
     target, draft = random_pair(geometry, device, dtype)
     target_runner = DecoderRunner(target.model.decoder, target.proj_out.weight)
@@ -307,7 +339,6 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
     engine = engines(args, device)
     element = torch.finfo(dtype).bits // 8
     context = len(prompt) + max_new / 2
-    rows: list[Row] = []
     for batch in batch_sizes:
         features = torch.randn(batch, geometry.mel_bins, 2 * geometry.source_positions, device=device, dtype=dtype)
         with torch.inference_mode():
@@ -341,13 +372,12 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
                 oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=mode)
                 methods.append((f"ours speculative{f', {compiled(mode)}' if mode else ''}, oracle alpha={alpha:g}",
                                 ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
-        rows += measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
-                        target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False)
-    return rows
+        measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
+                target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False, report=report)
 
 
 def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
-                 bandwidth: float) -> list[Row]:
+                 bandwidth: float, report: Report) -> None:
     from asr.audio import load_audio
     from asr.features import WINDOW_FRAMES, log_mel
     from asr.models import load_pair
@@ -364,7 +394,6 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     engine = engines(args, device)
     element = torch.finfo(dtype).bits // 8
     section = f"{args.real_target} + {args.real_draft}, {len(clips)} dev clips"
-    rows: list[Row] = []
     for batch in batch_sizes:
         chunks = [torch.stack(windows[i : i + batch]).to(device) for i in range(0, len(windows), batch)]
         with torch.inference_mode():
@@ -404,17 +433,17 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
         # Floors per batch of `batch` rows; every chunk but the last is full.
         target_bytes = step_bytes(target.runner, batch, context, frames, element)
         draft_bytes = step_bytes(draft.runner, batch, context, frames, element)
-        rows += measure(section, batch, methods, args, device, target_bytes, draft_bytes, k, bandwidth,
-                        ends_with_eot=True, chunks=[len(e) for e in encoded])
-    return rows
+        measure(section, batch, methods, args, device, target_bytes, draft_bytes, k, bandwidth,
+                ends_with_eot=True, report=report, chunks=[len(e) for e in encoded])
 
 
 def measure(section: str, batch: int, methods: list[Method], args: argparse.Namespace, device: torch.device,
-            target_bytes: int, draft_bytes: int, k: int, bandwidth: float, ends_with_eot: bool,
+            target_bytes: int, draft_bytes: int, k: int, bandwidth: float, ends_with_eot: bool, report: Report,
             chunks: list[int] | None = None) -> list[Row]:
     """Times every method (one untimed run first: warm-up; two for graph capture, which
     happens on a step's second use), taking turns so that the machine's drift is shared,
-    and returns their rows. ends_with_eot: every row kept an end-of-text (not in its tokens)
+    and returns their rows, written into the report as they come (the rows' timings, then
+    each one's profile with --profile). ends_with_eot: every row kept an end-of-text (not in its tokens)
     besides its tokens; chunks: rows per decode call."""
     runs: dict[str, list[float]] = {name: [] for name, _, _ in methods}
     warm_up: dict[str, float] = dict.fromkeys(runs, 0.0)  # the untimed runs: first uses, captures, compilations
@@ -435,7 +464,6 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
             longest = max(len(t) for t in results[name].tokens)
             print(f"    {section} | batch {batch} | {name}: {'timed' if repeat >= warm_ups else 'untimed'} run {seconds:.2f} s, "
                   f"{1000 * seconds / longest:.2f} ms per token of the longest row", flush=True)
-    profiles = {name: profile(run, device) for name, run, _ in methods} if args.profile else {}
     chunks = chunks or [batch]
     # A caller waits, per chunk, for its longest row; a step reads the weights once per chunk.
     starts = [sum(chunks[:i]) for i in range(len(chunks))]
@@ -459,17 +487,20 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
                          alpha=None if adaptive else acceptance_from_tokens_per_pass(per_pass, k))
         else:
             floor, extra = steps * target_bytes / bandwidth, {}
-        if name in profiles:
-            kernels = profiles[name]
-            per_token = [(kind, n / steps, 1000 * seconds / steps) for kind, n, seconds in kernels.by_kind()]
-            extra.update(kernels_per_token=len(kernels.events) / steps, kernel_ms_per_token=1000 * kernels.seconds / steps,
-                         kernel_kinds=per_token,
-                         top_kernels=[(name, n / steps, 1000 * seconds / steps) for name, n, seconds in kernels.top()])
         rows.append(Row(section, batch, name, statistics.median(runs[name]), steps, tokens, floor,
                         out.tokens == reference, warm_up_seconds=warm_up[name], **extra))
-        kernels = f", {rows[-1].kernels_per_token:.0f} kernels / token" if name in profiles else ""
         print(f"  {section} | batch {batch} | {name}: {rows[-1].ms_per_token:.2f} ms/token "
-              f"(floor {rows[-1].floor_ms_per_token:.3f}{kernels})", flush=True)
+              f"(floor {rows[-1].floor_ms_per_token:.3f})", flush=True)
+    report.add(rows)  # the timings are kept before the profiles, which take long
+    for i, (name, run, _) in enumerate(methods if args.profile else []):
+        kernels, steps = profile(run, device), rows[i].steps
+        rows[i] = replace(rows[i], kernels_per_token=len(kernels.events) / steps,
+                          kernel_ms_per_token=1000 * kernels.seconds / steps,
+                          kernel_kinds=[(kind, n / steps, 1000 * seconds / steps) for kind, n, seconds in kernels.by_kind()],
+                          top_kernels=[(kernel, n / steps, 1000 * seconds / steps) for kernel, n, seconds in kernels.top()])
+        report.save()
+        print(f"  {section} | batch {batch} | {name}: {rows[i].kernels_per_token:.0f} kernels / token, "
+              f"{rows[i].kernel_ms_per_token:.2f} ms of kernel time / token", flush=True)
     return rows
 
 

@@ -43,18 +43,17 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # the waits between calls included), most wanted first: gpu_check.py's parts with options,
 # and the seconds they may take (CHECK_SECONDS). The calls that carry the first chunks only
 # carry them; the one that brings the last runs the dev-set parts and the tests that need a
-# GPU (in float16 and bfloat16 with the tests, 299 s on 2026-11-26; float16 alone now: the
-# verification's fixed shapes make the draft length's changes since then unable to change a
-# token, and bfloat16 was identical on 17/17), then the attention part (which kernel should
-# serve the verification: issue 15's largest item after the matrix products,
-# docs/gpu-check-2026-11-26.md); then the benchmark at batch 1 and 16 (its section 2 at
-# batch 16: the adaptive draft length against fixed k on real clips), in what time is left.
+# GPU (float16 only: the verification's fixed shapes keep bfloat16's tokens as float16's,
+# identical on 17/17 on 2026-11-26), 292 s on 2026-11-28; then the benchmark at batch 1,
+# which wrote nothing in 185 s on 2026-11-28 (killed in its section 2's profile; it now
+# writes its rows as they come); the attention part and batch 16 with time to spare.
 DEVICE_SECONDS = 900
 START_SECONDS = 90  # what a machine's start takes of it, about
-WITH_WEIGHTS = ("evaluate,tests,transcribe,stream,attention --dtypes float16", 320)
-AFTER = (("benchmark --batch-sizes 1,16 --acceptance 0.8 --repeats 1", 240),)
+WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 320)
+AFTER = (("benchmark --batch-sizes 1 --acceptance 0.8 --repeats 1", 240),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("autotune --batch-sizes 1 --repeats 1", 540), ("compile --batch-sizes 1 --repeats 2", 240),
+SPARE = (("attention", 90), ("benchmark --batch-sizes 16 --acceptance 0.8 --repeats 1", 300),
+         ("autotune --batch-sizes 1 --repeats 1", 540), ("compile --batch-sizes 1 --repeats 2", 300),
          ("evaluate --dtypes bfloat16", 120), ("benchmark --repeats 2", 540),
          ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240))
 CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report

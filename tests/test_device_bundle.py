@@ -88,8 +88,8 @@ def test_the_plan_runs_the_dev_set_parts_as_soon_as_the_weights_have_come_within
     assert plan[0].startswith('1. carry [".device/extras", ".device/w1"], timeout_s')
     assert plan[0].endswith("`bash scripts/device_call.sh none`") and plan[1].endswith("`bash scripts/device_call.sh none`")
     assert '[".device/w2"]' in plan[1] and '[".device/w3"]' in plan[2]
-    assert plan[2].endswith("device_call.sh evaluate,tests,transcribe,stream,attention --dtypes float16`")
-    assert "benchmark --batch-sizes 1,16" in plan[3] and plan[4].startswith("- carry nothing")
+    assert plan[2].endswith("device_call.sh evaluate,tests,transcribe,stream --dtypes float16`")
+    assert "benchmark --batch-sizes 1 " in plan[3] and plan[4].startswith("- carry nothing")
     numbered = [line for line in plan if line[0].isdigit()]
     timeouts = [int(line.split("timeout_s ")[1].split(":")[0]) for line in numbered]
     checks = [int(line.split("CHECK_SECONDS=")[1].split()[0]) if "CHECK_SECONDS=" in line else 0 for line in numbered]

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import warnings
 from collections import Counter
 from dataclasses import replace
@@ -723,9 +724,20 @@ def test_benchmark_gpu_runs_end_to_end_on_cpu(tmp_path, dev_clips):
                "--readme", str(tmp_path / "README.md")]
     before, after = "# Speed\n<!-- benchmark_gpu.py --readme: begin -->\n", "<!-- benchmark_gpu.py --readme: end -->\nmore\n"
     (tmp_path / "README.md").write_text(before + "| an old table |\n" + after)
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"}) as running:
+        # The rows measured so far are written as they come: a run stopped from outside leaves them.
+        while not (out / "benchmark_gpu.json").exists() and running.poll() is None:
+            time.sleep(0.02)
+        early = json.loads((out / "benchmark_gpu.json").read_text())
+        stdout, stderr = running.communicate(timeout=300)
+    done = SimpleNamespace(returncode=running.returncode, stdout=stdout, stderr=stderr)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert early["header"][-1].startswith("UNFINISHED") and early["rows"]
+    assert {row["section"] for row in early["rows"]} == {"tiny geometry, random weights"}
     report = json.loads((out / "benchmark_gpu.json").read_text())
+    assert not any(line.startswith("UNFINISHED") for line in report["header"]) and len(report["rows"]) > len(early["rows"])
+    assert "UNFINISHED" not in (out / "benchmark_gpu.md").read_text() + (out / "benchmark_gpu_kernels.md").read_text()
     # The README's table: written by the run, its command named, the rest of the file kept.
     readme = (tmp_path / "README.md").read_text()
     assert readme.startswith("# Speed\n<!-- benchmark_gpu.py") and readme.endswith(after) and "an old table" not in readme
