@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="our engine's batch, as `asr transcribe`'s (default: %(default)s; the peers decode one file at a time)")
     e.add_argument("--limit", type=count(1), help="only the first N files of the manifest")
+    e.add_argument("--repeats", type=count(1), default=1,
+                   help="timed runs of each batch per system, in turns; the run of median time is kept (default: 1)")
     e.add_argument("--vad", action="store_true",
                    help="every system decodes the speech kept by faster-whisper's Silero VAD (as asr transcribe --vad)")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
@@ -314,7 +316,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
     preset = None if args.target else args.preset or DEFAULT_PRESET
     options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
                               transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
-                              progress=sys.stderr.isatty())
+                              progress=sys.stderr.isatty(), repeats=args.repeats)
     try:
         clips = read_manifest(args.manifest)[: args.limit]
         if not clips:

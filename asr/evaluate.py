@@ -85,6 +85,9 @@ class EvaluateOptions:
     preset: str | None = None  # recorded in the report
     transcribe: TranscribeOptions = TranscribeOptions()  # the language is each clip's own
     progress: bool = True
+    # Timed runs of each batch per system, in turns; each system's run of median time is kept
+    # (a GPU decodes the dev set in under a second, where one run's noise outweighs a difference).
+    repeats: int = 1
 
 
 @dataclass
@@ -483,10 +486,14 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                         system.run(warm if isinstance(system, OurSystem) else warm[:1], language)
                     warmed.add(language)
                 if items:
-                    # The systems take turns, starting one further on each batch, to share the machine's drift.
-                    shift = index % len(names)
-                    for name in names[shift:] + names[:shift]:
-                        for (result, _), run in zip(loaded, systems[name].run(items, language)):
+                    # The systems take turns, starting one further on each batch and repeat, to share the machine's drift.
+                    attempts: dict[str, list[list[Run]]] = {name: [] for name in names}
+                    for repeat in range(options.repeats):
+                        shift = (index + repeat) % len(names)
+                        for name in names[shift:] + names[:shift]:
+                            attempts[name].append(systems[name].run(items, language))
+                    for name, runs in attempts.items():
+                        for (result, _), run in zip(loaded, median_attempt(runs)):
                             result.runs[name] = run
                 bar.update(len(batch))
                 bar.set_postfix_str(Path(batch[-1].clip.path).name)
@@ -499,6 +506,14 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
     return results
 
 
+def median_attempt(attempts: list[list[Run]]) -> list[Run]:
+    """Of a system's repeated runs of one batch, the one whose batch took the median time (the
+    lower of the two middle ones); the first where a file failed in any (it fails each time)."""
+    if any(run.error for runs in attempts for run in runs):
+        return attempts[0]
+    return sorted(attempts, key=lambda runs: sum(run.seconds for run in runs))[(len(attempts) - 1) // 2]
+
+
 def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
     return {
         "device": str(pair.target.device),
@@ -509,6 +524,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "target": pair.target.name,
         "draft": pair.draft.name,
         "batch_size": options.batch_size,
+        "repeats": options.repeats,
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
         "compiled": options.transcribe.compile,
         # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
@@ -663,6 +679,10 @@ def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
 
+def _repeats(repeats: int) -> str:
+    return f", the median of {repeats} timed runs per batch" if repeats > 1 else ""
+
+
 def render_markdown(report: dict, title: str) -> str:
     env = report["environment"]
     model = f"preset `{env['preset']}`: " if env["preset"] else ""
@@ -673,7 +693,7 @@ def render_markdown(report: dict, title: str) -> str:
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
         f"{', compiled steps' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']} "
-        f"(transformers: 1); {model}target `{env['target']}`, "
+        f"(transformers: 1){_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
         "",
         "| system | files | WER | seconds | RTFx | speed-up vs ours target-only | decoder s | acceptance "

@@ -189,7 +189,7 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
         folder = args.out / f"evaluate-{dtype}{'-compiled' if compile else ''}-{manifest.removesuffix('.tsv')}"
         command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
-                   "--batch-size", "8", "--out", str(folder)] + (["--compile"] if compile else [])
+                   "--batch-size", "8", "--repeats", "5", "--out", str(folder)] + (["--compile"] if compile else [])
         code, _ = run(command, env, args.out / f"{folder.name}.log")
         if code != 0 or not (folder / "report.json").is_file():
             ok = False

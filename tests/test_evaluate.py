@@ -259,6 +259,28 @@ def test_each_languages_first_batch_is_decoded_once_untimed_before_its_timed_run
             ("en", ["0"]), ("en", ["0"]), ("de", ["1"]), ("de", ["1"]), ("de", ["2"])]
 
 
+def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_path: Path, monkeypatch):
+    """--repeats N: every batch is decoded N times per system, in turns that rotate, and each
+    system's run whose batch took the median time is the one reported (its seconds and text)."""
+    manifest = write_manifest(tmp_path, CLIPS)
+    seconds = {False: iter([9.0, 9.0, 0.0, 0.0, 3.0, 3.0, 1.0, 1.0]), True: iter([9.0, 9.0, 2.0, 2.0, 5.0, 5.0, 4.0, 4.0])}
+    order = []
+
+    def timed(self, items, language):
+        order.append(self.options.speculative)
+        taken = [next(seconds[self.options.speculative]) for _ in items]
+        return [Run(text=f"took {t}", tokens=[1], seconds=t) for t in taken]
+
+    monkeypatch.setattr(OurSystem, "run", timed)
+    results = run_systems(read_manifest(manifest), embedded,
+                          EvaluateOptions(batch_size=2, preset="embedded", progress=False, repeats=3))
+    assert order == [False, True, False, True, True, False, False, True]  # the warm-up, then turns from one further each
+    assert [r.runs[TARGET].seconds for r in results] == [1.0, 1.0] and results[0].runs[TARGET].text == "took 1.0"
+    assert [r.runs[SPECULATIVE].seconds for r in results] == [4.0, 4.0]
+    report = build_report(results, system_names(()), describe_environment(embedded, EvaluateOptions(repeats=3)))
+    assert "the median of 3 timed runs per batch" in render_markdown(report, "dev")
+
+
 def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     results, environment, _ = evaluated
     first = results[0]  # CLIPS[0], already decoded by ours
