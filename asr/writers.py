@@ -31,7 +31,8 @@ def _clock(seconds: float, decimal: str) -> str:
 
 
 def to_txt(transcript: Transcript) -> str:
-    return transcript.text + "\n"
+    """A segment a line, as Whisper's writer (an hour's transcript is not one line)."""
+    return "".join(f"{text}\n" for text in (s.text.strip() for s in transcript.segments) if text) or "\n"
 
 
 @dataclass(frozen=True)
