@@ -8,6 +8,7 @@ import json
 import os
 import re
 import tempfile
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -70,9 +71,9 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     if width is None:
         laid_out = [(s.start, s.end, s.text) for s in segments]
     elif layout.max_line_count is not None and all(s.words is not None for s in segments):
-        laid_out = _laid_out([piece for s in segments for piece in _pieces(s)], width, layout.max_line_count)
+        laid_out = _laid_out([piece for s in segments for piece in _pieces(s, width)], width, layout.max_line_count)
     else:
-        laid_out = [cue for s in segments for cue in _laid_out(_pieces(s), width)]
+        laid_out = [cue for s in segments for cue in _laid_out(_pieces(s, width), width)]
     cues: list[Piece] = []
     for start, end, text in laid_out:
         text = "\n".join(line.strip() for line in re.sub(r"-{2,}>", "->", text).splitlines() if line.strip())
@@ -88,12 +89,39 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     return cues
 
 
-def _pieces(segment: Segment) -> list[Piece]:
+def _pieces(segment: Segment, width: int) -> list[Piece]:
     """The segment's timed words; without them (or where the alignment timed none), the
-    words of its text, all at the segment's times."""
+    words of its text, all at the segment's times, where a run of a script written without
+    spaces (Chinese, Japanese, Thai...) is cut into lines' worth of characters."""
     if segment.words:
         return [(w.start, w.end, w.text) for w in segment.words]
-    return [(segment.start, segment.end, word) for word in re.findall(r"\s*\S+", segment.text)]
+    return [(segment.start, segment.end, piece) for word in re.findall(r"\s*\S+", segment.text)
+            for piece in _cut(word, width)]
+
+
+# Scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, CJK punctuation,
+# kana, CJK ideographs, full-width forms.
+UNSPACED = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                      "\uf900-\ufaff\uff00-\uffef]")
+
+
+def _cut(word: str, width: int) -> list[str]:
+    """A word longer than a line: where it holds a script written without spaces, pieces of
+    at most `width` characters, a combining mark kept with the character before it (Thai's
+    vowel and tone marks); other words (a long name, a URL) stay whole."""
+    text = word.lstrip()
+    if len(text) <= width or not UNSPACED.search(text):
+        return [word]
+    pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
+    used = 0
+    for char in text:
+        mark = unicodedata.category(char).startswith("M")
+        if used == width and not mark:
+            pieces.append("")
+            used = 0
+        pieces[-1] += char
+        used += not mark or used == 0
+    return pieces
 
 
 def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:

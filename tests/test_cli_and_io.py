@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
+import unicodedata
 from dataclasses import replace
 from pathlib import Path
 
@@ -211,6 +212,16 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     long_word = Transcript("t", [replace(segments[0], text=" a Supercalifragilistic b", words=None)], timed.info)
     assert writers.to_srt(long_word, writers.SubtitleLayout(max_line_width=5)) == (
         "1\n00:00:00,000 --> 00:00:05,200\na\nSupercalifragilistic\nb\n")
+    # Chinese and Thai write no spaces between words: their runs are cut at the width (Thai's
+    # vowel and tone marks kept with their letters), where a Latin word is not.
+    chinese = " 我们今天在这里讨论的是一个非常重要的问题，关于未来的发展方向。"
+    thai = " สวัสดีครับวันนี้อากาศดีมากเลยนะครับ"
+    for text in (chinese, thai):
+        unspaced = Transcript("t", [replace(segments[0], text=text, words=None)], timed.info)
+        lines = writers.to_srt(unspaced, writers.SubtitleLayout(max_line_width=8)).split("\n")[2:-1]
+        assert len(lines) == 4 and "".join(lines) == text.strip()
+        assert all(sum(not unicodedata.category(c).startswith("M") for c in line) <= 8 for line in lines)
+        assert not any(unicodedata.category(line[0]).startswith("M") for line in lines)
     for wrong in (dict(max_line_count=2), dict(max_line_width=0), dict(max_line_width=10, max_line_count=0)):
         with pytest.raises(ValueError):
             writers.SubtitleLayout(**wrong)
