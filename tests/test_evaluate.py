@@ -33,6 +33,7 @@ from asr.evaluate import (
     TRANSFORMERS_ASSISTED,
     TRANSFORMERS_TARGET,
     EvaluateOptions,
+    FileResult,
     FasterWhisperSystem,
     OurSystem,
     Run,
@@ -45,7 +46,7 @@ from asr.evaluate import (
     transformers_assistant,
     write_report,
 )
-from asr.metrics import normalize, normalized_wer, read_manifest
+from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest
 from asr.models import PRESETS, ctranslate2_directory, load_pair
 from asr.peer_process import FasterWhisperProcess
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
@@ -279,6 +280,25 @@ def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_
     assert [r.runs[SPECULATIVE].seconds for r in results] == [4.0, 4.0]
     report = build_report(results, system_names(()), describe_environment(embedded, EvaluateOptions(repeats=3)))
     assert "the median of 3 timed runs per batch" in render_markdown(report, "dev")
+
+
+def test_a_peer_that_transcribed_fewer_files_has_our_wer_on_those_files_beside_its_own():
+    """Its WER over fewer files is not comparable with ours over all of them."""
+    def run(text: str) -> Run:
+        return Run(text=text, tokens=[1], seconds=1.0)
+
+    results = [FileResult(LabelledClip(Path(f"{i}.wav"), 1.0, "the cat sat down"), 1.0) for i in range(2)]
+    results[0].runs = {TARGET: run("the cat sat down"), SPECULATIVE: run("the cat sat down"),
+                       TRANSFORMERS_TARGET: Run(error="RuntimeError: boom")}
+    results[1].runs = {TARGET: run("the cat sat"), SPECULATIVE: run("the cat sat"),
+                       TRANSFORMERS_TARGET: run("the cat sat")}
+    environment = {"device": "cpu", "dtype": "float32", "threads": 2, "preset": None, "target": "t", "draft": "d",
+                   "batch_size": 1, "torch": "-", "transformers": "-", "notes": [], "normalizer": "-"}
+    report = build_report(results, [TARGET, SPECULATIVE, TRANSFORMERS_TARGET], environment)
+    peer, ours = report["systems"][TRANSFORMERS_TARGET], report["systems"][TARGET]
+    assert (peer["files"], peer["wer"], ours["wer"]) == (1, 0.25, 0.125)
+    assert peer["target_wer_on_these_files"] == 0.25 and "target_wer_on_these_files" not in ours
+    assert "| 25.00% (ours target-only on these files: 25.00%) |" in render_markdown(report, "dev")
 
 
 def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
