@@ -323,17 +323,22 @@ class Transcriber:
         whose progress is cancelled stops decoding and yields nothing."""
         pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
         decoding = _Decoding(self, self.batch_size)
+        exhausted = False
         try:
             while True:
                 new = []
-                while decoding.recordings + len(new) < self.batch_size and (item := next(pending, None)) is not None:
-                    if not item.cancelled:
+                while not exhausted and decoding.recordings + len(new) < self.batch_size:
+                    item = next(pending, None)
+                    exhausted = item is None
+                    if item is not None and not item.cancelled:
                         new.append(self._start(item))
                 for job in decoding.submit(new):
                     if job.done:  # else dropped, cancelled
                         yield job.transcript()
                 if not decoding.busy:
-                    return
+                    if exhausted:
+                        return
+                    continue  # every recording pulled was done at once (no speech, cancelled): pull more
                 for job in decoding.step():
                     yield job.transcript()
         finally:

@@ -38,7 +38,7 @@ from asr.batch import (
 )
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
-from asr.transcribe import TranscribeOptions, Transcriber, _Decoding
+from asr.transcribe import AudioInput, TranscribeOptions, Transcriber, _Decoding
 from conftest import DEV, REPO
 
 SHORT = DEV / "en_short"
@@ -242,6 +242,17 @@ def test_transcribers_over_one_pair_share_its_engines_and_rules(pair):
     assert first.engine is second.engine
     assert first.rules(True) is second.rules(True) and first.rules(False) is second.rules(False)
     assert first.rules(True) is not first.rules(False) and first.rules(True).timestamps
+
+
+def test_recordings_done_at_once_filling_a_batch_do_not_end_the_run(pair):
+    """Recordings with nothing to decode (under one mel frame here; no speech with --vad) are
+    done as soon as they are pulled: a batch of only those ended transcribe_many, and the
+    recordings after them were never transcribed."""
+    noise = np.random.default_rng(0).uniform(-0.1, 0.1, 100).astype(np.float32)  # 6 ms
+    inputs = [AudioInput("a", noise), AudioInput("b", noise), AudioInput("jfk", load_audio(DEV / "en_short" / "jfk.flac"))]
+    transcripts = list(Transcriber(pair, TranscribeOptions(language="en"), batch_size=2).transcribe_many(inputs))
+    assert [t.source for t in transcripts] == ["a", "b", "jfk"]
+    assert transcripts[0].segments == [] and "ask not what your country" in transcripts[2].text.lower()
 
 
 def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
