@@ -518,8 +518,10 @@ class Transcriber:
             # As Whisper (and faster-whisper): segments take their words' times, and unless the
             # window ended on a lone timestamp the next one starts where its last word ended.
             sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
+            # Words are split as the output's language writes them: English when translating.
+            written = "en" if self.options.task == "translate" else job.language
             words, times = align(self.models.target, job.encoded, sot_sequence, texts,
-                                 [(start, end) for start, end, _ in pieces], segment_frames, offset, job.language,
+                                 [(start, end) for start, end, _ in pieces], segment_frames, offset, written,
                                  job.duration, job.last_speech)
             pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
             job.last_speech = speech_end(words, times, job.last_speech)

@@ -255,6 +255,26 @@ def test_recordings_done_at_once_filling_a_batch_do_not_end_the_run(pair):
     assert transcripts[0].segments == [] and "ask not what your country" in transcripts[2].text.lower()
 
 
+def test_translated_words_are_split_as_english_whatever_the_audio_language(pair, monkeypatch):
+    """Chinese, Japanese and Thai are timed a token at a time (no spaces between words); their
+    English translation is not: " trans" and "cription" were two words."""
+    from asr import transcribe as module
+
+    languages = []
+    align = module.align
+
+    def recorded(*args):
+        languages.append(args[7])
+        return align(*args)
+
+    monkeypatch.setattr(module, "align", recorded)
+    options = TranscribeOptions(language="zh", task="translate", word_timestamps=True)
+    transcript = Transcriber(pair, options).transcribe(load_audio(DEV / "en_short" / "jfk.flac"))
+    assert languages and set(languages) == {"en"}
+    words = [w.text for s in transcript.segments for w in s.words]
+    assert len(words) > 15 and all(w.startswith(" ") for w in words), words
+
+
 def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     source, out = tmp_path / "in", tmp_path / "out"
     expected_errors = write_bad_corpus(source)
