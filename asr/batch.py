@@ -425,7 +425,9 @@ def transcribe_files(
         try:
             for transcript in transcriber.transcribe_many(inputs()):
                 yield from _drain(unreadable)
-                yield _rendered(transcript, in_flight.pop(transcript.source), formats, layout)
+                rendered = _rendered(transcript, in_flight[transcript.source], formats, layout)
+                del in_flight[transcript.source]  # only now: a file whose rendering raised is retried, then reported
+                yield rendered
             yield from _drain(unreadable)
             return
         except Exception:  # in decoding: retry this batch's files alone, then go on

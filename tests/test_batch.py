@@ -275,6 +275,21 @@ def test_translated_words_are_split_as_english_whatever_the_audio_language(pair,
     assert len(words) > 15 and all(w.startswith(" ") for w in words), words
 
 
+def test_a_file_whose_transcript_cannot_be_rendered_fails_with_the_reason_and_the_others_go_on(pair, monkeypatch):
+    render = batch.render
+
+    def failing(transcript, fmt, layout):
+        if transcript.source.endswith("jfk.flac"):
+            raise ValueError("no way to write this")
+        return render(transcript, fmt, layout)
+
+    monkeypatch.setattr(batch, "render", failing)
+    files = [DEV / "en_short" / name for name in ("jfk.flac", "LJ002-0020.wav")]
+    results = {Path(r.source).name: r for r in batch.transcribe_files(Transcriber(pair, batch_size=2), files, ("txt",))}
+    assert results["jfk.flac"].error == "transcription failed: ValueError: no way to write this"
+    assert results["LJ002-0020.wav"].error is None and "1813" in results["LJ002-0020.wav"].texts["txt"]
+
+
 def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     source, out = tmp_path / "in", tmp_path / "out"
     expected_errors = write_bad_corpus(source)
