@@ -503,8 +503,10 @@ class _Recorder:
                 # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
                 written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
                 if written and (other := self.sources.other_recording(item)) is not None:
-                    self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of another recording, "
-                                                   f"{other}: --overwrite replaces them, or give another --out-dir")
+                    whose = ("an earlier version of this file (its contents changed since)" if other == str(item.source)
+                             else f"another recording, {other}")
+                    self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of {whose}: "
+                                                   "--overwrite replaces them, or give another --out-dir")
                 elif run.overwrite or not is_complete(item, run.formats):
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:

@@ -367,6 +367,12 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
     assert (out / "REC001.txt").read_text() == first and not (out / "REC001.json").exists()
     assert run(day2, overwrite=True, formats=("json",)) == (1, 0, 0)  # day 1's txt goes: not beside day 2's json
     assert not (out / "REC001.txt").exists() and "Concorde" in (out / "REC001.json").read_text()
+    # The same file, changed in place (re-exported): its outputs are of its earlier version.
+    shutil.copy(SHORT / "1089-134691-0000.flac", day2 / "REC001.flac")
+    assert run(day2, formats=("json",)) == (0, 1, 0)
+    assert errors_of(out) == {"REC001.flac": f"its outputs {out / 'REC001'}.* are the transcript of an earlier version "
+                                             "of this file (its contents changed since): --overwrite replaces them, "
+                                             "or give another --out-dir"}
 
 
 def test_the_progress_bar_counts_seconds_of_audio_as_each_window_ends(tmp_path: Path, pair, capsys, monkeypatch):
