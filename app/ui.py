@@ -316,14 +316,17 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
             shown, live.shown = live.shown, -1
             return (gr.skip() if shown == -1 else error_html(f"The live transcription stopped: {live.error}"),
                     gr.skip(), live)
-        update = live.last
-        if update is None:
+        shown = len(live.updates)  # read once: the worker may append meanwhile
+        if not shown:
             return live_html("", "", listening=not live.finished), gr.skip(), live
-        if live.shown == len(live.updates):  # chunks come twice a second; decodes less often
+        if live.shown == shown:  # chunks come twice a second; decodes less often
             return gr.skip(), gr.skip(), live
-        live.shown = len(live.updates)
+        live.shown, update = shown, live.updates[shown - 1]
+        recorded = live.recorded_seconds()
+        status = ("recording" if not update.final else "finished" if recorded <= LIVE_TIME_LIMIT_S else
+                  f"stopped at the {LIVE_TIME_LIMIT_S // 60}-minute limit: press Stop, then Record to go on")
         return (live_html(update.committed_text, update.tentative_text, listening=not update.final),
-                figures_html(live_figures(live.summary(), live.recorded_seconds(), update.final)), live)
+                figures_html(live_figures(live.summary(), recorded, status)), live)
 
     def on_start() -> tuple[str, str, None]:
         if LiveSession.running() >= LIVE_SESSIONS:  # this recording's chunks wait in the queue, unheard, for a slot

@@ -21,10 +21,10 @@ class Figure:
 
 
 def clock(seconds: float) -> str:
-    """m:ss.s, or h:mm:ss.s past an hour."""
-    minutes, secs = divmod(max(seconds, 0.0), 60)
-    hours, minutes = divmod(int(minutes), 60)
-    return f"{hours}:{minutes:02d}:{secs:04.1f}" if hours else f"{minutes}:{secs:04.1f}"
+    """m:ss.s, or h:mm:ss.s past an hour (rounded to the tenth first: 59.96 s is 1:00.0, not 0:60.0)."""
+    minutes, tenths = divmod(round(max(seconds, 0.0) * 10), 600)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{tenths / 10:04.1f}" if hours else f"{minutes}:{tenths / 10:04.1f}"
 
 
 def speed(rtf: float) -> str:
@@ -122,7 +122,8 @@ def live_html(committed: str, tentative: str, listening: bool) -> str:
     )
 
 
-def live_figures(summary: StreamSummary, recorded_seconds: float, final: bool) -> list[Figure]:
+def live_figures(summary: StreamSummary, recorded_seconds: float, status: str) -> list[Figure]:
+    """status: the recording's, in words (recording, finished, why it stopped)."""
     if summary.median_commit_latency is None:
         latency = Figure("Commit latency", "–", "nothing committed yet")
     else:
@@ -133,7 +134,7 @@ def live_figures(summary: StreamSummary, recorded_seconds: float, final: bool) -
     passes = summary.target_passes
     return [
         Figure("Audio heard", f"{summary.audio_seconds:.1f} s",
-               f"of {max(recorded_seconds, summary.audio_seconds):.1f} s recorded · {'finished' if final else 'recording'}"),
+               f"of {max(recorded_seconds, summary.audio_seconds):.1f} s recorded · {status}"),
         latency,
         Figure("Compute", f"{summary.compute_seconds:.1f} s", f"real-time factor {rtf:.2f} · {summary.updates} decodes"),
         Figure("Target passes", f"{passes}",

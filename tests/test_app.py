@@ -26,7 +26,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import transcribe_upload
-from app.views import live_html
+from app.views import clock, live_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
@@ -206,6 +206,11 @@ def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
     assert '<span class="asr-committed">ask not &lt;b&gt;</span>' in page
     assert '<span class="asr-tentative">what your</span>' in page
     assert "Listening" in live_html("", "", listening=True)
+
+
+def test_times_are_rounded_before_they_are_split_into_minutes() -> None:
+    assert [clock(t) for t in (0.04, 59.94, 59.96, 61.26, 3599.96, 3723.4)] == [
+        "0:00.0", "0:59.9", "1:00.0", "1:01.3", "1:00:00.0", "1:02:03.4"]  # 59.96 s was "0:60.0"
 
 
 def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> None:
