@@ -229,7 +229,12 @@ class StreamingTranscriber:
             self._decoded_until = until  # decoded (a decode that raised is done again at the next call)
             stats.append(window.info.stats)
             decoded_seconds += len(self._buffer) / SAMPLE_RATE
+            shown = self._tentative
             committed += self._agree(window)
+            if final and window.silent and not self._tentative:
+                # The last words shown (grey) are not lost to a final decode judged silent
+                # (a short last phrase, then a long silence before the stop).
+                self._tentative = shown
             if not (final and len(self._waiting)):
                 break
         if final:

@@ -216,6 +216,25 @@ def test_a_loop_runs_to_the_hypothesis_end_and_a_repetition_is_speech(transcribe
     assert [u.committed_text for u in updates] == ["", expected, expected, expected]
 
 
+def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcriber):
+    """Scripted: one hypothesis shown as tentative, then finish() meets a window Whisper judges
+    to hold no speech (a short last phrase, then silence): the words shown are committed."""
+    stream = StreamingTranscriber(transcriber)
+    calls = []
+
+    def scripted(samples, *_):
+        calls.append(len(samples))
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(" Hello there."), "en", 0.0, len(calls) > 1, info)
+
+    stream.transcriber.transcribe_window = scripted
+    stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+    assert stream.process().tentative_text == "Hello there."
+    stream.insert_audio(np.zeros(SAMPLE_RATE, dtype=np.float32))
+    final = stream.finish()
+    assert len(calls) >= 2 and final.committed_text == "Hello there." and final.tentative == []
+
+
 def test_the_committed_words_tail_heard_again_after_a_cut_is_not_committed_twice(transcriber):
     """Scripted hypotheses: the first two agree on their first segment only ("Ask not what"),
     and the buffer, longer than its trim length, is cut shortly before that segment's end.
