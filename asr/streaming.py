@@ -48,6 +48,7 @@ import numpy as np
 from asr.audio import SAMPLE_RATE, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio
+from asr.words import cut_unspaced
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
 FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
@@ -522,8 +523,15 @@ def _before_copy(keys: list[str], before: list[str]) -> int:
     return next((i for i in range(len(keys)) if tuple(keys[i : i + PROMPT_COPY_WORDS]) in copies), len(keys))
 
 
+def _split(text: str) -> list[str]:
+    """Words with their leading spaces; in scripts written without spaces (Chinese, Japanese,
+    Thai...) each character is one, so that two hypotheses agree on a clause's first
+    characters, not only on the whole clause."""
+    return [piece for word in WORD.findall(text) for piece in cut_unspaced(word, 1)]
+
+
 def _keys(text: str) -> list[str]:
-    return [_key(Word(piece, 0.0, 0.0)) for piece in WORD.findall(text)]
+    return [_key(Word(piece, 0.0, 0.0)) for piece in _split(text)]
 
 
 def _key(word: Word) -> str:
@@ -548,7 +556,7 @@ def _split_word(word: Word, chars: int) -> list[Word]:
 
 def _timed_words(text: str, start: float, end: float) -> list[Word]:
     """Words with leading spaces, sharing [start, end] by their characters."""
-    pieces = WORD.findall(text)
+    pieces = _split(text)
     sizes = [len(p.strip()) for p in pieces]
     total = sum(sizes) or 1
     words, before = [], 0

@@ -7,7 +7,9 @@ each word's probability (its tokens' mean)."""
 
 from __future__ import annotations
 
+import re
 import string
+import unicodedata
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +25,31 @@ APPENDED = "\"'.。,，!！?？:：”)]}、"  # punctuation that joins the word
 SENTENCE_ENDS = ".。!！?？"
 # Languages written without spaces: a word is each character (or undivided token).
 UNSPACED = {"zh", "ja", "th", "lo", "my", "yue"}
+
+# Scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, CJK punctuation,
+# kana, CJK ideographs, full-width forms.
+UNSPACED_SCRIPTS = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
+                              "\uf900-\ufaff\uff00-\uffef]")
+
+
+def cut_unspaced(word: str, width: int) -> list[str]:
+    """A word (text between spaces) longer than `width`: where it holds a script written
+    without spaces, pieces of at most `width` characters, a combining mark kept with the
+    character before it (Thai's vowel and tone marks), the leading space with the first;
+    other words (a long name, a URL) stay whole."""
+    text = word.lstrip()
+    if len(text) <= width or not UNSPACED_SCRIPTS.search(text):
+        return [word]
+    pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
+    used = 0
+    for char in text:
+        mark = unicodedata.category(char).startswith("M")
+        if used == width and not mark:
+            pieces.append("")
+            used = 0
+        pieces[-1] += char
+        used += not mark or used == 0
+    return pieces
 
 
 @dataclass(frozen=True)

@@ -8,12 +8,12 @@ import json
 import os
 import re
 import tempfile
-import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 from asr.transcribe import Segment, Transcript
+from asr.words import cut_unspaced
 
 FORMATS = ("txt", "srt", "vtt", "json")
 # The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
@@ -96,32 +96,7 @@ def _pieces(segment: Segment, width: int) -> list[Piece]:
     if segment.words:
         return [(w.start, w.end, w.text) for w in segment.words]
     return [(segment.start, segment.end, piece) for word in re.findall(r"\s*\S+", segment.text)
-            for piece in _cut(word, width)]
-
-
-# Scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, CJK punctuation,
-# kana, CJK ideographs, full-width forms.
-UNSPACED = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff"
-                      "\uf900-\ufaff\uff00-\uffef]")
-
-
-def _cut(word: str, width: int) -> list[str]:
-    """A word longer than a line: where it holds a script written without spaces, pieces of
-    at most `width` characters, a combining mark kept with the character before it (Thai's
-    vowel and tone marks); other words (a long name, a URL) stay whole."""
-    text = word.lstrip()
-    if len(text) <= width or not UNSPACED.search(text):
-        return [word]
-    pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
-    used = 0
-    for char in text:
-        mark = unicodedata.category(char).startswith("M")
-        if used == width and not mark:
-            pieces.append("")
-            used = 0
-        pieces[-1] += char
-        used += not mark or used == 0
-    return pieces
+            for piece in cut_unspaced(word, width)]
 
 
 def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:

@@ -235,6 +235,28 @@ def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcri
     assert len(calls) >= 2 and final.committed_text == "Hello there." and final.tentative == []
 
 
+def test_chinese_is_agreed_on_character_by_character(transcriber):
+    """Scripted: Chinese has no spaces between words, so a clause was one "word", committed
+    only once two hypotheses agreed on all of it. Character by character, the agreeing
+    start of a growing clause is committed at once, and nothing is committed twice."""
+    stream = StreamingTranscriber(transcriber)
+    script = [" 我们今天去公园", " 我们今天去公园，然后", " 我们今天去公园，然后回家吃饭。"]
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("zh", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), "zh", 0.0,
+                            False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    updates = []
+    for _ in range(3):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        updates.append(stream.process())
+    updates.append(stream.finish())
+    assert [u.committed_text for u in updates] == ["", "我们今天去公园", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
+    assert_append_only(updates)
+
+
 def test_the_committed_words_tail_heard_again_after_a_cut_is_not_committed_twice(transcriber):
     """Scripted hypotheses: the first two agree on their first segment only ("Ask not what"),
     and the buffer, longer than its trim length, is cut shortly before that segment's end.
