@@ -53,7 +53,7 @@ from asr.words import cut_unspaced
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
 FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
 CONTEXT_CHARACTERS = 200  # the prompt: the end of the committed text before the buffer (as whisper_streaming)
-LOOP_WORDS = 5  # a run of this many words twice (or a shorter one four times) up to a hypothesis's end is a loop
+LOOP_WORDS = 5  # a run of this many words twice in a row (or a shorter one four times) is a loop
 TOKENS_PER_SECOND = 15  # a buffer's hypothesis stops at 20 tokens + this many per second (more is a loop, not speech)
 PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
@@ -323,10 +323,8 @@ class StreamingTranscriber:
         words = [w for s in segments for w in s.words]
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
-        keys = [_key(w) for w in words]
-        # A loop is looked for from the buffer's first word: its first run may be committed already.
-        fresh = words[done : max(done, _before_loop(keys))]
-        fresh = fresh[: _before_copy(keys[done:], _keys(self._context_text) + keys[:done])]
+        before = _keys(self._context_text) + [_key(w) for w in words[:done]]
+        fresh = words[done : done + _before_repeats([_key(w) for w in words[done:]], before)]
         backlog = len(self._waiting) > 0
         agreed = 0
         if backlog:
@@ -503,24 +501,19 @@ class StreamingTranscriber:
         self._buffer_start += samples
 
 
-def _before_loop(keys: list[str]) -> int:
-    """How many of a hypothesis's words (keys) come before it loops: repeats a run of
-    LOOP_WORDS words or more twice, or a shorter one four times, up to its end (Whisper's
-    loops run to the token limit, where a speaker's "no, no, no, no" is followed by more
-    words). A loop keeps its first run."""
-    for i in range(len(keys)):
-        left = len(keys) - i
-        for n in range(1, left // 2 + 1):
-            if left >= (2 if n >= LOOP_WORDS else 4) * n and all(keys[j] == keys[j - n] for j in range(i + n, len(keys))):
-                return i + n
-    return len(keys)
-
-
-def _before_copy(keys: list[str], before: list[str]) -> int:
-    """How many of a hypothesis's new words (keys) come before it copies PROMPT_COPY_WORDS
+def _before_repeats(keys: list[str], before: list[str]) -> int:
+    """How many of a hypothesis's new words (keys) come before it loops (a run of LOOP_WORDS
+    words or more twice in a row, or a shorter one four times) or copies PROMPT_COPY_WORDS
     words in a row of the text before them (`before`)."""
     copies = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
-    return next((i for i in range(len(keys)) if tuple(keys[i : i + PROMPT_COPY_WORDS]) in copies), len(keys))
+    for i in range(len(keys)):
+        if tuple(keys[i : i + PROMPT_COPY_WORDS]) in copies:
+            return i
+        for n in range(1, (len(keys) - i) // 2 + 1):
+            run = keys[i : i + n]
+            if run == keys[i + n : i + 2 * n] and (n >= LOOP_WORDS or run * 2 == keys[i + 2 * n : i + 4 * n]):
+                return i + n
+    return len(keys)
 
 
 def _split(text: str) -> list[str]:

@@ -193,29 +193,6 @@ def test_a_word_split_otherwise_than_when_it_was_committed_is_neither_lost_nor_r
     assert_append_only(updates)
 
 
-@pytest.mark.parametrize("hypothesis, expected", [
-    # A speaker's repetition, words after it: committed once two hypotheses agree (it was taken
-    # for a loop, "He said no," committed alone, the rest one repetition an update later).
-    (" He said no, no, no, no, and then he left the room.", "He said no, no, no, no, and then he left the room."),
-    # Whisper looping up to its token limit: the loop's first run is kept, the rest never committed.
-    (" Thank you for watching." * 4 + " Thank you for", "Thank you for watching."),
-])
-def test_a_loop_runs_to_the_hypothesis_end_and_a_repetition_is_speech(transcriber, hypothesis, expected):
-    stream = StreamingTranscriber(transcriber)
-
-    def scripted(samples, *_):
-        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
-        return WindowResult(transcriber.vocab.encode(hypothesis), "en", 0.0, False, info)
-
-    stream.transcriber.transcribe_window = scripted
-    updates = []
-    for _ in range(3):
-        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
-        updates.append(stream.process())
-    updates.append(stream.finish())
-    assert [u.committed_text for u in updates] == ["", expected, expected, expected]
-
-
 def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcriber):
     """Scripted: one hypothesis shown as tentative, then finish() meets a window Whisper judges
     to hold no speech (a short last phrase, then silence): the words shown are committed."""
