@@ -194,7 +194,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
         with av.open(str(path)) as container:
             if not container.streams.audio:
                 raise AudioError(f"{path}: has no audio stream")
-            resampler = av.AudioResampler(format="flt", layout="mono", rate=SAMPLE_RATE)
+            # Channels kept and averaged here, as soundfile's are: FFmpeg's own stereo-to-mono
+            # mix sums them at 0.707 each, 3 dB louder than the same recording as a WAV.
+            resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
 
             def resampled():
                 for frame in container.decode(audio=0):
@@ -202,7 +204,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
                 yield from resampler.resample(None)
 
             for out in resampled():
-                pending.append(out.to_ndarray().reshape(-1))
+                pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
                 size += len(pending[-1])
                 if size >= block_seconds * SAMPLE_RATE:
                     yield np.concatenate(pending)

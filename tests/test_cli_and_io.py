@@ -50,6 +50,26 @@ def test_m4a_goes_through_ffmpeg(tmp_path: Path):
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
 
 
+def test_a_stereo_recording_has_one_level_whichever_reader_reads_it(tmp_path: Path):
+    """Channels are averaged: FFmpeg's own stereo-to-mono mix (a Matroska file here, as any
+    m4a or webm) summed them at 0.707 each, 3 dB louder than the same samples as a WAV."""
+    import av
+
+    rate = 16000
+    left = (0.5 * np.sin(np.linspace(0, 2000, rate))).astype(np.float32)
+    stereo = np.stack([left, 0.5 * left])  # [channels, samples]
+    soundfile.write(tmp_path / "clip.wav", stereo.T, rate, subtype="FLOAT")
+    with av.open(str(tmp_path / "clip.mka"), "w") as container:
+        stream = container.add_stream("pcm_f32le", rate=rate, layout="stereo")
+        frame = av.AudioFrame.from_ndarray(stereo, format="fltp", layout="stereo")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    wav, mka = load_audio(tmp_path / "clip.wav"), load_audio(tmp_path / "clip.mka")
+    assert len(wav) == len(mka) == rate and np.abs(wav - mka).max() < 1e-5
+    np.testing.assert_allclose(mka, stereo.mean(axis=0), atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "name, content, message",
     [
