@@ -10,9 +10,13 @@ from pathlib import Path
 
 import jiwer
 
+from asr.words import UNSPACED  # languages written without spaces between words: scored by the letter
+
 # whisper-normalizer ships Whisper's normalisers with the English spelling map
 # (British to American), which transformers' copy needs from a hub tokenizer.
-NORMALIZER = "whisper-normalizer (Whisper's English normaliser with its spelling map; basic normaliser otherwise)"
+NORMALIZER = ("whisper-normalizer (Whisper's English normaliser with its spelling map; basic normaliser otherwise, "
+              "its letters split for languages written without spaces: there WER is a character error rate)")
+
 
 
 @lru_cache(maxsize=1)
@@ -22,17 +26,19 @@ def _english():
     return EnglishTextNormalizer()
 
 
-@lru_cache(maxsize=1)
-def _basic():
+@lru_cache(maxsize=2)
+def _basic(split_letters: bool = False):
     from whisper_normalizer.basic import BasicTextNormalizer
 
-    return BasicTextNormalizer()
+    return BasicTextNormalizer(split_letters=split_letters)
 
 
 def normalize(text: str, language: str = "en") -> str:
-    """Whisper's English normaliser for English, its basic (language-neutral) one otherwise."""
+    """Whisper's English normaliser for English, its basic (language-neutral) one otherwise;
+    for Chinese, Japanese, Thai... (no spaces between words) the basic one with its letters
+    split by spaces, so that a "word" error rate counts letters, not whole sentences."""
     if language != "en":
-        return _basic()(text).strip()
+        return " ".join(_basic(language in UNSPACED)(text).split())
     # Typographic apostrophes would split "beauty’s" where "beauty's" expands to "beauty is".
     return _english()(text.replace("\u2019", "'").replace("\u2018", "'")).strip()
 

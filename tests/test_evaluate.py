@@ -46,7 +46,7 @@ from asr.evaluate import (
     transformers_assistant,
     write_report,
 )
-from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest
+from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest, word_error_rate
 from asr.models import PRESETS, ctranslate2_directory, load_pair
 from asr.peer_process import FasterWhisperProcess
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
@@ -552,6 +552,10 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
     assert normalize("Sous le consulat, il devient conservateur des eaux et forêts.", "fr") == (
         "sous le consulat il devient conservateur des eaux et forêts"
     )
+    # Written without spaces, a sentence was one "word" (one error however many letters were
+    # wrong): Chinese, Japanese and Thai are scored by the letter.
+    assert normalize("我们今天去公园，然后回家。", "zh") == "我 们 今 天 去 公 园 然 后 回 家"
+    assert word_error_rate(["我们今天去公园", "Hallo Welt"], ["我们明天去公园", "Hallo Welt"], ["zh", "de"]) == pytest.approx(1 / 9)
     (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\nc.wav\tHi\t\t\n")
     clips = read_manifest(tmp_path / "m.tsv")
     assert [(c.path, c.duration, c.language) for c in clips] == [
