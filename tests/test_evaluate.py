@@ -319,6 +319,18 @@ def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     assert report["per_file"][0][f"{TRANSFORMERS_ASSISTED}_text"]
 
 
+def test_transformers_is_not_handed_padding_where_the_voice_filter_kept_no_speech(embedded, monkeypatch):
+    """Ours and faster-whisper decode nothing there; transformers was given a 30 s window of
+    silence, where Whisper hallucinates ("Thank you."), charged as insertions."""
+    from asr import evaluate as module
+
+    monkeypatch.setattr(module.vad, "speech_only", lambda samples: (samples[:0], None))
+    monkeypatch.setattr(embedded.target.model, "generate", lambda *a, **k: pytest.fail("generate ran"))
+    audio = AudioInput("noise", np.random.default_rng(0).uniform(-0.01, 0.01, SAMPLE_RATE).astype(np.float32))
+    run = TransformersSystem(embedded, TranscribeOptions(vad_filter=True), assisted=False).run([audio], "en")[0]
+    assert run.error is None and (run.text, run.tokens) == ("", []) and run.seconds >= 0
+
+
 def test_the_transformers_peers_run_with_a_bfloat16_encoder():
     """--dtype auto on a bf16 CPU: transformers' generate gets the same mixed dtypes as ours
     (its features in the encoder's dtype, the encoder's output in the decoder's); it failed
