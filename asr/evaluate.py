@@ -629,6 +629,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                 entry[f"{system}_tokens_per_target_pass"] = run.stats.tokens_per_target_pass
         if r.ok(TARGET) and r.ok(SPECULATIVE):
             entry["identical"] = _identical(r.runs[SPECULATIVE], r.runs[TARGET], with_times=True)
+            entry["same_tokens"] = _identical(r.runs[SPECULATIVE], r.runs[TARGET], with_times=False)
             entry["normalized"] = normalized[id(r)]
             for system in systems:
                 if system not in (TARGET, SPECULATIVE) and r.ok(system):
@@ -686,7 +687,8 @@ def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
 
 
 def _repeats(repeats: int) -> str:
-    return f", the median of {repeats} timed runs per batch" if repeats > 1 else ""
+    middle = "" if repeats % 2 else " (the faster of the middle two)"
+    return f", the median of {repeats} timed runs per batch{middle}" if repeats > 1 else ""
 
 
 def render_markdown(report: dict, title: str) -> str:
@@ -732,7 +734,8 @@ def render_markdown(report: dict, title: str) -> str:
         if differing:
             lines += ["", f"Files where ours speculative differs from ours target-only ({len(differing)}):", ""]
             lines += [f"- `{Path(f['file']).name}`: "
-                      + ("the same text, other segment times" if f[f"{SPECULATIVE}_text"] == f[f"{TARGET}_text"] else
+                      + (("the same text, other segment times" if f["same_tokens"] else "the same text, other tokens")
+                         if f[f"{SPECULATIVE}_text"] == f[f"{TARGET}_text"] else
                          f"target-only \"{f[f'{TARGET}_text']}\" / speculative \"{f[f'{SPECULATIVE}_text']}\"")
                       for f in differing]
     split = [(system, s) for system, s in report["systems"].items() if s.get("features_seconds") is not None]

@@ -215,6 +215,10 @@ def test_the_report_names_the_files_where_speculative_differs_and_what_it_could_
     assert "Files where ours speculative differs from ours target-only (2):" in markdown
     assert f'`{first.clip.path.name}`: target-only "{first.runs[TARGET].text}" / speculative "something else"' in markdown
     assert f"`{second.clip.path.name}`: the same text, other segment times" in markdown
+    # Other tokens that decode to the same text (a word split otherwise) are not called other times.
+    second.runs[SPECULATIVE] = replace(second.runs[TARGET], tokens=second.runs[TARGET].tokens + [1])
+    markdown = render_markdown(build_report([first, second], system_names(()), environment), "t")
+    assert f"`{second.clip.path.name}`: the same text, other tokens" in markdown
 
 
 def test_a_file_that_fails_its_batch_is_told_apart_from_its_batchmates(embedded, monkeypatch):
