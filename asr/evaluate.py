@@ -60,7 +60,11 @@ NOTES = [
     "identical: speculative and target-only transcripts have the same text tokens and segment times; "
     "for the transformers systems, the same text tokens as our target-only transcript.",
     "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
-    "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours.",
+    "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours; their decoder "
+    "seconds are all but the features and the encoder (their host work included: no rest), and with --vad their "
+    "features include the voice filter, which ours count in the rest.",
+    "Tokens a window may generate: ours 224 (Whisper's), less where the prompt leaves less room; the peers their "
+    "own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
     "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
     "transcripts can differ from its own target-only ones.",
     "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
