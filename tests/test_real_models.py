@@ -250,13 +250,16 @@ def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
     attempt, faster-whisper's choice (Whisper's was the last, at temperature 1.0: sampled
     nonsense), and counts as decoded at the last temperature, as faster-whisper's does."""
     spanish = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
-    options = dict(language="es", task="translate")
+    # No drafting: the samples drawn depend on how many tokens each round proposes, which the
+    # adaptive length chooses from the machine's timings (a sampled retry passed the
+    # thresholds on some runs); with a draft proposing 4 a round, one passes on every run.
+    options = dict(language="es", task="translate", num_draft_tokens=0)
     greedy = Transcriber(base_pair, TranscribeOptions(**options, temperatures=(0.0,))).transcribe(spanish)
     fallback = Transcriber(base_pair, TranscribeOptions(**options)).transcribe(spanish)
     assert greedy.segments[0].avg_logprob < -1.0 and greedy.text.startswith("The sand is white")
     assert [s.tokens for s in fallback.segments] == [s.tokens for s in greedy.segments]
     assert {s.temperature for s in fallback.segments} == {1.0}
-    assert fallback.info.stats.target_passes > 3 * greedy.info.stats.target_passes  # six attempts
+    assert fallback.info.stats.tokens > 5 * greedy.info.stats.tokens  # six attempts decoded
     # The same samples as an array: float64, two channels (what soundfile.read gives), or 16-bit PCM.
     stereo = np.stack([spanish, spanish], axis=1).astype(np.float64)
     pcm = (spanish * 32768).round().clip(-32768, 32767).astype(np.int16)
