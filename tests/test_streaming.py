@@ -165,6 +165,25 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
     assert stream.finish().committed_text == "Ask not what your country can do"
 
 
+def scripted_updates(transcriber, script: list[str], language: str = "en", chunks: int = 4) -> list:
+    """A stream fed `chunks` seconds of JFK, a process() each, then finish(), whose decodes
+    return the script's hypotheses in turn (its last thereafter): the updates."""
+    stream = StreamingTranscriber(transcriber)
+    script = list(script)
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo(language, 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), language, 0.0,
+                            False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    updates = []
+    for _ in range(chunks):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        updates.append(stream.process())
+    return updates + [stream.finish()]
+
+
 @pytest.mark.parametrize("script, expected", [
     # "bud" committed from "bud berry"; then "bud-barriest" as one word: "barriest" was taken as committed, and lost.
     ([" Within thine own bud", " Within thine own bud berry.", " Within thine own bud-barriest thy content"],
@@ -175,20 +194,7 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
 ])
 def test_a_word_split_otherwise_than_when_it_was_committed_is_neither_lost_nor_repeated(transcriber, script, expected):
     """Scripted hypotheses of one buffer (the first case is what a run on the sonnet met)."""
-    stream = StreamingTranscriber(transcriber)
-    script = list(script)
-
-    def scripted(samples, *_):
-        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
-        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), "en", 0.0, False,
-                            info)
-
-    stream.transcriber.transcribe_window = scripted
-    updates = []
-    for _ in range(4):
-        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
-        updates.append(stream.process())
-    updates.append(stream.finish())
+    updates = scripted_updates(transcriber, script)
     assert updates[-1].committed_text == expected
     assert_append_only(updates)
 
@@ -216,20 +222,8 @@ def test_chinese_is_agreed_on_character_by_character(transcriber):
     """Scripted: Chinese has no spaces between words, so a clause was one "word", committed
     only once two hypotheses agreed on all of it. Character by character, the agreeing
     start of a growing clause is committed at once, and nothing is committed twice."""
-    stream = StreamingTranscriber(transcriber)
     script = [" 我们今天去公园", " 我们今天去公园，然后", " 我们今天去公园，然后回家吃饭。"]
-
-    def scripted(samples, *_):
-        info = TranscriptionInfo("zh", 1.0, len(samples) / SAMPLE_RATE, True)
-        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), "zh", 0.0,
-                            False, info)
-
-    stream.transcriber.transcribe_window = scripted
-    updates = []
-    for _ in range(3):
-        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
-        updates.append(stream.process())
-    updates.append(stream.finish())
+    updates = scripted_updates(transcriber, script, "zh", chunks=3)
     assert [u.committed_text for u in updates] == ["", "我们今天去公园", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
     assert_append_only(updates)
 
