@@ -341,8 +341,8 @@ class TransformersSystem(_OneFileAtATime):
         started = time.perf_counter()
         samples = vad.speech_only(item.samples)[0] if options.vad_filter else item.samples
         if not len(samples):  # no speech kept: nothing to decode, as ours and faster-whisper (not 30 s of padding)
-            return Run(seconds=time.perf_counter() - started, features_seconds=time.perf_counter() - started,
-                       encoder_seconds=0.0, decoder_seconds=0.0)
+            seconds = time.perf_counter() - started
+            return Run(seconds=seconds, features_seconds=seconds, encoder_seconds=0.0, decoder_seconds=0.0)
         mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
         # Up to 30 s: one window, the audio padded with silence as transformers' feature
         # extractor pads it (what its users get); longer: transformers' long-form loop.
