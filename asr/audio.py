@@ -50,6 +50,9 @@ def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
     """[frames] or [frames, channels], float or PCM integers (whose full scale becomes 1.0)
     -> float32 [frames], channels averaged."""
     samples = np.asarray(samples)
+    if samples.dtype.kind in "iu" and samples.dtype.itemsize > 4:
+        # numpy's default for a list of ints, no PCM format's: scaled by 2**63 it would be silence
+        raise AudioError(f"{name}: {samples.dtype} samples; give PCM as int16 or int32, or floats in [-1, 1]")
     if samples.dtype.kind in "iu":
         half = 2.0 ** (8 * samples.dtype.itemsize - 1)
         samples = (samples.astype(np.float64) - (half if samples.dtype.kind == "u" else 0.0)) / half
@@ -102,7 +105,7 @@ def audio_seconds(path: str | Path) -> float | None:
     try:
         import av
 
-        with av.open(str(path)) as container:
+        with av.open(str(path), metadata_errors="ignore") as container:
             stream = container.streams.audio[0]
             if stream.duration is not None and stream.time_base is not None:
                 return float(stream.duration * stream.time_base)
@@ -191,7 +194,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     pending: list[np.ndarray] = []
     size = 0
     try:
-        with av.open(str(path)) as container:
+        with av.open(str(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
                 raise AudioError(f"{path}: has no audio stream")
             # Channels kept and averaged here, as soundfile's are: FFmpeg's own stereo-to-mono
@@ -199,8 +202,13 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
 
             def resampled():
-                for frame in container.decode(audio=0):
-                    yield from resampler.resample(frame)
+                for packet in container.demux(container.streams.audio[0]):
+                    try:
+                        frames = packet.decode()
+                    except av.error.InvalidDataError:
+                        continue  # a damaged packet is skipped, as the ffmpeg command does (a phone's truncated file)
+                    for frame in frames:
+                        yield from resampler.resample(frame)
                 yield from resampler.resample(None)
 
             for out in resampled():

@@ -15,7 +15,7 @@ import soundfile
 import torch
 
 from asr import writers
-from asr.audio import SAMPLE_RATE, AudioError, load_audio, to_model_input
+from asr.audio import SAMPLE_RATE, AudioError, load_audio, stream_audio, to_model_input
 from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
@@ -33,21 +33,42 @@ def test_formats_and_rates_become_16k_mono(tmp_path: Path):
     assert abs(len(load_audio(tmp_path / "tone.ogg")) - 2 * SAMPLE_RATE) < 50
 
 
-def test_m4a_goes_through_ffmpeg(tmp_path: Path):
+def write_m4a(path: Path, samples: np.ndarray, rate: int, title: str | None = None) -> Path:
     import av
 
-    path = tmp_path / "clip.m4a"
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("aac", rate=22050, layout="mono")
-        samples = (0.2 * np.sin(np.linspace(0, 3000, 22050))).astype(np.float32)
-        frame = av.AudioFrame.from_ndarray(samples[None], format="flt", layout="mono")
-        frame.sample_rate = 22050
-        for packet in stream.encode(frame):
+        if title is not None:
+            container.metadata["title"] = title
+        stream = container.add_stream("aac", rate=rate, layout="mono")
+        frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
+        frame.sample_rate = rate
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
-        for packet in stream.encode(None):
-            container.mux(packet)
+    return path
+
+
+def test_m4a_goes_through_ffmpeg(tmp_path: Path):
+    path = write_m4a(tmp_path / "clip.m4a", 0.2 * np.sin(np.linspace(0, 3000, 22050)), 22050)
     audio = load_audio(path)
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
+
+
+def test_a_damaged_packet_or_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):
+    """As the ffmpeg command (and faster-whisper) read them: a phone's m4a with one damaged
+    AAC packet, tags written in another encoding (cp1251, Latin-1) by some recorder."""
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    data = write_m4a(tmp_path / "clip.m4a", jfk, SAMPLE_RATE, title="TITLEQQQ").read_bytes()
+    assert data.count(b"TITLEQQQ") == 1
+    data = data.replace(b"TITLEQQQ", "Заголовок"[:4].encode("cp1251") + b"\xff\xfe\xff\xfe")
+    middle = len(data) // 2
+    damaged = data[:middle] + bytes((b * 7 + 13) % 256 for b in data[middle : middle + 400]) + data[middle + 400 :]
+    (tmp_path / "tags.m4a").write_bytes(data)
+    (tmp_path / "damaged.m4a").write_bytes(damaged)
+    np.testing.assert_allclose(load_audio(tmp_path / "tags.m4a"), load_audio(tmp_path / "clip.m4a"))
+    audio = load_audio(tmp_path / "damaged.m4a")
+    assert len(jfk) - 0.5 * SAMPLE_RATE < len(audio) < len(jfk) + 0.1 * SAMPLE_RATE
+    streamed = np.concatenate(list(stream_audio(tmp_path / "damaged.m4a", block_seconds=2.0)))
+    np.testing.assert_array_equal(streamed, audio)
 
 
 def test_a_stereo_recording_has_one_level_whichever_reader_reads_it(tmp_path: Path):
@@ -292,6 +313,8 @@ def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
     assert mono.dtype == np.float32 and mono.shape == (2,)
     np.testing.assert_allclose(mono, [-0.5 / 32768, 0.25], rtol=1e-6)
     np.testing.assert_allclose(to_model_input(np.array([0, 128, 255], dtype=np.uint8), SAMPLE_RATE), [-1, 0, 127 / 128])
+    with pytest.raises(AudioError, match="mic: int64 samples; give PCM as int16 or int32"):
+        to_model_input(np.array([0, 16384, -16384]), SAMPLE_RATE, "mic")  # a list of ints, as numpy makes it
     with pytest.raises(AudioError, match="mic: samples must be numbers"):
         to_model_input(np.array(["a", "b"]), SAMPLE_RATE, "mic")
     with pytest.raises(AudioError, match=re.escape("mic: samples shaped (2, 16000) look like [channels, frames]")):
