@@ -165,11 +165,15 @@ def load_ct2_directory(directory: Path, dtype: torch.dtype, model_parts: list[Pa
     parts = model_parts or [directory / "model.bin"]
     for part in parts:
         if not part.is_file():
-            raise FileNotFoundError(f"{part}: missing; a CTranslate2 Whisper directory holds model.bin, config.json, tokenizer.json")
+            pieces = sorted(p.name for p in part.parent.glob(f"{part.name}.part*"))
+            held = f" (this one holds {', '.join(pieces)}: pieces of it, to be joined in order)" if pieces else ""
+            raise FileNotFoundError(f"{part}: missing; a CTranslate2 Whisper directory holds model.bin, config.json, "
+                                    f"tokenizer.json{held}")
     data = parts[0].read_bytes() if len(parts) == 1 else b"".join(p.read_bytes() for p in parts)
-    variables = read_variables(data, str(parts[0]))
     try:
-        return to_transformers(variables, dtype)
-    except (KeyError, RuntimeError) as error:  # a tensor's name or shape is not what Whisper's are
+        return to_transformers(read_variables(data, str(parts[0])), dtype)
+    except CT2FormatError:
+        raise
+    except (KeyError, RuntimeError, ValueError) as error:  # a tensor's name, size or shape is not what Whisper's are
         raise CT2FormatError(f"{parts[0]}: damaged CTranslate2 model file, or not a Whisper model's "
                              f"({type(error).__name__}: {error})") from error

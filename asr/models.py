@@ -241,7 +241,7 @@ def load_model(
         with _weights_of(directory):
             model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
         suppress, begin_suppress, heads = [], [], None  # a draft follows its target's rules
-    elif model_parts is not None or (directory / "model.bin").is_file():
+    elif model_parts is not None or (directory / "model.bin").is_file() or _ctranslate2_config(config):
         model = load_ct2_directory(directory, dtype, model_parts)
         # CTranslate2's converter writes null where the checkpoint had none
         suppress, begin_suppress = config.get("suppress_ids"), config.get("suppress_ids_begin")
@@ -282,6 +282,12 @@ def load_model(
 
 
 DRAFT_WEIGHTS = "model.safetensors"
+
+
+def _ctranslate2_config(config: dict) -> bool:
+    """CTranslate2's converter writes these keys and no model_type (a directory whose
+    model.bin is missing, e.g. an interrupted download, is still recognised as one)."""
+    return "model_type" not in config and bool({"suppress_ids", "lang_ids", "alignment_heads"} & config.keys())
 
 
 @contextlib.contextmanager

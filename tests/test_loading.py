@@ -139,6 +139,12 @@ def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
         "not a Whisper model's \\(KeyError: 'encoder/conv1/weight'": good.replace(b"encoder/conv1/weight",
                                                                                     b"encoder/conv1/weighx", 1),
     }
+    # A byte count that is no whole number of its tensor's elements (rank, dims, dtype, then the count after a name)
+    name = b"encoder/conv1/weight\0"
+    count = good.index(name) + len(name) + 2 + 4 * good[good.index(name) + len(name)]
+    size = int.from_bytes(good[count : count + 4], "little")
+    damages["not a Whisper model's \\(ValueError: buffer size"] = (good[:count] + (size - 1).to_bytes(4, "little") +
+                                                                     good[count + 4 :])
     for problem, data in damages.items():
         shutil.copytree(tmp_path / "ct2", tmp_path / "bad", dirs_exist_ok=True)
         (tmp_path / "bad" / "model.bin").write_bytes(data)
@@ -254,6 +260,16 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
         load_model(str(tmp_path))
     with pytest.raises(ValueError, match="not a file"):
         load_model(str(tmp_path / "config.json"))
+    # A CTranslate2 directory without its model.bin (an interrupted download), or with it in pieces
+    ct2 = tmp_path / "ct2"
+    ct2.mkdir()
+    (ct2 / "config.json").write_text(json.dumps({"alignment_heads": [[1, 0]], "lang_ids": [50259], "suppress_ids": [],
+                                                 "suppress_ids_begin": [220, 50257]}))
+    with pytest.raises(FileNotFoundError, match=f"{ct2 / 'model.bin'}: missing"):
+        load_model(str(ct2))
+    (ct2 / "model.bin.part1").write_bytes(b"\x06")
+    with pytest.raises(FileNotFoundError, match="holds model.bin.part1: pieces of it"):
+        load_model(str(ct2))
 
     # A save_pretrained folder missing tensors (transformers would fill them at random), or
     # with a damaged weights file: an error naming the folder.
