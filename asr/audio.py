@@ -202,13 +202,8 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
 
             def resampled():
-                for packet in container.demux(container.streams.audio[0]):
-                    try:
-                        frames = packet.decode()
-                    except av.error.InvalidDataError:
-                        continue  # a damaged packet is skipped, as the ffmpeg command does (a phone's truncated file)
-                    for frame in frames:
-                        yield from resampler.resample(frame)
+                for frame in container.decode(audio=0):
+                    yield from resampler.resample(frame)
                 yield from resampler.resample(None)
 
             for out in resampled():

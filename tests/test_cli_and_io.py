@@ -53,22 +53,16 @@ def test_m4a_goes_through_ffmpeg(tmp_path: Path):
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
 
 
-def test_a_damaged_packet_or_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):
-    """As the ffmpeg command (and faster-whisper) read them: a phone's m4a with one damaged
-    AAC packet, tags written in another encoding (cp1251, Latin-1) by some recorder."""
+def test_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):
+    """An m4a whose title some recorder wrote in another encoding (cp1251 here): PyAV decodes
+    tags as UTF-8 when it opens a file, and raised UnicodeDecodeError."""
     jfk = load_audio(DEV / "en_short" / "jfk.flac")
     data = write_m4a(tmp_path / "clip.m4a", jfk, SAMPLE_RATE, title="TITLEQQQ").read_bytes()
     assert data.count(b"TITLEQQQ") == 1
-    data = data.replace(b"TITLEQQQ", "Заголовок"[:4].encode("cp1251") + b"\xff\xfe\xff\xfe")
-    middle = len(data) // 2
-    damaged = data[:middle] + bytes((b * 7 + 13) % 256 for b in data[middle : middle + 400]) + data[middle + 400 :]
-    (tmp_path / "tags.m4a").write_bytes(data)
-    (tmp_path / "damaged.m4a").write_bytes(damaged)
-    np.testing.assert_allclose(load_audio(tmp_path / "tags.m4a"), load_audio(tmp_path / "clip.m4a"))
-    audio = load_audio(tmp_path / "damaged.m4a")
-    assert len(jfk) - 0.5 * SAMPLE_RATE < len(audio) < len(jfk) + 0.1 * SAMPLE_RATE
-    streamed = np.concatenate(list(stream_audio(tmp_path / "damaged.m4a", block_seconds=2.0)))
-    np.testing.assert_array_equal(streamed, audio)
+    (tmp_path / "tags.m4a").write_bytes(data.replace(b"TITLEQQQ", "Заголовок"[:4].encode("cp1251") + b"\xff\xfe\xff\xfe"))
+    np.testing.assert_array_equal(load_audio(tmp_path / "tags.m4a"), load_audio(tmp_path / "clip.m4a"))
+    streamed = np.concatenate(list(stream_audio(tmp_path / "tags.m4a", block_seconds=2.0)))
+    np.testing.assert_array_equal(streamed, load_audio(tmp_path / "clip.m4a"))
 
 
 def test_a_stereo_recording_has_one_level_whichever_reader_reads_it(tmp_path: Path):
