@@ -8,6 +8,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+TIMESTAMPS = 1501  # <|0.00|> to <|30.00|>, the last rows of every Whisper vocabulary
+
 
 @dataclass(frozen=True)
 class Vocabulary:
@@ -79,6 +81,13 @@ class Vocabulary:
                     return added[name]
             raise ValueError(f"{path}: tokenizer has none of {names}; is this a Whisper tokenizer?")
 
+        no_timestamps = token("<|notimestamps|>")
+        # Whisper's ids shift between vocabularies, and its 1,501 timestamps end the model's
+        # rows: another model's tokenizer (English-only for multilingual, or the reverse)
+        # would start every window with the wrong tokens and decode nonsense.
+        if no_timestamps + 1 + TIMESTAMPS != size:
+            raise ValueError(f"{path}: a tokenizer for a model of {no_timestamps + 1 + TIMESTAMPS} tokens, not this "
+                             f"model's {size}: the tokenizer.json of another model")
         translate = token("<|translate|>")
         sot = token("<|startoftranscript|>")
         languages = {
@@ -92,7 +101,7 @@ class Vocabulary:
             sot_prev=token("<|startofprev|>"),
             sot_lm=token("<|startoflm|>"),
             no_speech=token("<|nospeech|>", "<|nocaptions|>"),
-            no_timestamps=token("<|notimestamps|>"),
+            no_timestamps=no_timestamps,
             transcribe=token("<|transcribe|>"),
             translate=translate,
             languages=languages,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,7 +18,7 @@ import torch
 from asr.audio import load_audio
 from asr.ct2 import CT2FormatError
 from asr.features import WINDOW_FRAMES, log_mel
-from asr.models import IncompatibleModels, ctranslate2_directory, load_model, load_pair
+from asr.models import IncompatibleModels, ctranslate2_directory, load_model, load_pair, packaged_directory
 from conftest import DEV, decoder_only_draft, packaged_weights, perturbed, save_tiny, tiny_target
 
 PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
@@ -122,8 +123,6 @@ def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
     """Damage found by flipping bytes of a converted model.bin: a name that is not text, an
     alias to a tensor the file lacks, a tensor renamed (KeyError, or a bare UnicodeDecodeError,
     escaped before)."""
-    import shutil
-
     from ctranslate2.converters import TransformersConverter
 
     original = tiny_target(2, dtype=torch.float32)
@@ -236,7 +235,10 @@ def test_full_draft_with_its_own_encoder(tmp_path: Path):
 def test_incompatible_pairs_fail_at_load_time_with_advice(tmp_path: Path):
     target = tiny_target(7, dtype=torch.float32)
     save_tiny(target, tmp_path / "target")
-    save_tiny(tiny_target(8, dtype=torch.float32, vocab_size=51864), tmp_path / "english")
+    english = save_tiny(tiny_target(8, dtype=torch.float32, vocab_size=51864), tmp_path / "english")
+    with pytest.raises(ValueError, match="a tokenizer for a model of 51865 tokens, not this model's 51864"):
+        load_model(str(english))  # whisper-base's tokenizer (save_tiny's)
+    shutil.copy(packaged_directory("tiny.en")[0] / "tokenizer.json", english / "tokenizer.json")
     save_tiny(tiny_target(9, dtype=torch.float32, num_mel_bins=128), tmp_path / "mels")
     save_tiny(perturbed(target, 0.1, seed=7), tmp_path / "other-encoder")
     with pytest.raises(IncompatibleModels, match="vocabulary of 51864"):
