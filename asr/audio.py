@@ -93,6 +93,13 @@ def _too_long(name: str, seconds: float) -> str:
     return f"{name}: {seconds / 3600:.1f} h is longer than the {MAX_SECONDS // 3600} h limit"
 
 
+def time_within(seconds: float, limit: float, places: int = 3) -> float:
+    """A time rounded to `places` decimals, never past `limit` (the end of the recording or
+    of a stretch of it): rounding 53.2665625 up to 53.267 put a segment after the end."""
+    value = round(min(seconds, limit), places)
+    return value if value <= limit else round(value - 10**-places, places)
+
+
 def audio_seconds(path: str | Path) -> float | None:
     """The duration a file's header states, without decoding it; None when it cannot tell
     (the file is then found out when read)."""

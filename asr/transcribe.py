@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from asr import hints, vad
-from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, to_model_input
+from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, time_within, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
@@ -543,8 +543,8 @@ class Transcriber:
             job.segments.append(
                 Segment(
                     id=len(job.segments),
-                    start=round(min(start, job.duration), 3),
-                    end=round(min(max(end, start), job.duration), 3),
+                    start=time_within(start, job.duration),
+                    end=time_within(max(end, start), job.duration),
                     text=text,
                     tokens=text_tokens,
                     avg_logprob=sequence.avg_logprob,

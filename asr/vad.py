@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from asr.audio import SAMPLE_RATE
+from asr.audio import SAMPLE_RATE, time_within
 
 if TYPE_CHECKING:
     from asr.transcribe import Segment
@@ -53,7 +53,7 @@ class SpeechMap:
 
     def original(self, seconds: float, chunk: int) -> float:
         """A time in the filtered audio, in chunk `chunk`, as a time in the recording."""
-        return round(seconds + self.cut[chunk] / SAMPLE_RATE, 3)
+        return time_within(seconds + self.cut[chunk] / SAMPLE_RATE, self.chunks[chunk][1] / SAMPLE_RATE)
 
     def restore(self, segment: Segment) -> Segment:
         """The segment with its (and its words') times in the recording. A word keeps both

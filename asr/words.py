@@ -16,6 +16,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from asr.audio import time_within
 from asr.models import WhisperModel
 
 SECONDS_PER_POSITION = 0.02  # one encoder output position
@@ -238,7 +239,7 @@ def _per_segment(timed: list[_Timed], segments: list[list[int]], offset: float, 
         while index < len(timed) and used < len(segment):
             word = timed[index]
             if word.text:
-                start, end = (round(min(offset + t, duration), 2) for t in (word.start, word.end))
+                start, end = (time_within(offset + t, duration, 2) for t in (word.start, word.end))
                 words.append(_Timed(word.text, word.tokens, start, end, word.probability))
             used += len(word.tokens)
             index += 1

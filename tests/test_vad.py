@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from asr.audio import time_within
 from asr.transcribe import Segment
 from asr.vad import SpeechMap
 from asr.words import Word
@@ -25,8 +26,10 @@ def test_times_map_back_as_faster_whispers_do():
         for is_end in (False, True):
             chunk = ours.chunk_of(seconds, is_end)
             assert chunk == theirs.get_chunk_index(seconds, is_end), (seconds, is_end)
-            assert ours.original(seconds, chunk) == pytest.approx(theirs.get_original_time(seconds, is_end=is_end),
-                                                                  abs=0.005)
+            mapped = theirs.get_original_time(seconds, is_end=is_end)
+            # Past the filtered audio's end (no segment is: they are clamped to it), ours stops
+            # at the last chunk's end, 10 s; theirs runs on into what follows.
+            assert ours.original(seconds, chunk) == pytest.approx(min(mapped, 10.0), abs=0.005)
 
 
 def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
@@ -46,3 +49,15 @@ def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
     straddling = Segment(0, 1.0, 1.3, " two", [2], -0.1, 1.0, 0.0, 0.0, words[1:])  # from the first chunk's end
     restored = SpeechMap(CHUNKS).restore(straddling)
     assert (restored.start, restored.end) == (3.24, 3.34)  # not 1.256: the cut's 2.24 s of silence are not the segment's
+
+
+def test_a_rounded_time_never_passes_its_chunks_end():
+    """0.1 s cut: 1.0 s in the filtered audio is 1.100625 s in the recording, where the chunk
+    ends; rounded to the millisecond that was 1.101 s, after the speech (and, at a recording's
+    end, after the recording: CI's 53.267 s segment end of a 53.2665625 s file)."""
+    speech = SpeechMap(((1610, 17610),))
+    assert speech.original(1.0, 0) == 1.1
+    assert time_within(53.2665625, 53.2665625) == 53.266
+    assert time_within(53.2665625, 53.2665625, places=2) == 53.26
+    assert time_within(53.2664, 53.2665625) == 53.266
+    assert time_within(12.0, 53.2665625) == 12.0
