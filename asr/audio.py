@@ -101,8 +101,9 @@ def time_within(seconds: float, limit: float, places: int = 3) -> float:
 
 
 def audio_seconds(path: str | Path) -> float | None:
-    """The duration a file's header states, without decoding it; None when it cannot tell
-    (the file is then found out when read)."""
+    """The duration a file's header states, or else its packets' timestamps (a browser's
+    MediaRecorder webm states none), without decoding it; None when it cannot tell (the
+    file is then found out when read)."""
     try:
         import soundfile
 
@@ -116,7 +117,11 @@ def audio_seconds(path: str | Path) -> float | None:
             stream = container.streams.audio[0]
             if stream.duration is not None and stream.time_base is not None:
                 return float(stream.duration * stream.time_base)
-            return container.duration / av.time_base if container.duration else None
+            if container.duration:
+                return container.duration / av.time_base
+            # The packets demuxed, not decoded: a small part of what decoding them costs.
+            end = max((p.pts + (p.duration or 0) for p in container.demux(stream) if p.pts is not None), default=0)
+            return float(end * stream.time_base) if end > 0 and stream.time_base is not None else None
     except Exception:
         return None
 

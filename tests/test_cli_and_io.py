@@ -15,7 +15,7 @@ import soundfile
 import torch
 
 from asr import writers
-from asr.audio import SAMPLE_RATE, AudioError, load_audio, stream_audio, to_model_input
+from asr.audio import SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
@@ -153,6 +153,43 @@ def test_a_recording_over_the_limit_is_refused_before_it_is_decoded(tmp_path: Pa
     with pytest.raises(AudioError, match=r"clip.m4a: .* h is longer than the .* h limit"):
         load_audio(path)
     assert 0.5 * SAMPLE_RATE < sum(read) < 0.75 * SAMPLE_RATE  # it stopped there, not after the whole second
+
+
+def test_a_webm_whose_header_states_no_length_is_measured_from_its_packets(tmp_path: Path, monkeypatch):
+    """A browser's MediaRecorder writes webm as it records, never going back to state the
+    length. It was taken as unknown: read whole however long (not block by block past
+    STREAM_ABOVE_SECONDS), and held up to the 6 h limit before it could be refused."""
+    import io
+
+    import av
+
+    from asr import audio
+
+    class Pipe(io.RawIOBase):  # not seekable, as a recorder's output: the muxer cannot go back
+        def __init__(self, file):
+            self.file = file
+
+        def writable(self):
+            return True
+
+        def write(self, data):
+            return self.file.write(data)
+
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    path = tmp_path / "recorded.webm"
+    with path.open("wb") as file, av.open(Pipe(file), "w", format="webm") as container:
+        stream = container.add_stream("libopus", rate=48000, layout="mono")
+        frame = av.AudioFrame.from_ndarray(np.repeat(jfk, 3)[None], format="flt", layout="mono")
+        frame.sample_rate, frame.pts = 48000, 0
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    with av.open(str(path)) as container:  # what made it unknown
+        assert container.streams.audio[0].duration is None and not container.duration
+    assert audio_seconds(path) == pytest.approx(len(jfk) / SAMPLE_RATE, abs=0.05)
+    monkeypatch.setattr(audio, "MAX_SECONDS", 10)
+    monkeypatch.setattr(audio, "_ffmpeg_blocks", lambda *_: pytest.fail("decoded before the limit was checked"))
+    with pytest.raises(AudioError, match=r"recorded.webm: .* h is longer than the .* h limit"):
+        load_audio(path)
 
 
 def _transcript() -> Transcript:
