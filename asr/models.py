@@ -217,9 +217,12 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
         raise FileNotFoundError(f"{source}: no such directory, and not a hub id of the form owner/name")
     from huggingface_hub import snapshot_download
 
-    patterns = ["*.json", "*.safetensors", "*.txt", "model.bin"]
     try:
-        return Path(snapshot_download(source, allow_patterns=patterns)), None
+        directory = Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.txt", "model.bin"]))
+        if not any(directory.glob("*.safetensors")) and not (directory / "model.bin").is_file():
+            # Many fine-tunes ship only PyTorch's pickle, which transformers reads with weights_only=True.
+            directory = Path(snapshot_download(source, allow_patterns=["pytorch_model*.bin"]))
+        return directory, None
     except Exception as error:  # offline, no such repository, no network: the hub library's many kinds
         raise FileNotFoundError(f"{source}: no such folder here, and not a model the hub gives "
                                 f"({type(error).__name__}: {error})") from error

@@ -85,6 +85,36 @@ def test_hub_id_loads_from_the_hub_cache_layout(tmp_path: Path, monkeypatch):
     torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
 
 
+def test_a_hub_model_with_only_pytorch_weights_is_fetched_with_them(tmp_path: Path, monkeypatch):
+    """Many fine-tunes on the hub hold pytorch_model.bin and no safetensors. Only safetensors
+    were fetched, and the model then failed to load as if it had no weights. The hub is
+    played by a folder, from which snapshot_download's stand-in copies what its patterns
+    ask for (what the real one downloads)."""
+    import fnmatch
+
+    import huggingface_hub
+
+    original = tiny_target(1, dtype=torch.float32)
+    remote = save_tiny(original, tmp_path / "remote")
+    torch.save(original.state_dict(), remote / "pytorch_model.bin")
+    (remote / "model.safetensors").unlink()
+    asked = []
+
+    def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
+        asked.append(allow_patterns)
+        local = tmp_path / "cache" / repo_id
+        local.mkdir(parents=True, exist_ok=True)
+        for file in remote.iterdir():
+            if any(fnmatch.fnmatch(file.name, pattern) for pattern in allow_patterns):
+                shutil.copy(file, local / file.name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    loaded = load_model("fine/tuned")
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
+    assert len(asked) == 2 and "*.safetensors" in asked[0] and "*.bin" not in "".join(asked[0])
+
+
 def test_unknown_hub_id_fails_clearly_offline(monkeypatch, tmp_path: Path):
     import huggingface_hub.constants
 
