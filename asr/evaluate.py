@@ -409,8 +409,9 @@ class FasterWhisperSystem(_OneFileAtATime):
         # unless set) at its first sample: the dev set's sonnet's sampled tail differed from
         # run to run until --seed was set.
         try:
+            directory = ctranslate2_directory(pair.target.name, pair.target.model.config.num_mel_bins)
             self.process = FasterWhisperProcess(dict(
-                model_size_or_path=str(ctranslate2_directory(pair.target.name)), device=device.type,
+                model_size_or_path=str(directory), device=device.type,
                 device_index=device.index or 0, compute_type=str(dtype).removeprefix("torch.") if precise else "float32",
                 cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
         except RuntimeError as error:  # its model or its imports failed: a usage error, before anything decodes

@@ -432,14 +432,17 @@ CT2_BUILD = 2  # 2: with preprocessor_config.json (_feature_config)
 STALE_BUILD_SECONDS = 24 * 3600  # an unfinished build this old was left by a run that was killed
 
 
-def ctranslate2_directory(source: str) -> Path:
+def ctranslate2_directory(source: str, mels: int | None = None) -> Path:
     """A CTranslate2 (faster-whisper) directory with these weights: a CTranslate2 source
     itself; packaged weights (model.bin split over two packages) assembled once under
     CT2_CACHE; a transformers checkpoint converted once there by CTranslate2's converter.
     A cached one is made again when its source's files have changed (an upgraded package, a
-    model saved again in the same folder)."""
+    model saved again in the same folder). mels: the model's mel bins, where the caller
+    knows them: a CTranslate2 source of other than 80 without preprocessor_config.json
+    becomes a cached folder of links to its files beside one (see _feature_config)."""
     directory, parts = resolve_directory(source)
-    if parts is None and (directory / "model.bin").is_file():
+    linked = parts is None and (directory / "model.bin").is_file()
+    if linked and (mels in (None, 80) or (directory / "preprocessor_config.json").is_file()):
         return directory
     out = CT2_CACHE / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
     stamp = _source_stamp(directory, parts)
@@ -466,6 +469,10 @@ def ctranslate2_directory(source: str) -> Path:
                         model_bin.write(part.read_bytes())
                 for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
                     shutil.copy(directory / name, building / name)
+            elif linked:  # the user's folder is left as it is, and its gigabytes are not copied
+                for file in directory.iterdir():
+                    if file.is_file():
+                        os.symlink(file.resolve(), building / file.name)
             else:
                 try:
                     from ctranslate2.converters import TransformersConverter
@@ -473,7 +480,7 @@ def ctranslate2_directory(source: str) -> Path:
                     raise ValueError(f"{source}: converting it for CTranslate2 needs ctranslate2 (pip install ctranslate2)") from error
                 shutil.rmtree(building)
                 TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
-            _feature_config(directory, building)
+            _feature_config(directory, building, mels)
             (building / SOURCE_STAMP).write_text(stamp)
             if out.exists():  # a stale build: moved aside whole (swept later if this is killed), then dropped
                 stale = building.with_name(building.name + ".stale")
@@ -488,14 +495,14 @@ def ctranslate2_directory(source: str) -> Path:
     return out
 
 
-def _feature_config(directory: Path, building: Path) -> None:
+def _feature_config(directory: Path, building: Path, mels: int | None) -> None:
     """faster-whisper reads the number of mel bins from preprocessor_config.json and takes 80
     without one: a 128-bin target (large-v3, turbo, distil-large-v3) would fail every file.
-    The source's own copy, else one made from its config."""
+    The source's own copy, else one made from its config (a transformers one), else from mels."""
     if (directory / "preprocessor_config.json").is_file():
         shutil.copy(directory / "preprocessor_config.json", building / "preprocessor_config.json")
         return
-    mels = json.loads((directory / "config.json").read_text()).get("num_mel_bins")  # a transformers config's
+    mels = json.loads((directory / "config.json").read_text()).get("num_mel_bins", mels)
     if mels is not None:
         (building / "preprocessor_config.json").write_text(json.dumps({"feature_size": mels}))
 

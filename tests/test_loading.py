@@ -354,3 +354,13 @@ def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a
 
     wide = ctranslate2_directory(str(save_tiny(tiny_target(15, dtype=torch.float32, num_mel_bins=128), tmp_path / "mels")))
     assert FasterWhisper(str(wide), device="cpu").feature_extractor.mel_filters.shape[0] == 128
+    # A user's own conversion without it (ct2-transformers-converter copies only the files
+    # it is told to): a cached folder of links to its files, beside one that says 128.
+    own = tmp_path / "own"
+    shutil.copytree(wide, own, ignore=shutil.ignore_patterns("preprocessor_config.json", "asr-source.json"))
+    assert FasterWhisper(str(own), device="cpu").feature_extractor.mel_filters.shape[0] == 80
+    linked = ctranslate2_directory(str(own), mels=128)
+    assert linked != own and (linked / "model.bin").resolve() == own / "model.bin"
+    assert FasterWhisper(str(linked), device="cpu").feature_extractor.mel_filters.shape[0] == 128
+    assert sorted(p.name for p in own.iterdir()) == ["config.json", "model.bin", "tokenizer.json", "vocabulary.json"]
+    assert ctranslate2_directory(str(own), mels=80) == own and ctranslate2_directory(str(wide), mels=128) == wide
