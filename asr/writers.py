@@ -58,7 +58,7 @@ class SubtitleLayout:
 # A silence this long from one word's end to the next word's start ends a cue (Whisper's
 # subtitle writer measures from one word's start to the next's, which a long word trips).
 PAUSE_SECONDS = 3.0
-MIN_CUE_SECONDS = 0.5  # a first cue of no time (a segment past the audio's end, clamped to it) is shown this long
+MIN_CUE_SECONDS = 0.5  # a cue of no time (a segment past the audio's end, clamped to it) is shown up to this long
 Piece = tuple[float, float, str]  # a word to lay out: start, end, text (leading space included)
 
 
@@ -82,10 +82,18 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
         start = max(start, cues[-1][1]) if cues else start
         if end > start:
             cues.append((start, end, text))
-        elif cues:  # a cue of no time, which players never show: its text goes with the cue before
-            cues[-1] = (cues[-1][0], cues[-1][1], f"{cues[-1][2]} {text}")
-        else:
+        elif not cues:
             cues.append((start, start + MIN_CUE_SECONDS, text))
+        else:  # a cue of no time, which players never show: the cue before takes it, within the layout
+            before_start, before_end, before = cues[-1]
+            if width is None or ("\n" not in text and len(before.split("\n")[-1]) + 1 + len(text) <= width):
+                cues[-1] = (before_start, before_end, f"{before} {text}")
+            elif layout.max_line_count is None or before.count("\n") + text.count("\n") + 2 <= layout.max_line_count:
+                cues[-1] = (before_start, before_end, f"{before}\n{text}")
+            else:  # no room there: it takes up to MIN_CUE_SECONDS before its time, at most half the cue before's
+                begin = max(start - MIN_CUE_SECONDS, (before_start + before_end) / 2)
+                cues[-1] = (before_start, min(before_end, begin), before)
+                cues.append((begin, start, text))
     return cues
 
 
