@@ -419,6 +419,13 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)
         return 2
+    alone = ("--no-speculation" if getattr(args, "no_speculation", False)
+             else "--target without --draft" if getattr(args, "target", None) and not args.draft else None)
+    tuning = [flag for flag, given in (("--num-draft-tokens", getattr(args, "num_draft_tokens", None) is not None),
+                                       ("--draft-encoder", getattr(args, "draft_encoder", "auto") != "auto")) if given]
+    if alone and tuning and args.command != "evaluate":  # evaluate refuses a run without a draft itself
+        print(f"asr: {' and '.join(tuning)} set the draft, and {alone} decodes with the target alone", file=sys.stderr)
+        return 2
     # On a remote Ray cluster the workers' machines decode, not this one: a GPU is theirs to have.
     remote = getattr(args, "ray", None) not in (None, LOCAL_RAY)
     problem = device_problem(getattr(args, "device", "auto"), here=not remote)

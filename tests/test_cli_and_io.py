@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import unicodedata
 from dataclasses import replace
@@ -213,6 +214,43 @@ def test_no_cue_lasts_no_time():
     assert writers.to_vtt(paused, writers.SubtitleLayout(42, 2)) == "WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHi Bye\n"
     past = Transcript("c", [Segment(0, 30.0, 30.0, " Thanks.", [1], -0.2, 1.1, 0.01, 0.0)], info)
     assert writers.to_srt(past) == "1\n00:00:30,000 --> 00:00:30,500\nThanks.\n"
+    # Where the cue before has no room within the layout, its text is not added to it (its
+    # lines came out over the width, or more than the count): it takes time from before.
+    words = [Word(" for", 9.2, 9.6, 0.9), Word(" your", 9.6, 10.2, 0.9), Word(" country.", 11.0, 11.0, 0.9)]
+    clamped = Transcript("d", [Segment(0, 9.2, 11.0, " for your country.", [1], -0.2, 1.1, 0.01, 0.0, words)], info)
+    assert writers.to_srt(clamped, writers.SubtitleLayout(10, 1)) == (
+        "1\n00:00:09,200 --> 00:00:10,200\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
+    # Segment by segment (no line count), a line of its own in the cue before.
+    split = Transcript("e", [Segment(0, 9.2, 10.2, " for your", [1], -0.2, 1.1, 0.01, 0.0),
+                             Segment(1, 11.0, 11.0, " country.", [2], -0.2, 1.1, 0.01, 0.0)], info)
+    assert writers.to_srt(split, writers.SubtitleLayout(10)) == "1\n00:00:09,200 --> 00:00:10,200\nfor your\ncountry.\n"
+    words[1] = Word(" your", 9.6, 11.0, 0.9)  # the cue before runs to it: it gets the last half second
+    assert writers.to_srt(clamped, writers.SubtitleLayout(10, 1)) == (
+        "1\n00:00:09,200 --> 00:00:10,500\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
+
+
+def test_cues_keep_the_layout_whatever_the_word_times():
+    """Random word times (words of no time, pauses) and layouts: every cue lasts some time,
+    starts after the one before ends, and keeps the width and line count (the cue before
+    took a cue of no time's text over them in about a third of such layouts)."""
+    info = TranscriptionInfo("en", 0.99, 30.0, True, DecodeStats(10, 8, 3, 10, 12), 0.5, 1.5, 1)
+    rng = random.Random(0)
+    for _ in range(1000):
+        now, segments = 0.0, []
+        for index in range(rng.randint(1, 4)):
+            words = []
+            for _ in range(rng.randint(1, 6)):
+                now += rng.choice([0.0, 0.1, 4.0])
+                spoken = rng.choice([0.0, 0.0, 0.2, 0.5])
+                words.append(Word(" " + rng.choice(["a", "to", "your", "country", "what"]), now, now + spoken, 0.9))
+                now += spoken
+            text = "".join(w.text for w in words)
+            segments.append(Segment(index, words[0].start, words[-1].end, text, [1], -0.2, 1.1, 0.01, 0.0, words))
+        width, count = rng.randint(7, 20), rng.choice([None, 1, 2])
+        cues = writers._cues(Transcript("t", segments, info), writers.SubtitleLayout(width, count))
+        for (start, end, text), before in zip(cues, [(0.0, 0.0, "")] + cues):
+            lines = text.split("\n")
+            assert end > start >= before[1] and max(map(len, lines)) <= width and len(lines) <= (count or len(lines)), cues
 
 
 def test_writers_render_every_format(tmp_path: Path):
@@ -311,6 +349,18 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     for missing in (["--max-line-width", "20"], ["--word-timestamps"]):
         assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2", *missing]) == 2
         assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
+
+
+def test_draft_settings_without_a_draft_are_refused(tmp_path: Path, capsys):
+    """They were ignored without a word: the run decoded with the target alone."""
+    clip = str(DEV / "en_short" / "jfk.flac")
+    for args, said in ((["--target", "packaged:whisper-base", "--num-draft-tokens", "5"],
+                        "--num-draft-tokens set the draft, and --target without --draft decodes with the target alone"),
+                       (["--no-speculation", "--draft-encoder", "own", "--num-draft-tokens", "2"],
+                        "--num-draft-tokens and --draft-encoder set the draft, and --no-speculation decodes")):
+        assert main(["transcribe", clip, "--out-dir", str(tmp_path), *args]) == 2
+        assert said in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_failed_write_keeps_the_finished_file(tmp_path: Path, monkeypatch):
