@@ -483,7 +483,11 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                         result.error = _describe(error)
                         continue
                     result.duration = len(samples) / SAMPLE_RATE
-                    loaded.append((result, AudioInput(str(results.index(result)), samples)))
+                    # Named by path (a failed batch's message names its culprits), unique in the batch.
+                    name = str(result.clip.path)
+                    if any(item.name == name for _, item in loaded):  # a manifest may list a file twice
+                        name = f"{name} #{results.index(result) + 1}"
+                    loaded.append((result, AudioInput(name, samples)))
                 items = [item for _, item in loaded]
                 language = batch[0].clip.language
                 if items and language not in warmed:

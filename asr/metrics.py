@@ -97,7 +97,7 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
             raise ValueError(f"{path}:{line}: {found} tab-separated fields where the header has {len(columns)} ({why})")
         if not row["file"].strip():
             raise ValueError(f"{path}:{line}: no file named")
-        hint = re.search(r"lang=(\w+)", row.get("notes") or "")
+        hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "")  # not src_lang= or tgt_lang=
         language = (row.get("language") or "").strip().lower() or (hint.group(1).lower() if hint else default_language)
         duration = (row.get("duration_seconds") or "").strip()
         try:

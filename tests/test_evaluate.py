@@ -261,10 +261,18 @@ def test_each_languages_first_batch_is_decoded_once_untimed_before_its_timed_run
     monkeypatch.setattr(OurSystem, "run", recorded)
     run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded,
                 EvaluateOptions(batch_size=1, preset="embedded", progress=False))
+    paths = [str(tmp_path / name) for name in names]
     for speculative in (False, True):
         # warm en, timed en, warm de (its first batch), timed de, timed de (its second batch only timed)
         assert [(language, files) for s, language, files in calls if s == speculative] == [
-            ("en", ["0"]), ("en", ["0"]), ("de", ["1"]), ("de", ["1"]), ("de", ["2"])]
+            ("en", paths[:1]), ("en", paths[:1]), ("de", paths[1:2]), ("de", paths[1:2]), ("de", paths[2:])]
+    # Files go by their paths (a failed batch's message names its culprits: it said "on 1"),
+    # one listed twice in a batch by its entry too.
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\n{names[0]}\twords\n{names[0]}\twords\n")
+    calls.clear()
+    run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded,
+                EvaluateOptions(batch_size=2, preset="embedded", progress=False))
+    assert calls[-1][2] == [paths[0], f"{paths[0]} #2"]
 
 
 def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_path: Path, monkeypatch):
@@ -575,10 +583,12 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
     # wrong): Chinese, Japanese and Thai are scored by the letter.
     assert normalize("我们今天去公园，然后回家。", "zh") == "我 们 今 天 去 公 园 然 后 回 家"
     assert word_error_rate(["我们今天去公园", "Hallo Welt"], ["我们明天去公园", "Hallo Welt"], ["zh", "de"]) == pytest.approx(1 / 9)
-    (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\nc.wav\tHi\t\t\n")
+    (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\n"
+                                    "c.wav\tHi\t\t\nd.wav\tHi\t\tsrc_lang=fr\n")
     clips = read_manifest(tmp_path / "m.tsv")
     assert [(c.path, c.duration, c.language) for c in clips] == [
-        (tmp_path / "a.wav", None, "de"), (tmp_path / "b.wav", None, "es"), (tmp_path / "c.wav", None, "en")
+        (tmp_path / "a.wav", None, "de"), (tmp_path / "b.wav", None, "es"), (tmp_path / "c.wav", None, "en"),
+        (tmp_path / "d.wav", None, "en"),  # another note's word ending in lang=, not the hint
     ]
 
 
