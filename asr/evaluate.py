@@ -681,9 +681,9 @@ def _percent(value: float | None, digits: int = 2) -> str:
 
 
 def _total(values: Iterable[float | None]) -> float | None:
-    """A sum of what every run told (None where one did not)."""
+    """A sum of what every run told (None where one did not, or there was none)."""
     values = list(values)
-    return None if None in values else sum(values)
+    return None if None in values or not values else sum(values)
 
 
 def _rest(times: dict) -> float:

@@ -222,6 +222,12 @@ def test_the_report_names_the_files_where_speculative_differs_and_what_it_could_
     second.runs[SPECULATIVE] = replace(second.runs[TARGET], tokens=second.runs[TARGET].tokens + [1])
     markdown = render_markdown(build_report([first, second], system_names(()), environment), "t")
     assert f"`{second.clip.path.name}`: the same text, other tokens" in markdown
+    # A system that failed on every file has no seconds to split (it showed 0.00 for each).
+    for result in (first, second):
+        result.runs[SPECULATIVE] = Run(error="RuntimeError: no")
+    report = build_report([first, second], system_names(()), environment)
+    assert report["systems"][SPECULATIVE]["decoder_seconds"] is None
+    assert "ours, speculative: 0.00" not in render_markdown(report, "t")
 
 
 def test_a_file_that_fails_its_batch_is_told_apart_from_its_batchmates(embedded, monkeypatch):
