@@ -141,9 +141,13 @@ class LiveSession:
         return time.monotonic() - (self._started or 0.0)
 
     def _resample(self, rate: int, samples: np.ndarray) -> np.ndarray:
-        if rate == SAMPLE_RATE:
-            return samples
+        # One stream per rate, so chunk edges get no filter artefacts. At a change of rate (the
+        # visitor switched microphones), the last stream's held-back tail goes first.
+        tail = np.zeros(0, np.float32)
         if rate != self._rate:
-            # One stream per recording, so chunk edges get no filter artefacts.
-            self._resampler, self._rate = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ"), rate
-        return self._resampler.resample_chunk(samples)
+            if self._resampler is not None:
+                tail = self._resampler.resample_chunk(tail, last=True)
+            self._rate = rate
+            self._resampler = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32",
+                                                                                     quality="HQ")
+        return np.concatenate([tail, samples if self._resampler is None else self._resampler.resample_chunk(samples)])

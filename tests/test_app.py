@@ -142,6 +142,22 @@ def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
     assert abs(live.summary().audio_seconds - len(load_audio(CLIP)) / SAMPLE_RATE) < 0.05
 
 
+def test_a_live_session_keeps_every_sample_when_the_microphones_rate_changes(engine: Engine) -> None:
+    """A visitor switching microphones mid-recording: 48 kHz, then 16 kHz, then 44.1 kHz.
+    The resampler holds back a few hundred samples of its input; at a change of rate that
+    tail was appended after later audio (48 -> 16 kHz) or dropped (44.1 -> 48 kHz)."""
+    samples = load_audio(CLIP)
+    cuts = [0, 3 * SAMPLE_RATE, 6 * SAMPLE_RATE, len(samples)]
+    live = LiveSession(engine, Settings(language="en"))
+    for (start, end), rate in zip(zip(cuts, cuts[1:]), (48_000, SAMPLE_RATE, 44_100)):
+        part = soxr.resample(samples[start:end], SAMPLE_RATE, rate) if rate != SAMPLE_RATE else samples[start:end]
+        for at in range(0, len(part), rate // 10):
+            live.feed(rate, part[at : at + rate // 10])
+    live.finish()
+    assert live.error is None and EXPECTED in words(live.last.committed_text)
+    assert abs(live.summary().audio_seconds - len(samples) / SAMPLE_RATE) < 0.002
+
+
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode that raises used to end the worker thread silently: the page kept saying
     "Listening…" while the audio queued up unheard. A second failure in a row (here: the
