@@ -156,12 +156,13 @@ class StreamingTranscriber:
         self._committed: list[Word] = []
         self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
         self._tentative: list[Word] = []
-        self._context_text = ""  # the end of the committed text before the buffer (or the prompt)
-        self._context: list[int] = []  # its tokens: the prompt
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._last_end = 0.0  # the audio-time clock when the last call ended
         prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
-        self._cut(0, 0, " " + prompt if prompt else "")
+        # Whole, as offline (up to Whisper's 223 tokens): CONTEXT_CHARACTERS bounds the text
+        # committed after it, from the first cut.
+        self._context_text = " " + prompt if prompt else ""  # the end of the committed text before the buffer
+        self._context: list[int] = self._vocab.encode(self._context_text)  # its tokens: the prompt
 
     @property
     def audio_seconds(self) -> float:
@@ -222,7 +223,9 @@ class StreamingTranscriber:
             # else new audio, or a full buffer decoded already that audio waits behind: it
             # is decoded again as a backlog's (_agree), which cuts it and makes room
             window = self._transcribe(self._context)
-            if self._context and self._hallucinated(window):
+            # A window judged silent is not decoded again: without the prompt, Whisper fills
+            # noise with a loop of its own ("I'm going to go to the next room." 14 times).
+            if self._context and not window.silent and self._hallucinated(window):
                 window = self._transcribe([])
             elif self._context and self._stops_short(window):
                 retry = self._transcribe([])
@@ -400,7 +403,9 @@ class StreamingTranscriber:
         committed words in the buffer when it starts with them (as it nearly always does);
         else, where the model changed its mind about committed audio, as many as align with
         them (after the last run of words the two have in common, one for one), or none if
-        they have no word in common (the model no longer hears them, at the buffer's start)."""
+        too few align (the model no longer hears them, at the buffer's start): at least half
+        of them, or a run of two or more that ends them. One word in common ("for" of "can
+        do for you" and "For a full hour") took the new words after it as committed."""
         known = [_key(w) for w in self._in_buffer]
         keys = [_key(w) for w in words]
         if not known:
@@ -416,6 +421,9 @@ class StreamingTranscriber:
         if not blocks:
             return 0
         last = blocks[-1]
+        ends_them = last.a + last.size == len(known) and last.size >= 2
+        if 2 * sum(b.size for b in blocks) < len(known) and not ends_them:
+            return 0
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
 
     def _split_at_committed(self, segments: list[_Segment]) -> list[_Segment]:

@@ -199,6 +199,41 @@ def test_a_word_split_otherwise_than_when_it_was_committed_is_neither_lost_nor_r
     assert_append_only(updates)
 
 
+def test_a_window_judged_silent_is_not_decoded_again_without_the_prompt(transcriber):
+    """Scripted as a run over 40 s of faint noise went: with the prompt Whisper echoes it and
+    judges the window silent; decoded again without it, it looped "I'm going to go to the
+    next room.", which was committed. A long prompt (names to expect) is given whole: it was
+    cut to its last 200 characters, losing the first names."""
+    names = ("Speakers: Siobhan Ni Bhriain, Aoife Mac Giolla Phadraig, Oisin O Suilleabhain, Grainne Ni Dhomhnaill, "
+             "Caoimhe Nic Aodha, Ruairi O Ceallachain. Topics: agenda item 1, the harbour works, the ferry timetable.")
+    stream = StreamingTranscriber(transcriber, prompt=names)
+    prompts = []
+
+    def scripted(samples, context, *_):
+        prompts.append(transcriber.vocab.decode(context))
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        if context:
+            return WindowResult(transcriber.vocab.encode(" " + names), "en", 0.0, True, info)
+        return WindowResult(transcriber.vocab.encode(" I'm going to go to the next room." * 6), "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    noise = np.random.default_rng(1).normal(0, 0.003, 3 * SAMPLE_RATE).astype(np.float32)
+    for second in range(3):
+        stream.insert_audio(noise[second * SAMPLE_RATE : (second + 1) * SAMPLE_RATE])
+        assert stream.process().committed_text == ""
+    assert stream.finish().committed_text == ""
+    assert len(names) > 200 and prompts == [" " + names] * 3  # finish(): no new audio, no decode
+
+
+def test_a_hypothesis_that_no_longer_hears_the_committed_words_keeps_its_own(transcriber):
+    """Scripted: the committed words are no longer heard, and the new hypothesis shares one
+    word with them ("for"): aligned on it, "For a" was taken as committed, and lost."""
+    first, later = " Ask not what your country can do for you.", " For a full hour he had paced up and down."
+    updates = scripted_updates(transcriber, [first, first, later])
+    assert updates[-1].committed_text == (first + later).strip()
+    assert_append_only(updates)
+
+
 def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcriber):
     """Scripted: one hypothesis shown as tentative, then finish() meets a window Whisper judges
     to hold no speech (a short last phrase, then silence): the words shown are committed."""
