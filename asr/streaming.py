@@ -28,7 +28,9 @@ but less accurate.
 Each buffer is decoded greedily (no temperature fallback: sampled hypotheses would rarely
 agree). A hypothesis that loops or echoes the prompt is decoded again without the prompt;
 the loops Whisper falls into on silence and at the end of the audio are cut from every
-hypothesis, and so are copies of the prompt, lest two hypotheses agree on them.
+hypothesis, and so are copies of the prompt (from those decoded with it), lest two
+hypotheses agree on them; but for the last decode and a backlog's, which no later one
+corrects, where what passes Whisper's compression test is speech that repeats itself.
 
 Word times are approximate: Whisper gives segment timestamps, and a segment's duration is
 shared among its words in proportion to their characters.
@@ -157,6 +159,7 @@ class StreamingTranscriber:
         self._in_buffer: list[Word] = []  # committed words heard in the buffer, as the last hypothesis wrote them
         self._tentative: list[Word] = []
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
+        self._held_back = False  # whether its new words were cut where they loop or copy (_agree)
         self._last_end = 0.0  # the audio-time clock when the last call ended
         prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
         # Whole, as offline (up to Whisper's 223 tokens): CONTEXT_CHARACTERS bounds the text
@@ -218,23 +221,25 @@ class StreamingTranscriber:
         while True:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
-            if until == self._decoded_until and not len(self._waiting):
-                break  # nothing new to hear
+            if until == self._decoded_until and not len(self._waiting) and not (final and self._held_back):
+                break  # nothing new to hear (nor words a last decode would keep)
             # else new audio, or a full buffer decoded already that audio waits behind: it
             # is decoded again as a backlog's (_agree), which cuts it and makes room
             window = self._transcribe(self._context)
+            prompted = bool(self._context)
             # A window judged silent is not decoded again: without the prompt, Whisper fills
             # noise with a loop of its own ("I'm going to go to the next room." 14 times).
-            if self._context and not window.silent and self._hallucinated(window):
-                window = self._transcribe([])
-            elif self._context and self._stops_short(window):
+            if prompted and not window.silent and self._hallucinated(window):
+                window, prompted = self._transcribe([]), False
+            elif prompted and self._stops_short(window):
                 retry = self._transcribe([])
-                window = retry if (self._heard_until(retry) or 0.0) > self._heard_until(window) else window
+                if (self._heard_until(retry) or 0.0) > self._heard_until(window):
+                    window, prompted = retry, False
             self._decoded_until = until  # decoded (a decode that raised is done again at the next call)
             stats.append(window.info.stats)
             decoded_seconds += len(self._buffer) / SAMPLE_RATE
             shown = self._tentative
-            committed += self._agree(window)
+            committed += self._agree(window, prompted, final)
             if final and window.silent and not self._tentative:
                 # The last words shown (grey) are not lost to a final decode judged silent
                 # (a short last phrase, then a long silence before the stop).
@@ -284,12 +289,16 @@ class StreamingTranscriber:
         failures when the buffer starts or ends on a clipped word. Such a buffer is decoded again without the prompt
         (as Whisper drops it when it falls back to sampling)."""
         text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
-        threshold = self.transcriber.options.compression_ratio_threshold
-        if threshold is not None and compression_ratio(text) > threshold:
+        if self._loops(text):
             return True
         prompt, keys = _keys(self._context_text), _keys(text)[len(self._in_buffer) :]  # past the committed words
         echoes = {tuple(prompt[i : i + PROMPT_ECHO_WORDS]) for i in range(len(prompt) - PROMPT_ECHO_WORDS + 1)}
         return any(tuple(keys[i : i + PROMPT_ECHO_WORDS]) in echoes for i in range(len(keys) - PROMPT_ECHO_WORDS + 1))
+
+    def _loops(self, text: str) -> bool:
+        """Whisper's compression-ratio test: text that repeats itself too much to be speech."""
+        threshold = self.transcriber.options.compression_ratio_threshold
+        return threshold is not None and compression_ratio(text) > threshold
 
     def _stops_short(self, window: WindowResult) -> bool:
         """Whether a hypothesis ends UNHEARD_SECONDS or more before the buffer does while the
@@ -318,17 +327,26 @@ class StreamingTranscriber:
         seconds = math.ceil(samples / SAMPLE_RATE + self.encoder_padding_seconds)
         return min(seconds, WINDOW_SECONDS) * FRAMES_PER_SECOND
 
-    def _agree(self, window: WindowResult) -> list[Word]:
+    def _agree(self, window: WindowResult, prompted: bool, final: bool) -> list[Word]:
         """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
         then trims the buffer if it is long. A full buffer with audio waiting is committed
-        and cut as offline (_closed_words, _cut_closed). Returns the words committed."""
+        and cut as offline (_closed_words, _cut_closed). Returns the words committed.
+
+        The new words stop where they loop or copy the text before them (the prompt's, if
+        the window was decoded with it), lest two hypotheses agree on a hallucination; in a
+        last decode, or one of a backlog, no later one could set that right, so words that
+        pass Whisper's own test are kept: speech that repeats itself ("No, no, no, no.")."""
         segments = [] if window.silent else self._split_at_committed(self._segments(window.tokens))
         words = [w for s in segments for w in s.words]
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
-        before = _keys(self._context_text) + [_key(w) for w in words[:done]]
-        fresh = words[done : done + _before_repeats([_key(w) for w in words[done:]], before)]
+        before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
+        kept = _before_repeats([_key(w) for w in words[done:]], before)
         backlog = len(self._waiting) > 0
+        if kept < len(words) - done and (final or backlog) and not self._loops("".join(w.text for w in words[done:])):
+            kept = len(words) - done
+        self._held_back = kept < len(words) - done
+        fresh = words[done : done + kept]
         agreed = 0
         if backlog:
             agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))

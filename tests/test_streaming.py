@@ -234,6 +234,40 @@ def test_a_hypothesis_that_no_longer_hears_the_committed_words_keeps_its_own(tra
     assert_append_only(updates)
 
 
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_speech_that_repeats_itself_is_kept_by_the_last_decode(transcriber, chunks):
+    """Scripted: a run said four times is cut from a hypothesis as a loop (the one Whisper
+    falls into at the end of the audio), with all after it, and a later hypothesis
+    commits one more word; at the stream's end none comes. The last decode (made even
+    without new audio, where words were held back) keeps what passes Whisper's
+    compression test: it said "No," where "No, no, no, no. I will not go there." was
+    heard. A loop that fails the test is still cut."""
+    said = " No, no, no, no. I will not go there."
+    assert scripted_updates(transcriber, [said], chunks=chunks)[-1].committed_text == said.strip()
+    looped = " I'm going to go to the next room." * 6
+    assert scripted_updates(transcriber, [looped], chunks=chunks)[-1].committed_text == "I'm going to go to the next room."
+
+
+def test_names_read_out_from_the_prompt_are_committed(transcriber):
+    """Scripted: the speaker reads out the names the prompt gave. With the prompt, the new
+    words echo it and the buffer is decoded again without it; that hypothesis, which never
+    saw the prompt, was still cut where it copied eight words of it, so nothing was ever
+    committed."""
+    prompt = "Roll call: Anna Karenina, Boris Godunov, Clara Schumann, Dmitri Shostakovich."
+    read = " Anna Karenina, Boris Godunov, Clara Schumann, Dmitri Shostakovich, please stand up."
+    stream = StreamingTranscriber(transcriber, prompt=prompt)
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(read), "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    for _ in range(2):
+        stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+        update = stream.process()
+    assert update.committed_text == read.strip()
+
+
 def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcriber):
     """Scripted: one hypothesis shown as tentative, then finish() meets a window Whisper judges
     to hold no speech (a short last phrase, then silence): the words shown are committed."""
