@@ -120,7 +120,7 @@ class StreamedMel:
         return self.samples / SAMPLE_RATE
 
     def window(self, seek: int) -> Tensor:
-        if self._stream is None:
+        if self._stream is None or max(_frame_start(seek), 0) < self._stream._offset:  # a recording transcribed again
             self._stream = _SampleStream(self._open())
         try:
             window = _normalise(self._log10_frames(self._stream, seek, seek + WINDOW_FRAMES), self.peak)

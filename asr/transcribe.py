@@ -148,6 +148,12 @@ class AudioInput:
     samples: np.ndarray | StreamedMel  # 16 kHz mono, or a long recording read block by block
     progress: Progress | None = None  # for a thread that watches this recording's transcription
 
+    def __post_init__(self) -> None:
+        # Arrays as transcribe() takes them: float64 (soundfile's default) failed in the
+        # features' matrix product, and int16 PCM was read unscaled (JFK's "The", not his sentence).
+        if not isinstance(self.samples, StreamedMel):
+            self.samples = to_model_input(self.samples, SAMPLE_RATE, self.name)
+
     @property
     def cancelled(self) -> bool:
         return self.progress is not None and self.progress.cancelled
@@ -282,7 +288,7 @@ class Transcriber:
         if isinstance(audio, AudioInput):
             item = audio
         elif isinstance(audio, np.ndarray):
-            item = AudioInput(name or "audio", to_model_input(audio, SAMPLE_RATE, name or "audio"))
+            item = AudioInput(name or "audio", audio)
         else:
             item = self.read(audio, name)
         if self.scheduler is not None:

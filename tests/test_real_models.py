@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import soundfile
 import torch
 
 import asr.transcribe
@@ -297,3 +298,24 @@ def test_english_only_packaged_model():
         Transcriber(pair, TranscribeOptions(task="translate"))
     with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="de"))
+
+
+def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair, tmp_path):
+    """An AudioInput's array, and transcribe_window's, as transcribe() takes one: float64
+    (soundfile's default) failed in the features' matrix product, and int16 PCM was read as
+    floats 32,767 times too loud (JFK came out as "The"). A file read block by block
+    (Transcriber.read, here from 5 s) is transcribed a second time from its start: its
+    reader only went forward ("samples from -200 were already dropped")."""
+    transcriber = Transcriber(base_pair, TranscribeOptions(language="en"))
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    expected = transcriber.transcribe(jfk).text
+    assert transcriber.transcribe(AudioInput("float64", jfk.astype(np.float64))).text == expected
+    pcm = np.round(jfk * 32767).astype(np.int16)
+    window = transcriber.transcribe_window(pcm, [], "en")
+    assert transcriber.vocab.decode(window.tokens).strip() == expected.strip()
+    long = np.concatenate([jfk, np.zeros(25 * SAMPLE_RATE, np.float32), jfk])  # two windows: the reader moves on
+    soundfile.write(tmp_path / "long.flac", long, SAMPLE_RATE)
+    streamed = transcriber.read(tmp_path / "long.flac", stream_above_seconds=5)
+    assert not isinstance(streamed.samples, np.ndarray)
+    first, again = (transcriber.transcribe(streamed).text for _ in range(2))
+    assert again == first and first.lower().count("ask not what your country") == 2
