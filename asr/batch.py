@@ -176,13 +176,18 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     owners: dict[str, PlannedFile] = {}  # output stem (case-folded with fold_case) -> the file that claimed it
     sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
     for path in inputs:
-        if path.is_dir():
+        try:
+            is_dir, exists = path.is_dir(), path.exists()
+        except OSError as error:  # pathlib takes only a missing file for False: not a folder it may not enter
+            failures.append(FileResult(str(path), error=f"cannot be read ({error.strerror or error})"))
+            continue
+        if is_dir:
             unreadable: list[OSError] = []
             files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir, unreadable=unreadable)]
             failures += [FileResult(str(e.filename), error=f"cannot read this folder ({e.strerror})") for e in unreadable]
             if not files and not unreadable:
                 failures.append(FileResult(str(path), error=f"folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})"))
-        elif path.exists():
+        elif exists:
             files = [(path, Path(path.name))]
         else:
             failures.append(FileResult(str(path), error="no such file or folder"))
@@ -190,11 +195,17 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
         for source, relative in files:
             try:
                 real = source.resolve(strict=True)
+                regular = real.is_file()
             except FileNotFoundError:
                 failures.append(FileResult(str(source), error="a symbolic link to a file that does not exist"))
                 continue
-            except (RuntimeError, OSError):  # a loop: RuntimeError before Python 3.13, OSError (ELOOP) since
-                failures.append(FileResult(str(source), error="a symbolic link that leads back to itself"))
+            except (RuntimeError, OSError) as error:  # a loop: RuntimeError before Python 3.13, OSError (ELOOP) since
+                loop = isinstance(error, RuntimeError) or error.errno == errno.ELOOP
+                failures.append(FileResult(str(source), error="a symbolic link that leads back to itself" if loop
+                                           else f"cannot be read ({error.strerror or error})"))
+                continue
+            if not regular:  # reading a named pipe would wait for a writer, and the run with it, for ever
+                failures.append(FileResult(str(source), error="not a regular file (a named pipe, socket or device)"))
                 continue
             if real in sources:
                 continue
@@ -339,18 +350,22 @@ class Sources:
 
 class ErrorLog:
     """OUT/errors.jsonl: one JSON object per failed file, appended and flushed as it
-    happens. Each run starts it afresh, since it retries every file that failed before; a
-    run stopped early (Ctrl-C, a model that cannot load) puts back the earlier records of the
-    files it did not get to."""
+    happens. Each run starts afresh the records of its inputs, since it retries every file
+    of them that failed before, and keeps those of others (yesterday's folder, transcribed
+    into the same OUT); a run stopped early (Ctrl-C, a model that cannot load) puts back the
+    earlier records of the files it did not get to."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, inputs: Iterable[Path] = ()):
         self.path = path
-        self._earlier = []
+        roots = [os.path.abspath(p) for p in inputs]
+        self._earlier, self._elsewhere = [], []
         if path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 with contextlib.suppress(ValueError):
                     if isinstance(record := json.loads(line), dict):
-                        self._earlier.append(record)
+                        file = os.path.abspath(str(record.get("file")))
+                        ours = any(file == root or file.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
+                        (self._earlier if ours else self._elsewhere).append(record)
         path.unlink(missing_ok=True)
         self._handle = None
 
@@ -374,9 +389,8 @@ class ErrorLog:
         (None: every earlier record, for a run stopped before it began)."""
         pending = None if pending is None else set(pending)
         try:
-            for record in self._earlier:
-                if pending is None or record.get("file") in pending:
-                    self._write(record)
+            for record in self._elsewhere + [r for r in self._earlier if pending is None or r.get("file") in pending]:
+                self._write(record)
         finally:
             if self._handle is not None:
                 # Every record was flushed when written: closing fails only after a write that
@@ -489,7 +503,7 @@ class _Recorder:
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}")
         run.out_dir.mkdir(parents=True, exist_ok=True)
-        self.log = ErrorLog(run.out_dir / ERRORS_FILE)
+        self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)
         self.summary = FolderSummary()
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
             fold_case = ignores_case(run.out_dir)

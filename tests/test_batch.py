@@ -75,23 +75,33 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
     (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
     (source / "gone.wav").symlink_to(tmp_path / "deleted.wav")
+    os.mkfifo(source / "a" / "pipe.wav")  # its first read would wait for a writer, and the run with it, for ever
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
-    inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty"]
-    scandir = os.scandir
+    inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty",
+              tmp_path / "sealed" / "h.wav"]
+    scandir, is_dir = os.scandir, Path.is_dir
 
     def locked(path):  # a folder without read permission (as root, chmod would not stop this process)
         if Path(path).name == "locked":
             raise PermissionError(errno.EACCES, "Permission denied", str(path))
         return scandir(path)
 
+    def sealed(path):  # a file in a folder that may not be entered: pathlib raises (it stopped the run)
+        if path.parent.name == "sealed":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return is_dir(path)
+
     monkeypatch.setattr(os, "scandir", locked)
+    monkeypatch.setattr(Path, "is_dir", sealed)
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
         ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
-    assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav"}
+    assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav", "pipe.wav", "h.wav"}
+    assert reasons["pipe.wav"] == "not a regular file (a named pipe, socket or device)"
+    assert reasons["h.wav"] == "cannot be read (Permission denied)"
     assert reasons["self.wav"] == "a symbolic link that leads back to itself"
     assert reasons["gone.wav"] == "a symbolic link to a file that does not exist"
     assert reasons["locked"] == "cannot read this folder (Permission denied)"
@@ -493,6 +503,14 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
         with pytest.raises(KeyboardInterrupt):
             transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
     assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == earlier
+    # A run to its end drops the records of its inputs (a.wav is done now), not another
+    # folder's transcribed into the same place (they were all lost).
+    yesterday = {"file": str(tmp_path / "yesterday" / "x.wav"), "reason": "earlier", "time": "2026-11-24T00:00:00+00:00"}
+    (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in [*earlier, yesterday]))
+    for name in ("b.txt", "b.json"):
+        (out / name).write_text("{}")
+    assert transcribe_folder(FolderRun((source,), out, **quiet()), interrupted).skipped == 2
+    assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == [yesterday]
 
 
 def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:
