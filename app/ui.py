@@ -6,6 +6,7 @@ import dataclasses
 import functools
 import html
 import shutil
+import signal
 import tempfile
 import threading
 import time
@@ -367,13 +368,18 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
 
 
 def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) -> None:
-    """Blocks until interrupted."""
+    """Blocks until interrupted (Ctrl-C, or SIGTERM as systemd, docker stop and kill send)."""
     engine.warm_up()
     release_freed_memory()
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM's default ends Python without cleaning up: every visitor's uploads and
+        # transcripts stayed on disk. Taken as Ctrl-C, on which Gradio closes the server.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
         demo = build(engine, Path(downloads), keep_seconds)
         demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
         demo.launch(
             server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],
             theme=gr.themes.Soft(font=FONTS, font_mono=MONO_FONTS), css=CSS,
+            share=False,  # Gradio turns a public link on by itself with GRADIO_SHARE, on Kaggle and SageMaker
         )

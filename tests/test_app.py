@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -62,7 +63,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port, scratch = free_port(), tmp_path_factory.mktemp("app")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(scratch)}
+    (scratch / "tmp").mkdir()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(scratch),
+           "TMPDIR": str(scratch / "tmp")}
     log = (scratch / "server.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=REPO, env=env,
                                stdout=log, stderr=subprocess.STDOUT)
@@ -87,6 +90,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+    # Stopped by SIGTERM (systemd, docker stop), the app removes the visitors' transcripts:
+    # Python's default for it left them on disk for good.
+    assert process.returncode == 0, (scratch / "server.log").read_text()[-3000:]
+    assert not list((scratch / "tmp").glob("asr-app-*"))
 
 
 @pytest.fixture(scope="module")
@@ -156,6 +163,22 @@ def test_a_live_session_keeps_every_sample_when_the_microphones_rate_changes(eng
     live.finish()
     assert live.error is None and EXPECTED in words(live.last.committed_text)
     assert abs(live.summary().audio_seconds - len(samples) / SAMPLE_RATE) < 0.002
+
+
+def test_the_app_serves_this_machine_only(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No public link: Gradio turns one on by itself where GRADIO_SHARE is set, on Kaggle and
+    on SageMaker, unless told not to."""
+    import app.ui
+
+    launched = {}
+    monkeypatch.setattr(app.ui.gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        app.ui.serve(engine, "127.0.0.1", free_port())
+        assert signal.getsignal(signal.SIGTERM) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert launched["share"] is False and launched["server_name"] == "127.0.0.1"
 
 
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
