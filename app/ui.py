@@ -246,8 +246,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
         result, seconds = decoding.result() if engine.scheduler is None else (decoding.result(),
                                                                               time.perf_counter() - started)
         sweep(downloads_dir, keep_seconds)
-        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem, list(FORMATS),
-                                 SUBTITLE_LAYOUTS[subtitles])
+        # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
+        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem.lstrip(".") or "transcript",
+                                 list(FORMATS), SUBTITLE_LAYOUTS[subtitles])
     except Cancelled:  # Stop, or a new file or new settings
         so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
         yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]), so_far,

@@ -223,6 +223,17 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
 
 
+def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine, tmp_path: Path) -> None:
+    """A visitor's ".take2.flac" gave ".take2.txt" and so on, hidden in their downloads folder."""
+    upload = tmp_path / "cache" / ".take2.flac"
+    upload.parent.mkdir()
+    upload.write_bytes(CLIP.read_bytes())
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
+                                                             AUTO, "", False, False, "segments")
+    assert EXPECTED in words(transcript)
+    assert sorted(Path(f).name for f in downloads["value"]) == ["take2.json", "take2.srt", "take2.txt", "take2.vtt"]
+
+
 def test_a_live_session_whose_decode_fails_once_goes_on(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """One failure (another request's batch failing beside this stream's window) is tried
     again at the next pass, with the audio kept: the transcript comes out whole."""
