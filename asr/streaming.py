@@ -340,13 +340,14 @@ class StreamingTranscriber:
         words = [w for s in segments for w in s.words]
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
+        new = words[done:]
         before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
-        kept = _before_repeats([_key(w) for w in words[done:]], before)
+        kept = _before_repeats([_key(w) for w in new], before)
         backlog = len(self._waiting) > 0
-        if kept < len(words) - done and (final or backlog) and not self._loops("".join(w.text for w in words[done:])):
-            kept = len(words) - done
-        self._held_back = kept < len(words) - done
-        fresh = words[done : done + kept]
+        if kept < len(new) and (final or backlog) and not self._loops("".join(w.text for w in new)):
+            kept = len(new)
+        self._held_back = kept < len(new)
+        fresh = new[:kept]
         agreed = 0
         if backlog:
             agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))
