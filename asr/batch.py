@@ -31,6 +31,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+try:
+    import fcntl
+except ImportError:  # Windows
+    fcntl = None
+
 import torch
 from tqdm import tqdm
 
@@ -42,6 +47,7 @@ from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLa
 
 ERRORS_FILE = "errors.jsonl"
 SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
+LOCK_FILE = ".asr-run.lock"  # held by the run writing into OUT
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
@@ -348,6 +354,39 @@ class Sources:
                 self._handle.close()
 
 
+class FolderLock:
+    """OUT/.asr-run.lock, locked while a run writes into OUT. A second run into the same
+    folder would take the first's temporary files for a killed run's and remove them (the
+    first then fails to rename them into place), and start errors.jsonl afresh under it: it
+    is refused instead, naming the process that holds the folder. The lock is the kernel's
+    (flock): a killed run's goes with it, and the file, left in place, means nothing alone.
+    Not taken where the platform has no flock (Windows)."""
+
+    def __init__(self, out_dir: Path):
+        self._handle = None
+        if fcntl is None:
+            return
+        handle = open(out_dir / LOCK_FILE, "a+", encoding="ascii")
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip()
+            handle.close()
+            raise OutputError(f"--out-dir {out_dir}: another run is writing into it"
+                              + (f" (process {holder})" if holder.isdigit() else "")
+                              + ": wait for it to end, or give another --out-dir") from None
+        handle.truncate(0)
+        handle.write(f"{os.getpid()}\n")
+        handle.flush()
+        self._handle = handle
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the file releases its lock
+            self._handle = None
+
+
 class ErrorLog:
     """OUT/errors.jsonl: one JSON object per failed file, appended and flushed as it
     happens. Each run starts afresh the records of its inputs, since it retries every file
@@ -503,7 +542,12 @@ class _Recorder:
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}")
         run.out_dir.mkdir(parents=True, exist_ok=True)
-        self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)
+        self.lock = FolderLock(run.out_dir)
+        try:
+            self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)
+        except BaseException:
+            self.lock.release()
+            raise
         self.summary = FolderSummary()
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
             fold_case = ignores_case(run.out_dir)
@@ -527,6 +571,7 @@ class _Recorder:
                     self.summary.skipped += 1
         except BaseException:
             self.log.close(pending=None)
+            self.lock.release()
             raise
         # Longest first, so that files of similar length share batches and end together.
         self.todo = sorted(todo, key=lambda item: -(item.seconds or 0.0))
@@ -608,6 +653,7 @@ class _Recorder:
         self.bar.close()
         self.log.close()
         self.sources.close()
+        self.lock.release()
         self.summary.wall_seconds = time.perf_counter() - self.started
         if self.summary.failed:
             self.summary.errors_file = self.log.path
@@ -618,6 +664,7 @@ class _Recorder:
         self.bar.close()
         self.log.close(pending=self.by_source)
         self.sources.close()
+        self.lock.release()
 
     def _failed(self, source: str, reason: str) -> None:
         self.summary.failed += 1

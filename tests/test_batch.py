@@ -513,6 +513,40 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
     assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == [yesterday]
 
 
+def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
+    """It took the first run's temporary files for a killed run's and removed them (the
+    first then failed to rename them into place), and started errors.jsonl afresh under it."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    earlier = {"file": str(source / "a.wav"), "reason": "earlier", "time": "2026-11-25T00:00:00+00:00"}
+    out.mkdir()
+    (out / ERRORS_FILE).write_text(json.dumps(earlier) + "\n")
+    partial = out / ".a.txt.k9x2ab_c.part"  # as the first run's write_atomic would have it, mid-write
+    refused = []
+
+    def second_run_meanwhile():
+        partial.write_text("half")
+        with pytest.raises(OutputError) as error:
+            transcribe_folder(FolderRun((source,), out, **quiet()), lambda: pytest.fail("the second run loaded a model"))
+        refused.append(str(error.value))
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, **quiet()), second_run_meanwhile)
+    assert refused == [f"--out-dir {out}: another run is writing into it (process {os.getpid()}): "
+                       "wait for it to end, or give another --out-dir"]
+    assert partial.read_text() == "half"  # the second run removed nothing
+    assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == [earlier]
+    # The first run's end frees the folder (its lock dies with its file, killed or not: the SIGKILL test).
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
+    assert not partial.exists()  # a killed run's leftover now, removed by the run after it
+
+
 def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:
     return {p.relative_to(out).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
             for p in out.rglob("*") if p.is_file() and not p.name.startswith(".") and p.name != ERRORS_FILE}

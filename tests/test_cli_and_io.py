@@ -412,8 +412,8 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     captured = capsys.readouterr()
     assert code == 1
     assert "broken.wav" in captured.err and "1 transcribed, 1 failed" in captured.err
-    assert sorted(p.name for p in out.iterdir()) == [".sources.jsonl", "1089-134691-0001.json", "1089-134691-0001.txt",
-                                                     "errors.jsonl"]
+    assert sorted(p.name for p in out.iterdir()) == [".asr-run.lock", ".sources.jsonl", "1089-134691-0001.json",
+                                                     "1089-134691-0001.txt", "errors.jsonl"]
     failure = json.loads((out / "errors.jsonl").read_text())
     assert failure["file"] == str(bad) and "not a readable audio file" in failure["reason"]
     document = json.loads((out / "1089-134691-0001.json").read_text())
