@@ -114,6 +114,7 @@ class FileResult:
     busy_seconds: float = 0.0  # encoder + decoder time
     draft_proposed: int = 0
     draft_accepted: int = 0
+    recording: dict | None = None  # the file's size, time and fingerprint when it was read (recording_of)
 
 
 @dataclass
@@ -171,15 +172,17 @@ def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] |
 
 
 def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] = FORMATS,
-                 fold_case: bool = False) -> tuple[list[PlannedFile], list[FileResult]]:
+                 fold_case: bool = False, holds: Callable[[PlannedFile], bool] = lambda item: False,
+                 ) -> tuple[list[PlannedFile], list[FileResult]]:
     """Each audio file with the stem of its outputs: a folder's tree is mirrored under
     out_dir, a file named directly lands at its top. Inputs that are missing, empty
     folders, files whose outputs' names would be too long and files whose outputs would
-    collide (fold_case: in names differing only in case too) come back as failures."""
+    collide (fold_case: in names differing only in case too) come back as failures. Of
+    files whose outputs collide, the one whose transcript they hold already (holds:
+    Sources.holds) keeps them, else the first met."""
     longest = max(formats, key=len)
-    planned: list[PlannedFile] = []
+    candidates: list[PlannedFile] = []
     failures: list[FileResult] = []
-    owners: dict[str, PlannedFile] = {}  # output stem (case-folded with fold_case) -> the file that claimed it
     sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
     for path in inputs:
         try:
@@ -215,19 +218,30 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
                 continue
             if real in sources:
                 continue
+            sources.add(real)  # a file failed here is reported once, too
             stem = out_dir / relative.parent / relative.stem
             if name_length(f"{stem.name}.{longest}") > NAME_MAX:
                 failures.append(FileResult(str(source), error=f"the name of its outputs ({stem.name}.{longest}) would be "
                                                               f"longer than a file name can be ({NAME_MAX} {NAME_UNIT})"))
                 continue
-            owner = owners.setdefault(folded(str(stem)) if fold_case else str(stem), PlannedFile(source, stem))
-            if owner.source is source:
-                planned.append(owner)
-                sources.add(real)
-            else:
-                case = "" if owner.stem == stem else " (the output folder's file system ignores case in names)"
-                failures.append(FileResult(str(source), error=f"same output name as {owner.source}: both would write "
-                                                              f"{stem}.*{case}"))
+            candidates.append(PlannedFile(source, stem))
+    def key(item: PlannedFile) -> str:
+        return folded(str(item.stem)) if fold_case else str(item.stem)
+
+    claims: dict[str, list[PlannedFile]] = {}  # output stem (case-folded with fold_case) -> the files that would write it
+    for item in candidates:
+        claims.setdefault(key(item), []).append(item)
+    planned = []
+    for item in candidates:
+        rivals = claims[key(item)]
+        # A recording added beside a finished one of the same name (a.mp3 beside a.wav) does not take its outputs.
+        owner = next((rival for rival in rivals if holds(rival)), rivals[0]) if len(rivals) > 1 else item
+        if owner is item:
+            planned.append(item)
+        else:
+            case = "" if owner.stem == item.stem else " (the output folder's file system ignores case in names)"
+            failures.append(FileResult(str(item.source), error=f"same output name as {owner.source}: both would write "
+                                                               f"{item.stem}.*{case}"))
     return planned, failures
 
 
@@ -290,6 +304,16 @@ def fingerprint(path: Path) -> str:
     return f"{size}:{digest.hexdigest()[:32]}"
 
 
+def recording_of(path: Path) -> dict | None:
+    """What Sources records of a file: its size and modification time, and its fingerprint;
+    None where it cannot be read."""
+    try:
+        stat = path.stat()
+        return {"stat": [stat.st_size, stat.st_mtime_ns], "fingerprint": fingerprint(path)}
+    except OSError:
+        return None
+
+
 class Sources:
     """OUT/.sources.jsonl: for each file transcribed, the stem of its outputs (relative to OUT),
     its source, size, modification time and fingerprint, appended as its outputs are complete.
@@ -318,6 +342,10 @@ class Sources:
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
 
+    def holds(self, item: PlannedFile) -> bool:
+        """Whether item's outputs are recorded as the transcript of this very recording."""
+        return self._key(self._stem(item)) in self._known and self.other_recording(item) is None
+
     def other_recording(self, item: PlannedFile) -> str | None:
         """The source of another recording whose transcript item's outputs hold, or None."""
         record = self._known.get(self._key(self._stem(item)))
@@ -332,13 +360,13 @@ class Sources:
             return None
         return None if same else str(record.get("source"))
 
-    def add(self, item: PlannedFile) -> None:
-        try:
-            stat = item.source.stat()
-            record = {"stem": self._stem(item), "source": str(item.source), "stat": [stat.st_size, stat.st_mtime_ns],
-                      "fingerprint": fingerprint(item.source)}
-        except OSError:  # gone since it was read: the outputs stand without a line, as an older run's
+    def add(self, item: PlannedFile, recording: dict | None) -> None:
+        """item's outputs are complete, of this recording (recording_of, taken as the file was
+        read: one replaced since, a recorder reusing its name mid-run, is not the one
+        transcribed)."""
+        if recording is None:  # unreadable: the outputs stand without a line, as an older run's
             return
+        record = {"stem": self._stem(item), "source": str(item.source), **recording}
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -392,12 +420,15 @@ class ErrorLog:
     happens. Each run starts afresh the records of its inputs, since it retries every file
     of them that failed before, and keeps those of others (yesterday's folder, transcribed
     into the same OUT); a run stopped early (Ctrl-C, a model that cannot load) puts back the
-    earlier records of the files it did not get to."""
+    earlier records of the files it did not get to. The earlier records stay in the file
+    while the run goes on (it is rewritten only whole, by renaming), so a run killed at any
+    point, kill -9 included, loses none of them: it may only leave the earlier record of a
+    file it redid beside the new one, until the next run."""
 
     def __init__(self, path: Path, inputs: Iterable[Path] = ()):
         self.path = path
         roots = [os.path.abspath(p) for p in inputs]
-        self._earlier, self._elsewhere = [], []
+        self._earlier, self._elsewhere, self._new = [], [], []
         if path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 with contextlib.suppress(ValueError):
@@ -405,37 +436,49 @@ class ErrorLog:
                         file = os.path.abspath(str(record.get("file")))
                         ours = any(file == root or file.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
                         (self._earlier if ours else self._elsewhere).append(record)
-        path.unlink(missing_ok=True)
+        self._rewrite(self._elsewhere + self._earlier)  # lines not JSON go
         self._handle = None
 
     def add(self, file: str, reason: str) -> None:
-        self._write({"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
-
-    def _write(self, record: dict) -> None:
+        record = {"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        self._new.append(record)
         try:
             if self._handle is None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
-                # A file name that is not UTF-8 is written as JSON's \udcXX escapes (its bytes, for os.fsencode).
                 self._handle = open(self.path, "a", encoding="utf-8", errors="backslashreplace")
-            self._handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            self._handle.write(_error_line(record))
             self._handle.flush()
             os.fsync(self._handle.fileno())
         except OSError as error:
             raise OutputError(f"{self.path}: cannot record a failure ({error.strerror or error})") from error
 
     def close(self, pending: Iterable[str] | None = ()) -> None:
-        """pending: the files this run did not get to, whose earlier records are put back
+        """pending: the files this run did not get to, whose earlier records are kept
         (None: every earlier record, for a run stopped before it began)."""
         pending = None if pending is None else set(pending)
+        if self._handle is not None:
+            # Every record was flushed when written: closing fails only after a write that
+            # raised (a full disk), whose error is the one to tell.
+            with contextlib.suppress(OSError):
+                self._handle.close()
+            self._handle = None
+        self._rewrite(self._elsewhere + [r for r in self._earlier if pending is None or r.get("file") in pending]
+                      + self._new)
+
+    def _rewrite(self, records: list[dict]) -> None:
+        """The file holds these records (no file for none), by renaming a whole one into place."""
         try:
-            for record in self._elsewhere + [r for r in self._earlier if pending is None or r.get("file") in pending]:
-                self._write(record)
-        finally:
-            if self._handle is not None:
-                # Every record was flushed when written: closing fails only after a write that
-                # raised (a full disk), whose error is the one to tell.
-                with contextlib.suppress(OSError):
-                    self._handle.close()
+            if records:
+                # A file name that is not UTF-8 is written as JSON's \udcXX escapes (its bytes, for os.fsencode).
+                write_atomic(self.path, "".join(_error_line(r) for r in records))
+            else:
+                self.path.unlink(missing_ok=True)
+        except OSError as error:
+            raise OutputError(f"{self.path}: cannot record the failures ({error.strerror or error})") from error
+
+
+def _error_line(record: dict) -> str:
+    return json.dumps(record, ensure_ascii=False) + "\n"
 
 
 def transcribe_files(
@@ -455,11 +498,14 @@ def transcribe_files(
     queue = iter(files)
     unreadable: list[FileResult] = []
     in_flight: dict[str, Path] = {}  # name given to the transcriber -> source
+    recordings: dict[Path, dict | None] = {}  # each file's as it was read
 
     def read(path: Path) -> AudioInput | FileResult:
+        recordings[path] = recording_of(path)
         try:
             audio = transcriber.read(path, stream_above_seconds=stream_above_seconds)
         except Exception as error:  # AudioError names the problem; anything else is still this file's
+            recordings.pop(path)
             return FileResult(str(path), error=_reason(error, path))
         if on_progress is None:
             return audio
@@ -478,7 +524,8 @@ def transcribe_files(
         try:
             for transcript in transcriber.transcribe_many(inputs()):
                 yield from _drain(unreadable)
-                rendered = _rendered(transcript, in_flight[transcript.source], formats, layout)
+                source = in_flight[transcript.source]
+                rendered = _rendered(transcript, source, formats, layout, recordings.pop(source))
                 del in_flight[transcript.source]  # only now: a file whose rendering raised is retried, then reported
                 yield rendered
             yield from _drain(unreadable)
@@ -496,7 +543,8 @@ def transcribe_files(
                     yield audio
                     continue
                 try:
-                    yield _rendered(next(iter(alone.transcribe_many([audio]))), source, formats, layout)
+                    transcript = next(iter(alone.transcribe_many([audio])))
+                    yield _rendered(transcript, source, formats, layout, recordings.pop(source))
                 except Exception as again:
                     yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
 
@@ -516,7 +564,8 @@ def _reason(error: Exception, path: Path) -> str:
     return message if isinstance(error, AudioError) else f"{type(error).__name__}: {message}"
 
 
-def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], layout: SubtitleLayout) -> FileResult:
+def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], layout: SubtitleLayout,
+              recording: dict | None) -> FileResult:
     info = transcript.info
     return FileResult(
         str(source),
@@ -526,6 +575,7 @@ def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], la
         busy_seconds=info.encoder_seconds + info.decoder_seconds,
         draft_proposed=info.stats.draft_proposed if info.speculative else 0,
         draft_accepted=info.stats.draft_accepted if info.speculative else 0,
+        recording=recording,
     )
 
 
@@ -552,7 +602,7 @@ class _Recorder:
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records
             fold_case = ignores_case(run.out_dir)
             self.sources = Sources(run.out_dir, fold_case)
-            files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case)
+            files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case, self.sources.holds)
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now
@@ -615,7 +665,7 @@ class _Recorder:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
-                self.sources.add(item)
+                self.sources.add(item, result.recording)
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

@@ -385,6 +385,50 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
                                              "or give another --out-dir"}
 
 
+def test_a_recording_added_beside_a_finished_one_of_the_same_name_takes_nothing_of_it(tmp_path: Path, pair):
+    """a.flac beside a finished a.wav: both failed (the first in name order claimed the
+    outputs, which were a.wav's), and the --overwrite the message advised replaced a.wav's
+    transcript with a.flac's. A collision is reported once even where a file is met twice."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+
+    def run(*inputs: Path, **options):
+        summary = transcribe_folder(FolderRun(inputs, out, **quiet(("txt",), **options)),
+                                    lambda: Transcriber(pair, batch_size=2))
+        return summary.ok, summary.failed, summary.skipped
+
+    assert run(source) == (1, 0, 0)
+    first = (out / "a.txt").read_text()
+    shutil.copy(SHORT / "1089-134691-0000.flac", source / "a.flac")
+    collision = f"same output name as {source / 'a.wav'}: both would write {out / 'a'}.*"
+    assert run(source) == (0, 1, 1) and errors_of(out) == {"a.flac": collision}
+    assert run(source, source / "a.flac") == (0, 1, 1) and errors_of(out) == {"a.flac": collision}
+    assert (out / "a.txt").read_text() == first
+
+
+def test_a_recording_replaced_while_it_was_transcribed_is_not_taken_for_done(tmp_path: Path, pair, monkeypatch):
+    """A recorder reusing REC001.wav mid-run: the outputs were recorded as the new file's
+    (read when they were written), so the next run skipped it, its transcript the old audio's."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "REC001.wav")
+    read = Transcriber.read
+
+    def read_then_replaced(self, path, **options):
+        audio = read(self, path, **options)
+        shutil.copy(SHORT / "LJ002-0035.wav", path)
+        return audio
+
+    monkeypatch.setattr(Transcriber, "read", read_then_replaced)
+    run = FolderRun((source,), out, **quiet(("txt",)))
+    assert transcribe_folder(run, lambda: Transcriber(pair)).ok == 1 and "1813" in (out / "REC001.txt").read_text()
+    monkeypatch.setattr(Transcriber, "read", read)
+    again = transcribe_folder(run, lambda: pytest.fail("nothing to decode"))
+    assert (again.ok, again.failed, again.skipped) == (0, 1, 0)
+    assert "the transcript of an earlier version of this file" in errors_of(out)["REC001.wav"]
+
+
 def test_the_progress_bar_counts_seconds_of_audio_as_each_window_ends(tmp_path: Path, pair, capsys, monkeypatch):
     """Runs go longest file first, so the bar counts seconds of audio, not files (a count of
     files would overestimate the time left), and a long file moves it window by window."""
@@ -545,6 +589,29 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
     with pytest.raises(KeyboardInterrupt):
         transcribe_folder(FolderRun((source,), out, **quiet()), interrupted)
     assert not partial.exists()  # a killed run's leftover now, removed by the run after it
+
+
+def test_the_earlier_failures_stay_on_disk_while_a_run_goes_on(tmp_path: Path):
+    """They were held in memory from the run's start and written back only at its end: a
+    run killed meanwhile (kill -9, or SIGTERM from timeout or systemd) lost yesterday's
+    records and those of the files it had not got to, and errors.jsonl was gone."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    (source / "gone.wav").symlink_to(tmp_path / "nowhere.wav")
+    earlier = [{"file": str(source / "a.wav"), "reason": "earlier", "time": "2026-11-25T00:00:00+00:00"},
+               {"file": str(tmp_path / "yesterday" / "x.wav"), "reason": "earlier", "time": "2026-11-24T00:00:00+00:00"}]
+    (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in earlier) + "not json\n")
+    on_disk = []
+
+    def killed_here():  # what a kill at this point would leave
+        on_disk.extend(json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines())
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, **quiet()), killed_here)
+    assert on_disk[:2] == earlier[::-1] and [r["file"] for r in on_disk[2:]] == [str(source / "gone.wav")]
 
 
 def outputs_state(out: Path) -> dict[str, tuple[bytes, int]]:
