@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import html
@@ -82,10 +83,9 @@ MONO_FONTS = ["ui-monospace", "SFMono-Regular", "Menlo", "Consolas", "monospace"
 
 def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> gr.Blocks:
     """The page over the shared models; transcripts to download are written under
-    downloads_dir and removed keep_seconds later, as are uploads (Gradio's cache)."""
-    sweep_every = int(max(60.0, min(keep_seconds / 4, 600.0)))
+    downloads_dir (swept by serve) and uploads (Gradio's cache) are removed keep_seconds later."""
     with gr.Blocks(title="asr: speculative Whisper", analytics_enabled=False,
-                   delete_cache=(sweep_every, int(keep_seconds))) as demo:
+                   delete_cache=(sweep_interval(keep_seconds), int(keep_seconds))) as demo:
         gr.HTML(
             '<div class="asr-header"><h1>Speculative Whisper transcription</h1>'
             f"<p>{html.escape(engine.description)}. The draft proposes tokens, the target verifies them in one pass: "
@@ -121,7 +121,7 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, keep_seconds, language, task, draft_length, prompt, words,
+                        upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
                                    silences, subtitles)
                     with gr.Tab("Microphone", id="microphone"):
                         microphone_tab(engine, language, task, draft_length, prompt)
@@ -139,6 +139,26 @@ def server_panel(engine: Engine) -> None:
                        show_progress="hidden", queue=False)
 
 
+def sweep_interval(keep_seconds: float) -> int:
+    """Seconds between two sweeps of files kept keep_seconds."""
+    return int(max(60.0, min(keep_seconds / 4, 600.0)))
+
+
+def sweeping(directory: Path, max_age: float, every: float) -> threading.Event:
+    """Sweeps directory every `every` seconds, from a thread of its own, until the event
+    returned is set. (A sweep after each upload left the last visitors' transcripts on an
+    idle server until it stopped.)"""
+    stop = threading.Event()
+
+    def run() -> None:
+        while not stop.wait(every):
+            with contextlib.suppress(FileNotFoundError):  # the server stopped, its folder going
+                sweep(directory, max_age)
+
+    threading.Thread(target=run, name="asr-sweep", daemon=True).start()
+    return stop
+
+
 def sweep(directory: Path, max_age: float) -> None:
     """Removes the download folders (one per transcript) older than max_age seconds."""
     cutoff = time.time() - max_age
@@ -150,7 +170,7 @@ def sweep(directory: Path, max_age: float) -> None:
             continue
 
 
-def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settings: gr.components.Component) -> None:
+def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:
     audio = gr.File(label="Audio or video file", file_types=sorted(AUDIO_EXTENSIONS), type="filepath",
                     elem_id="upload-file")
     with gr.Row():
@@ -164,7 +184,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, keep_seconds: float, *settin
 
     def upload(path: str | None, language: str, task: str, draft_length: str, prompt: str, words: bool, silences: bool,
                subtitles: str, request: gr.Request) -> Iterator[tuple[str, str, dict, dict]]:
-        yield from transcribe_upload(engine, downloads_dir, keep_seconds, path, language, task, draft_length, prompt,
+        yield from transcribe_upload(engine, downloads_dir, path, language, task, draft_length, prompt,
                                      words, silences, subtitles, request.session_hash)
 
     def replace(path: str | None, language: str, task: str, draft_length: str, prompt: str, words: bool,
@@ -206,7 +226,7 @@ def replace_upload(session: str, request: tuple) -> None:
         running[1].cancel()
 
 
-def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, path: str | None, language: str,
+def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, language: str,
                       task: str, draft_length: str, prompt: str, words: bool, silences: bool, subtitles: str,
                       session: str | None = None) -> Iterator[tuple[str, str, dict, dict]]:
     """An upload's progress while it decodes (its segments so far, as windows end, with
@@ -245,7 +265,6 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, keep_seconds: float, 
                 yield _progress(progress, now - handed_over)
         result, seconds = decoding.result() if engine.scheduler is None else (decoding.result(),
                                                                               time.perf_counter() - started)
-        sweep(downloads_dir, keep_seconds)
         # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem.lstrip(".") or "transcript",
                                  list(FORMATS), SUBTITLE_LAYOUTS[subtitles])
@@ -378,9 +397,13 @@ def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) ->
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
         demo = build(engine, Path(downloads), keep_seconds)
-        demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
-        demo.launch(
-            server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],
-            theme=gr.themes.Soft(font=FONTS, font_mono=MONO_FONTS), css=CSS,
-            share=False,  # Gradio turns a public link on by itself with GRADIO_SHARE, on Kaggle and SageMaker
-        )
+        stop_sweeping = sweeping(Path(downloads), keep_seconds, sweep_interval(keep_seconds))
+        try:
+            demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
+            demo.launch(
+                server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],
+                theme=gr.themes.Soft(font=FONTS, font_mono=MONO_FONTS), css=CSS,
+                share=False,  # Gradio turns a public link on by itself with GRADIO_SHARE, on Kaggle and SageMaker
+            )
+        finally:
+            stop_sweeping.set()

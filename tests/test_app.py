@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -171,7 +172,11 @@ def test_the_app_serves_this_machine_only(engine: Engine, monkeypatch: pytest.Mo
     import app.ui
 
     launched = {}
-    monkeypatch.setattr(app.ui.gr.Blocks, "launch", lambda self, **kwargs: launched.update(kwargs))
+
+    def launch(self, **kwargs):
+        launched.update(kwargs, sweeping=[t for t in threading.enumerate() if t.name == "asr-sweep"])
+
+    monkeypatch.setattr(app.ui.gr.Blocks, "launch", launch)
     before = signal.getsignal(signal.SIGTERM)
     try:
         app.ui.serve(engine, "127.0.0.1", free_port())
@@ -179,6 +184,10 @@ def test_the_app_serves_this_machine_only(engine: Engine, monkeypatch: pytest.Mo
     finally:
         signal.signal(signal.SIGTERM, before)
     assert launched["share"] is False and launched["server_name"] == "127.0.0.1"
+    # Downloads are swept while the server runs, whether or not visitors come; not after.
+    (sweeper,) = launched["sweeping"]
+    sweeper.join(timeout=10)
+    assert not sweeper.is_alive()
 
 
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -217,7 +226,7 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
         raise RuntimeError(f"CUDA error: out of memory reading {upload}")
 
     monkeypatch.setattr(Transcriber, "transcribe", broken)
-    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe",
                                                              AUTO, "", False, False, "segments")
     assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
@@ -228,7 +237,7 @@ def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine
     upload = tmp_path / "cache" / ".take2.flac"
     upload.parent.mkdir()
     upload.write_bytes(CLIP.read_bytes())
-    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, 3600.0, str(upload), "en", "transcribe",
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe",
                                                              AUTO, "", False, False, "segments")
     assert EXPECTED in words(transcript)
     assert sorted(Path(f).name for f in downloads["value"]) == ["take2.json", "take2.srt", "take2.txt", "take2.vtt"]

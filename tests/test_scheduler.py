@@ -11,7 +11,7 @@ import time
 import numpy as np
 import pytest
 
-from app.ui import sweep
+from app.ui import sweep, sweeping
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber, _Decoding
@@ -331,6 +331,23 @@ def test_old_downloads_are_swept(tmp_path):
     os.utime(old, (two_hours_ago, two_hours_ago))
     sweep(tmp_path, max_age=3600)
     assert not old.exists() and (new / "talk.txt").read_text() == "text"
+
+
+def test_downloads_are_swept_on_an_idle_server(tmp_path):
+    """Only an upload's end swept them: the last visitors' transcripts stayed on disk until
+    the server stopped."""
+    old = tmp_path / "old"
+    old.mkdir()
+    two_hours_ago = time.time() - 7200
+    os.utime(old, (two_hours_ago, two_hours_ago))
+    stop = sweeping(tmp_path, max_age=3600, every=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while old.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not old.exists()
+    finally:
+        stop.set()
 
 
 def test_long_recordings_are_admitted_first_within_a_bounded_head_start(pair):
