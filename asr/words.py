@@ -82,9 +82,14 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     than the median cut at a sentence end, and a segment's first and last words kept from
     running far past its own start and end."""
     text = [t for segment in segments for t in segment]
-    # Nothing to time, or under two encoder positions to time it in (one makes the scores' spread 0, and them NaN)
-    if not text or content_frames < 4:
+    if not text:
         return [[] for _ in segments], times
+    if content_frames < 4:
+        # Under two encoder positions to time words in (one makes the scores' spread 0, and
+        # them NaN): every word at the window's start, as faster-whisper's alignment puts
+        # them, so the segments take no time and are dropped. Whisper fills so short a last
+        # window with a copy of the previous text, which was kept.
+        return [[] for _ in segments], [(offset, offset)] * len(segments)
     vocab = model.vocab
     tokens = torch.tensor([sot_sequence + [vocab.no_timestamps] + text + [vocab.eot]], device=encoded.device)
     heads = alignment_heads(model)

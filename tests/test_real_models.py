@@ -245,6 +245,22 @@ def test_word_timestamps_move_the_seek_to_the_last_word_as_faster_whispers_do(ba
     assert [t for w in ours for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.021)
 
 
+def test_a_last_window_too_short_to_time_words_in_adds_no_segment(base_pair, faster_whisper_base):
+    """JFK cut at 6.16 s, without timestamps: the second window starts at the last word's
+    end, 0.02 s before the recording's, and Whisper fills it with a copy of the previous
+    text. Its words could not be timed, and it was kept: "And so my fellow Americans ask not
+    what you are cutting." again, over 6.14-6.16 s. faster-whisper drops it."""
+    audio = load_audio(DEV / "en_short" / "jfk.flac")[: round(6.16 * SAMPLE_RATE)]
+    options = TranscribeOptions(language="en", temperatures=(0.0,), without_timestamps=True, word_timestamps=True)
+    ours = Transcriber(base_pair, options).transcribe(audio).segments
+    theirs, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1, temperature=0.0,
+                                               word_timestamps=True, without_timestamps=True, vad_filter=False)
+    theirs = list(theirs)
+    assert [(s.text, s.start, s.end) for s in ours] == [(s.text, pytest.approx(s.start, abs=0.021),
+                                                         pytest.approx(s.end, abs=0.021)) for s in theirs]
+    assert all(s.words for s in ours) and len(ours) == 2
+
+
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
     """Translated, the Spanish clip's greedy attempt falls just below the log-probability
     threshold (-1.07 < -1.0), and so does every sampled retry: the window keeps the likeliest
