@@ -143,14 +143,14 @@ class Batch(Slots):
         started = device_clock(e.device)  # not work queued before: the round's own only (on a GPU)
         left = hints.follow_round(self) if any(row.hinted for row in rows) else None
         if left is None:
-            k = self.draft_length.next_round(len(self.slots), [row.language for row in rows]) if self.use_draft else 0
+            k = self._draft_k(sample, [row.language for row in rows], explore=True)
             k, representative = self._propose(k, max(row.gap for row in rows), sample, rows) if k else (0, True)
             draft_probs, noise = (s.draft_probs, s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
             hinted = None
         else:
             # Rows not following a hint (an upload's beside a stream's) draft meanwhile, as measured.
             drafting = [row.language for row, n in zip(self.slots, left) if row is not None and not n]
-            k = self.draft_length.current(len(self.slots), drafting) if self.use_draft and drafting else 0
+            k = self._draft_k(sample, drafting, explore=False)
             k = self._propose(k, max(row.gap for row in rows), sample, rows)[0] if k else 0
             hinted = hints.propose(self, rows, sample, left, k)
             k, representative, draft_probs, noise = hinted.k, False, hinted.probs, hinted.noise
@@ -161,14 +161,29 @@ class Batch(Slots):
         representative &= self._run_verify(width, sample, draft_probs, noise, rows)
         out = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
-        if self.use_draft and hinted is None and representative:
+        measured = self.use_draft and not sample and hinted is None  # a round the adaptive length chose
+        if measured and representative:
             self.draft_length.update(k, seconds, len(self.slots),
                                      [(row.language, accepted) for row, accepted in zip(self.slots, out[1]) if row is not None])
-        elif self.use_draft and hinted is None:
+        elif measured:
             self.draft_length.unmeasured(len(self.slots))
         drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
         done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
         return self._finish(done, out[4]) if done else []
+
+    def _draft_k(self, sample: bool, languages: list[str | None], explore: bool) -> int:
+        """The draft's proposals a row this round, for rows drafting in these languages: none
+        without a draft; where rows sample, the initial k (which uniform decides which token
+        depends on k: a k chosen from measured times would make one seed give other
+        transcripts from run to run); else the adaptive length's (explore: its next round,
+        which may go the other way; else what it measured so far)."""
+        if not self.use_draft or not languages:
+            return 0
+        if sample:
+            return self.draft_length.initial
+        if explore:
+            return self.draft_length.next_round(len(self.slots), languages)
+        return self.draft_length.current(len(self.slots), languages)
 
     def _draft_probs(self) -> Tensor:
         """The state's buffer of the draft's distributions, made at the first sampled round."""

@@ -229,6 +229,8 @@ class Transcriber:
                  scheduler: Scheduler | None = None):
         """scheduler: decode in its shared batches (many threads' work together) rather than
         in this thread."""
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a whole number of recordings, at least 1, not {batch_size!r}")
         self.models = models
         self.options = options
         self.batch_size = batch_size

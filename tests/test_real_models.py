@@ -11,6 +11,7 @@ import torch
 
 import asr.transcribe
 from asr.audio import SAMPLE_RATE, load_audio
+from asr.draft_length import DraftLength
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
@@ -259,6 +260,24 @@ def test_a_last_window_too_short_to_time_words_in_adds_no_segment(base_pair, fas
     assert [(s.text, s.start, s.end) for s in ours] == [(s.text, pytest.approx(s.start, abs=0.021),
                                                          pytest.approx(s.end, abs=0.021)) for s in theirs]
     assert all(s.words for s in ours) and len(ours) == 2
+
+
+def test_one_seed_gives_one_transcript_whatever_the_adaptive_draft_length_measured(base_pair, monkeypatch):
+    """Sampled, which uniform decides which token depends on the draft's k a round; the
+    adaptive length chose k from measured times, so `--seed 0` gave other text from run to
+    run (three runs of the Spanish clip: two texts, at two fallback temperatures). Here two
+    runs whose measurements would choose k = 1 and k = 8."""
+    audio = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
+    options = TranscribeOptions(language="es", temperatures=(1.0,), seed=0)
+    texts = []
+    for k in (1, 8):
+        with monkeypatch.context() as patch:
+            patch.setattr(DraftLength, "next_round", lambda self, rows=1, languages=(None,), k=k: k)
+            patch.setattr(DraftLength, "current", lambda self, rows=1, languages=(None,), k=k: k)
+            transcript = Transcriber(base_pair, options).transcribe(audio)
+        assert transcript.info.stats.draft_proposed > 0
+        texts.append(transcript.text)
+    assert texts[0] == texts[1]
 
 
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):

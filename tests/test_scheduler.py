@@ -256,6 +256,9 @@ def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(
         scheduler.close()
     with pytest.raises(ValueError, match="at least one"):
         Transcriber(pair, TranscribeOptions(temperatures=()))
+    for batch_size in (0, -1, 2.5):  # 0 waited for ever for a batch's first recording
+        with pytest.raises(ValueError, match=f"batch_size must be a whole number of recordings, at least 1, not {batch_size}"):
+            Transcriber(pair, batch_size=batch_size)
     # Nothing decoded, no language detected: none reported, with no confidence.
     nothing = Transcriber(pair, TranscribeOptions()).transcribe(AudioInput("short", window[:100]))
     assert (nothing.info.language, nothing.info.language_probability, nothing.text) == ("", 0.0, "")
