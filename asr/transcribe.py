@@ -159,6 +159,9 @@ class AudioInput:
         return self.progress is not None and self.progress.cancelled
 
 
+Audio = str | Path | np.ndarray | AudioInput  # what Transcriber.transcribe takes (Transcriber.input)
+
+
 @dataclass
 class _Job:
     """A recording being transcribed (or one window of it, for transcribe_window): its
@@ -284,26 +287,22 @@ class Transcriber:
                             draft_frames=models.draft.encoder.config.max_source_positions if own else None,
                             no_speech_token=self.vocab.no_speech)
 
-    def transcribe(self, audio: str | Path | np.ndarray | AudioInput, name: str | None = None) -> Transcript:
+    def transcribe(self, audio: Audio, name: str | None = None) -> Transcript:
         """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM
         integers). Raises Cancelled if the AudioInput's progress is cancelled before it is done."""
-        if isinstance(audio, AudioInput):
-            item = audio
-        elif isinstance(audio, np.ndarray):
-            item = AudioInput(name or "audio", audio)
-        else:
-            item = self.read(audio, name)
+        item = self.input(audio, name)
         if self.scheduler is not None:
             return self.submit(item).result()
         for transcript in self.transcribe_many([item]):
             return transcript
         raise Cancelled(item.name)
 
-    def submit(self, audio: AudioInput) -> Future:
+    def submit(self, audio: Audio) -> Future:
         """With a scheduler: transcribe's work handed over without waiting for it (the
         features are computed here, in the caller's thread); a Future of the Transcript."""
         if self.scheduler is None:
             raise ValueError("submit() needs a Transcriber with a scheduler")
+        audio = self.input(audio)
         if audio.progress is None:  # what stops the decoding when the Future is cancelled
             audio = replace(audio, progress=Progress())
         transcript: Future = Future()
@@ -318,6 +317,16 @@ class Transcriber:
         self.scheduler.submit(self._start(audio)).add_done_callback(done)
         return transcript
 
+    def input(self, audio: Audio, name: str | None = None) -> AudioInput:
+        """What transcribe takes, as an AudioInput: a file is read (read), an array named `name`."""
+        if isinstance(audio, AudioInput):
+            return audio
+        if isinstance(audio, np.ndarray):
+            return AudioInput(name or "audio", audio)
+        if isinstance(audio, (str, Path)):
+            return self.read(audio, name)
+        raise TypeError(f"audio must be a file's path, an array of samples or an AudioInput, not {type(audio).__name__}")
+
     def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
         longer than stream_above_seconds, scanned once and then read block by block as the
@@ -329,8 +338,9 @@ class Transcriber:
         mel = StreamedMel(lambda: stream_audio(path), self.models.target.config.num_mel_bins, str(path))
         return AudioInput(name or str(path), mel)
 
-    def transcribe_many(self, inputs: Iterable[AudioInput]) -> Iterator[Transcript]:
-        """Yields each recording's transcript as soon as its last window is decoded. Up to
+    def transcribe_many(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
+        """Yields each recording's transcript as soon as its last window is decoded (inputs: as
+        transcribe takes them, files read as they are reached). Up to
         batch_size recordings decode together, one window each; a row whose window is done
         takes the recording's next window, or the next recording, at once. A recording
         whose progress is cancelled stops decoding and yields nothing."""
@@ -343,6 +353,8 @@ class Transcriber:
                 while not exhausted and decoding.recordings + len(new) < self.batch_size:
                     item = next(pending, None)
                     exhausted = item is None
+                    if item is not None:
+                        item = self.input(item)
                     if item is not None and not item.cancelled:
                         new.append(self._start(item))
                 for job in decoding.submit(new):

@@ -325,6 +325,24 @@ def test_a_cancelled_recording_stops_at_once_and_its_batchmates_decode_on(pair):
     assert (load.cancelled, load.failures, load.recordings_served, load.recordings, load.rows) == (2, 0, 1, 0, 0)
 
 
+def test_transcribe_many_and_submit_take_what_transcribe_takes(pair):
+    """Given a path, as transcribe() is, they raised AttributeError ('str' object has no
+    attribute 'cancelled')."""
+    clip = SAMPLES / "jfk.flac"
+    transcriber = Transcriber(pair, TranscribeOptions(language="en", temperatures=(0.0,)), batch_size=2)
+    expected = transcriber.transcribe(clip).text
+    assert "ask not" in expected
+    assert [t.text for t in transcriber.transcribe_many([str(clip), load_audio(clip)])] == [expected, expected]
+    with pytest.raises(TypeError, match="audio must be a file's path, an array of samples or an AudioInput, not int"):
+        transcriber.transcribe(3)
+    scheduler = Scheduler(rows=2)
+    try:
+        shared = Transcriber(pair, transcriber.options, scheduler=scheduler)
+        assert shared.submit(clip).result(timeout=600).text == expected
+    finally:
+        scheduler.close()
+
+
 def test_old_downloads_are_swept(tmp_path):
     old, new = tmp_path / "old", tmp_path / "new"
     for folder in (old, new):
