@@ -231,11 +231,12 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     claims: dict[str, list[PlannedFile]] = {}  # output stem (case-folded with fold_case) -> the files that would write it
     for item in candidates:
         claims.setdefault(key(item), []).append(item)
+    # A recording added beside a finished one of the same name (a.mp3 beside a.wav) does not take its outputs.
+    owners = {stem: next((rival for rival in rivals if holds(rival)), rivals[0]) if len(rivals) > 1 else rivals[0]
+              for stem, rivals in claims.items()}
     planned = []
     for item in candidates:
-        rivals = claims[key(item)]
-        # A recording added beside a finished one of the same name (a.mp3 beside a.wav) does not take its outputs.
-        owner = next((rival for rival in rivals if holds(rival)), rivals[0]) if len(rivals) > 1 else item
+        owner = owners[key(item)]
         if owner is item:
             planned.append(item)
         else:
