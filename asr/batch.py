@@ -83,6 +83,25 @@ class FolderRun:
     stream_above_seconds: float = STREAM_ABOVE_SECONDS
     progress: bool = True  # a progress bar on stderr
     echo: bool = True  # one line per file on stdout (and errors on stderr)
+    # What the transcripts depend on (transcript_settings), recorded beside each file's
+    # outputs: a later run with others still skips the file, and says so.
+    settings: dict = field(default_factory=dict)
+
+
+def transcript_settings(target: str, options: TranscribeOptions, layout: SubtitleLayout = SubtitleLayout()) -> dict:
+    """The settings a file's transcript depends on, as .sources.jsonl records them. Not the
+    draft, its length, the batch size, device or dtype: greedy output is the target's,
+    whatever drafts for it."""
+    local = Path(target)  # a folder of weights, however it was named (./w, w/, /abs/w)
+    settings = {"target": str(local.resolve()) if local.exists() else target, "language": options.language or "detect", "task": options.task,
+                "temperatures": list(options.temperatures),
+                "compression_ratio_threshold": options.compression_ratio_threshold,
+                "log_prob_threshold": options.log_prob_threshold, "no_speech_threshold": options.no_speech_threshold,
+                "condition_on_previous_text": options.condition_on_previous_text, "prompt": options.initial_prompt,
+                "without_timestamps": options.without_timestamps, "word_timestamps": options.word_timestamps,
+                "vad": options.vad_filter, "max_line_width": layout.max_line_width,
+                "max_line_count": layout.max_line_count}
+    return json.loads(json.dumps(settings))  # as read back: tuples are lists
 
 
 @dataclass(frozen=True)
@@ -122,6 +141,7 @@ class FolderSummary:
     ok: int = 0
     failed: int = 0
     skipped: int = 0  # outputs already complete
+    skipped_other_settings: int = 0  # of those, made with other settings (transcript_settings) than this run's
     audio_seconds: float = 0.0  # of the files transcribed by this run
     wall_seconds: float = 0.0  # transcribing, after the models loaded
     load_seconds: float = 0.0  # loading the models (in this process; a Ray run's workers load in its wall time)
@@ -139,7 +159,9 @@ class FolderSummary:
         return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
 
     def describe(self) -> str:
-        line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done); "
+        other = (f", {self.skipped_other_settings} of them with other settings: --overwrite redoes them"
+                 if self.skipped_other_settings else "")
+        line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done{other}); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
         if self.load_seconds:
             line += f", after loading the models in {self.load_seconds:.1f} s"
@@ -361,13 +383,18 @@ class Sources:
             return None
         return None if same else str(record.get("source"))
 
-    def add(self, item: PlannedFile, recording: dict | None) -> None:
+    def settings(self, item: PlannedFile) -> dict | None:
+        """The settings item's outputs were made with (transcript_settings), where recorded."""
+        record = self._known.get(self._key(self._stem(item)))
+        return None if record is None else record.get("settings")
+
+    def add(self, item: PlannedFile, recording: dict | None, settings: dict) -> None:
         """item's outputs are complete, of this recording (recording_of, taken as the file was
         read: one replaced since, a recorder reusing its name mid-run, is not the one
-        transcribed)."""
+        transcribed), made with these settings."""
         if recording is None:  # unreadable: the outputs stand without a line, as an older run's
             return
-        record = {"stem": self._stem(item), "source": str(item.source), **recording}
+        record = {"stem": self._stem(item), "source": str(item.source), **recording, "settings": settings}
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -607,7 +634,7 @@ class _Recorder:
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now
-            todo = []
+            todo, changed = [], {}
             for item in files:
                 # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
                 written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
@@ -620,6 +647,11 @@ class _Recorder:
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
                     self.summary.skipped += 1
+                    self._note_settings(item, changed)
+            if changed and run.echo:
+                tqdm.write(f"note: {self.summary.skipped_other_settings} of the files skipped as done were transcribed "
+                           f"with other settings ({'; '.join(changed.values())}): --overwrite redoes them",
+                           file=sys.stderr)
         except BaseException:
             self.log.close(pending=None)
             self.lock.release()
@@ -635,6 +667,17 @@ class _Recorder:
                         bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of audio [{elapsed}<{remaining}{postfix}]",
                         disable=not run.progress or not self.todo, file=sys.stderr, dynamic_ncols=True)
         self.started = time.perf_counter()  # after reading the headers; loaded() restarts it
+
+    def _note_settings(self, item: PlannedFile, changed: dict[str, str]) -> None:
+        """Counts a file skipped as done whose outputs were made with other settings than this
+        run's; changed: each setting that differs, with the first such file's value."""
+        was = self.sources.settings(item)
+        if not was or not self.run.settings or was == self.run.settings:
+            return  # outputs of an older run (or of the API without settings) record none: nothing says they differ
+        self.summary.skipped_other_settings += 1
+        for name, value in self.run.settings.items():
+            if name not in changed and was.get(name) != value:
+                changed[name] = f"{name} {json.dumps(was.get(name))}, now {json.dumps(value)}"
 
     def advanced(self, source: Path, seconds: float) -> None:
         """A file in progress has `seconds` of its audio decoded (transcribe_files' on_progress)."""
@@ -666,7 +709,7 @@ class _Recorder:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
-                self.sources.add(item, result.recording)
+                self.sources.add(item, result.recording, self.run.settings)
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

@@ -22,6 +22,7 @@ import torch
 from asr import vad
 from asr.batch import (
     DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
+    transcript_settings,
 )
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
@@ -283,9 +284,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES.get(args.dtype), options, args.batch_size)
-    run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats),
-                    layout=SubtitleLayout(args.max_line_width, args.max_line_count), overwrite=args.overwrite,
-                    progress=not args.no_progress and sys.stderr.isatty())
+    layout = SubtitleLayout(args.max_line_width, args.max_line_count)
+    run = FolderRun(tuple(args.paths), args.out_dir, tuple(formats), layout=layout, overwrite=args.overwrite,
+                    progress=not args.no_progress and sys.stderr.isatty(),
+                    settings=transcript_settings(target, options, layout))
     # With --overwrite the same command would redo the files this run finished.
     resume = "the same command without --overwrite resumes" if args.overwrite else "the same command resumes"
     try:

@@ -725,3 +725,35 @@ def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypa
         ("a.wav", "done", None),
         *[(name, "", "transcription failed: RuntimeError: CUDA error: an illegal memory access was encountered")
           for name in ("b.wav", "c.wav")]]
+
+
+def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Path, pair, capsys):
+    """Settings were not recorded: a re-run with --language de (or another target, prompt,
+    subtitle layout) skipped the files done before as finished, saying nothing."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    english = batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"))
+    transcribe_folder(FolderRun((source,), out, ("txt",), echo=False, progress=False, settings=english),
+                      lambda: Transcriber(pair))
+    written = (out / "a.txt").read_text()
+
+    def again(settings: dict) -> batch.FolderSummary:
+        run = FolderRun((source,), out, ("txt",), progress=False, settings=settings)
+        return transcribe_folder(run, lambda: pytest.fail("a file done was transcribed again"))
+
+    capsys.readouterr()
+    same = again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en")))
+    assert (same.skipped, same.skipped_other_settings) == (1, 0) and "note" not in capsys.readouterr().err
+    german = batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="de", initial_prompt="Hallo"))
+    summary = again(german)
+    assert (summary.skipped, summary.skipped_other_settings) == (1, 1)
+    assert capsys.readouterr().err == ('note: 1 of the files skipped as done were transcribed with other settings '
+                                       '(language "en", now "de"; prompt "", now "Hallo"): --overwrite redoes them\n')
+    assert "1 skipped (already done, 1 of them with other settings: --overwrite redoes them)" in summary.describe()
+    assert (out / "a.txt").read_text() == written
+    # A folder of weights is the same target however its path is written.
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    assert (batch.transcript_settings(str(weights), TranscribeOptions())
+            == batch.transcript_settings(f"{tmp_path}/./weights/", TranscribeOptions()))
