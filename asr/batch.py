@@ -339,12 +339,14 @@ def recording_of(path: Path) -> dict | None:
 
 class Sources:
     """OUT/.sources.jsonl: for each file transcribed, the stem of its outputs (relative to OUT),
-    its source, size, modification time and fingerprint, appended as its outputs are complete.
-    A later run that finds outputs, complete or not, under a file's name takes them for its
-    own only where they are of the same recording (the same size and time, or else the same
+    its source, size, modification time, fingerprint and settings, appended as its outputs
+    are about to be written ("writing": true) and again once they are complete. A later run
+    that finds outputs, complete or not, under a file's name takes them for its own only
+    where they are of the same recording (the same size and time, or else the same
     fingerprint): recorders reuse names (REC001.wav every day), and a second day's folder
     into the same OUT would otherwise be skipped as done, or replace the first's transcript.
-    Outputs it has no line for (an older run's) are taken for the file's own."""
+    Outputs it has no line for were not written by a run (a reference talk.txt beside
+    talk.wav, in the default --out-dir "."): not the file's to replace, nor done."""
 
     def __init__(self, out_dir: Path, fold_case: bool):
         self.out_dir, self.fold_case = out_dir, fold_case
@@ -355,7 +357,7 @@ class Sources:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short by a kill
                 record = json.loads(line)
                 self._known[self._key(record["stem"])] = record
-        if len(lines) > 2 * len(self._known):  # files redone (--overwrite) leave lines that no longer count
+        if len(lines) > 2 * len(self._known):  # two lines a file; files redone leave lines that no longer count
             write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
         self._handle = None
 
@@ -365,6 +367,14 @@ class Sources:
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
 
+    def recorded(self, item: PlannedFile) -> bool:
+        """Whether a run wrote (or began to write) outputs under item's name."""
+        return self._key(self._stem(item)) in self._known
+
+    def writing(self, item: PlannedFile) -> bool:
+        """Whether the run that wrote item's outputs was stopped before they were all written."""
+        return bool(self._known.get(self._key(self._stem(item)), {}).get("writing"))
+
     def holds(self, item: PlannedFile) -> bool:
         """Whether item's outputs are recorded as the transcript of this very recording."""
         return self._key(self._stem(item)) in self._known and self.other_recording(item) is None
@@ -372,7 +382,7 @@ class Sources:
     def other_recording(self, item: PlannedFile) -> str | None:
         """The source of another recording whose transcript item's outputs hold, or None."""
         record = self._known.get(self._key(self._stem(item)))
-        if record is None:
+        if record is None or record.get("fingerprint") is None:  # unreadable when recorded: nothing to compare
             return None
         try:
             stat = item.source.stat()
@@ -388,13 +398,13 @@ class Sources:
         record = self._known.get(self._key(self._stem(item)))
         return None if record is None else record.get("settings")
 
-    def add(self, item: PlannedFile, recording: dict | None, settings: dict) -> None:
-        """item's outputs are complete, of this recording (recording_of, taken as the file was
-        read: one replaced since, a recorder reusing its name mid-run, is not the one
-        transcribed), made with these settings."""
-        if recording is None:  # unreadable: the outputs stand without a line, as an older run's
-            return
-        record = {"stem": self._stem(item), "source": str(item.source), **recording, "settings": settings}
+    def add(self, item: PlannedFile, recording: dict | None, settings: dict, writing: bool = False) -> None:
+        """item's outputs are complete (writing: are about to be written), of this recording
+        (recording_of, taken as the file was read: one replaced since, a recorder reusing its
+        name mid-run, is not the one transcribed), made with these settings."""
+        record = {"stem": self._stem(item), "source": str(item.source),
+                  **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
+                  "settings": settings, **({"writing": True} if writing else {})}
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -643,7 +653,12 @@ class _Recorder:
                              else f"another recording, {other}")
                     self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of {whose}: "
                                                    "--overwrite replaces them, or give another --out-dir")
-                elif run.overwrite or not is_complete(item, run.formats):
+                elif written and not self.sources.recorded(item):
+                    found = ", ".join(item.output(fmt).name for fmt in FORMATS if item.output(fmt).is_file())
+                    self._failed(str(item.source), f"{found} already in {item.stem.parent}, not written by asr "
+                                                   f"(no line in {run.out_dir / SOURCES_FILE}): --overwrite replaces "
+                                                   "them, or give another --out-dir")
+                elif run.overwrite or not is_complete(item, run.formats) or self.sources.writing(item):
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
                     self.summary.skipped += 1
@@ -705,6 +720,8 @@ class _Recorder:
                 # A file's outputs all come from one run (an --overwrite cut short), and from one
                 # recording: another's in formats not asked for now go too.
                 replaced = FORMATS if self.sources.other_recording(item) is not None else self.run.formats
+                # Recorded first: outputs a kill leaves half written are then known for this file's.
+                self.sources.add(item, result.recording, self.run.settings, writing=True)
                 for fmt in replaced:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:

@@ -53,6 +53,13 @@ def quiet(formats=("txt", "json"), **kwargs) -> dict:
     return dict(formats=formats, progress=False, echo=False, **kwargs)
 
 
+def as_written_by_a_run(source: Path, out: Path, stem: str, writing: bool = False) -> None:
+    """Records outputs made here as a run's (.sources.jsonl): outputs it has no line for are
+    a user's own."""
+    item = PlannedFile(source, out / stem)
+    batch.Sources(out, fold_case=False).add(item, batch.recording_of(source), {}, writing=writing)
+
+
 def errors_of(out: Path) -> dict[str, str]:
     lines = (out / ERRORS_FILE).read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -344,7 +351,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
 def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_path: Path, pair):
     """Recorders reuse names: day 2's REC001.wav into day 1's output folder was skipped as
     done, its transcript day 1's. Outputs are matched to the recording they are of (a copy
-    or a move is the same recording); outputs no line tells of (an older run's) count as done."""
+    or a move is the same recording); outputs no line tells of are not a run's."""
     day1, day2, moved, out = tmp_path / "day1", tmp_path / "day2", tmp_path / "archive" / "day1", tmp_path / "out"
     for folder, clip in ((day1, "1089-134691-0000.flac"), (day2, "6930-75918-0000.flac")):
         folder.mkdir(parents=True)
@@ -366,11 +373,11 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
     assert run(day2) == (0, 0, 1) and run(day1) == (0, 1, 0)
     for _ in range(2):  # lines of files redone are dropped once they are most of the file
         run(day2, overwrite=True)
-    assert len((out / batch.SOURCES_FILE).read_text().splitlines()) <= 2
+    assert len((out / batch.SOURCES_FILE).read_text().splitlines()) <= 3  # the last run's two, and one before
     os.utime(day2 / "REC001.flac", ns=(10**18, 10**18))  # touched, not changed: read to tell
     assert run(day2) == (0, 0, 1)
-    (out / batch.SOURCES_FILE).unlink()  # as an older run left it
-    assert run(day1) == (0, 0, 1)
+    (out / batch.SOURCES_FILE).unlink()
+    assert run(day1) == (0, 1, 0) and "not written by asr" in errors_of(out)["REC001.flac"]
     # Outputs in part (an earlier run asked for fewer formats) are a recording's too.
     shutil.rmtree(out)
     assert run(day1, formats=("txt",)) == (1, 0, 0) and run(day2) == (0, 1, 0)
@@ -542,6 +549,7 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
     (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in earlier))
     (out / "a.txt").write_text("done\n")
     (out / "a.json").write_text("{}")
+    as_written_by_a_run(source / "a.wav", out, "a")
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(batch, "audio_seconds", lambda path: interrupted())
         with pytest.raises(KeyboardInterrupt):
@@ -553,6 +561,7 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
     (out / ERRORS_FILE).write_text("".join(json.dumps(r) + "\n" for r in [*earlier, yesterday]))
     for name in ("b.txt", "b.json"):
         (out / name).write_text("{}")
+    as_written_by_a_run(source / "b.wav", out, "b")
     assert transcribe_folder(FolderRun((source,), out, **quiet()), interrupted).skipped == 2
     assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == [yesterday]
 
@@ -651,6 +660,8 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     half = next(s for s in stems if s not in finished)
     (out / f"{half}.txt").parent.mkdir(parents=True, exist_ok=True)
     (out / f"{half}.txt").write_text("stale\n")
+    as_written_by_a_run(source / half.split("/")[0] / next(n for n in names if Path(n).stem == half.split("/")[1]),
+                        out, half, writing=True)
     (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.json.k9x2ab_c.part").write_text('{"text": "half')
     (out / f"{half}.txt").parent.joinpath(f".{Path(half).name}.srt.k9x2ab_d.part").write_text("1\n")  # --formats srt's
     before = {k: v for k, v in outputs_state(out).items() if k.rsplit(".", 1)[0] in finished}
@@ -757,3 +768,26 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     weights.mkdir()
     assert (batch.transcript_settings(str(weights), TranscribeOptions())
             == batch.transcript_settings(f"{tmp_path}/./weights/", TranscribeOptions()))
+
+
+def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tmp_path: Path, pair):
+    """A reference talk.txt beside talk.wav (corpora come so), transcribed into the default
+    --out-dir ".": it was replaced by the transcript without a word, or, with --formats txt,
+    the file was skipped as done. Outputs a kill left half written stay the run's to redo."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", folder / "talk.wav")
+    shutil.copy(SHORT / "LJ002-0020.wav", folder / "half.wav")
+    (folder / "talk.txt").write_text("MY REFERENCE\n")
+    (folder / "half.txt").write_text("stale\n")
+    as_written_by_a_run(folder / "half.wav", folder, "half", writing=True)
+    for expected in ((1, 1, 0), (0, 1, 1)):  # half.wav redone, then done
+        summary = transcribe_folder(FolderRun((folder,), folder, **quiet(("txt",))), lambda: Transcriber(pair))
+        assert (summary.ok, summary.failed, summary.skipped) == expected
+        assert (folder / "talk.txt").read_text() == "MY REFERENCE\n" and not (folder / "talk.json").exists()
+        assert errors_of(folder) == {"talk.wav": f"talk.txt already in {folder}, not written by asr (no line in "
+                                                 f"{folder / '.sources.jsonl'}): --overwrite replaces them, or give "
+                                                 "another --out-dir"}
+    assert "1813" in (folder / "half.txt").read_text()
+    summary = transcribe_folder(FolderRun((folder,), folder, overwrite=True, **quiet(("txt",))), lambda: Transcriber(pair))
+    assert summary.ok == 2 and "1813" in (folder / "talk.txt").read_text()
