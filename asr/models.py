@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -218,7 +219,10 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
     from huggingface_hub import snapshot_download
 
     try:
-        directory = Path(snapshot_download(source, allow_patterns=["*.json", "*.safetensors", "*.txt", "model.bin"]))
+        # The default weights only, whole or in shards: not the variants beside them
+        # (openai/whisper-large-v3's model.fp32-0000N-of-00002.safetensors, twice its 3 GB).
+        directory = Path(snapshot_download(source, allow_patterns=["*.json", "model.safetensors",
+                                                                   "model-*-of-*.safetensors", "*.txt", "model.bin"]))
         if not any(directory.glob("*.safetensors")) and not (directory / "model.bin").is_file():
             # Many fine-tunes ship only PyTorch's pickle, which transformers reads with weights_only=True.
             directory = Path(snapshot_download(source, allow_patterns=["pytorch_model*.bin"]))
@@ -276,6 +280,11 @@ def load_model(
     # Files that name none: Whisper's defaults, as openai/whisper and faster-whisper apply
     # them: without, brackets and music notes are free to be written, and a blank to begin.
     suppress = vocab.non_speech_tokens() if suppress is None else suppress
+    if begin_suppress is not None and vocab.eot not in begin_suppress:
+        # WhisperConfig's default (220, 50256): the English-only end of text, a word in the
+        # multilingual vocabulary, which save_pretrained copies into generation_config.json
+        # for a model saved without one of its own.
+        begin_suppress = None
     begin_suppress = [*vocab.encode(" "), vocab.eot] if begin_suppress is None else begin_suppress
     model.to(device=device, dtype=dtype)
     if head_token_ids is not None:
@@ -303,6 +312,10 @@ def _weights_of(directory: Path) -> Iterator[None]:
         yield
     except (SafetensorError, RuntimeError) as error:
         raise ValueError(f"{directory}: its weights cannot be loaded: {error}") from error
+    except (pickle.UnpicklingError, EOFError) as error:  # pytorch_model.bin, read with weights_only=True
+        # Not torch's message, which advises weights_only=False: running what the file holds.
+        raise ValueError(f"{directory}: its weights cannot be loaded: pytorch_model.bin is damaged, or holds more "
+                         "than tensors (code, which is never run)") from error
 
 
 def encoder_fingerprint(encoder: nn.Module) -> dict:

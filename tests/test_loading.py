@@ -98,6 +98,7 @@ def test_a_hub_model_with_only_pytorch_weights_is_fetched_with_them(tmp_path: Pa
     remote = save_tiny(original, tmp_path / "remote")
     torch.save(original.state_dict(), remote / "pytorch_model.bin")
     (remote / "model.safetensors").unlink()
+    (remote / "model.fp32-00001-of-00002.safetensors").write_bytes(b"a variant: not fetched (large-v3's are 6 GB)")
     asked = []
 
     def snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
@@ -112,7 +113,53 @@ def test_a_hub_model_with_only_pytorch_weights_is_fetched_with_them(tmp_path: Pa
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     loaded = load_model("fine/tuned")
     torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
-    assert len(asked) == 2 and "*.safetensors" in asked[0] and "*.bin" not in "".join(asked[0])
+    assert len(asked) == 2 and "model.safetensors" in asked[0] and "*.bin" not in "".join(asked[0])
+    assert not list((tmp_path / "cache").rglob("*fp32*"))
+    # Sharded safetensors are fetched (and a pickle then is not).
+    shutil.rmtree(tmp_path / "cache")
+    asked.clear()
+    shards = remote / "model-00001-of-00001.safetensors"
+    (remote / "pytorch_model.bin").rename(tmp_path / "elsewhere.bin")
+    weights = {k: v.contiguous().clone() for k, v in original.state_dict().items()}  # the output head is its own
+    safetensors.torch.save_file(weights, str(shards), metadata={"format": "pt"})
+    (remote / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": dict.fromkeys(weights, shards.name)}))
+    loaded = load_model("fine/tuned")
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
+    assert len(asked) == 1 and not list((tmp_path / "cache").rglob("*fp32*"))
+
+
+def test_a_damaged_or_unsafe_pickle_is_named_without_advising_to_run_it(tmp_path: Path):
+    """torch's message advised weights_only=False, which runs what the file holds."""
+    folder = save_tiny(tiny_target(1, dtype=torch.float32), tmp_path / "model")
+    (folder / "model.safetensors").unlink()
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "ran"),))
+
+    for content in (Payload(), None):
+        if content is None:
+            (folder / "pytorch_model.bin").write_bytes(np.random.default_rng(0).integers(0, 256, 5000, np.uint8).tobytes())
+        else:
+            torch.save({"x": content}, folder / "pytorch_model.bin")
+        with pytest.raises(ValueError) as error:
+            load_model(str(folder))
+        assert str(error.value) == (f"{folder}: its weights cannot be loaded: pytorch_model.bin is damaged, or holds "
+                                    "more than tensors (code, which is never run)")
+    assert not (tmp_path / "ran").exists()
+
+
+def test_a_saved_models_default_generation_config_does_not_set_whisper_s_first_token_rules(tmp_path: Path):
+    """save_pretrained of a model without a generation config writes WhisperConfig's default
+    begin_suppress_tokens, (220, 50256): 50256 is the English-only end of text, a word of
+    the multilingual vocabulary. The window's first token could be the end of text, and not
+    that word."""
+    folder = save_tiny(tiny_target(1, dtype=torch.float32), tmp_path / "model")
+    generation = json.loads((folder / "generation_config.json").read_text()) if (folder / "generation_config.json").exists() else {}
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "begin_suppress_tokens": [220, 50256],
+                                                               "_from_model_config": True}))
+    model = load_model(str(folder))
+    assert model.begin_suppress == [*model.vocab.encode(" "), model.vocab.eot] and model.vocab.eot != 50256
 
 
 def test_unknown_hub_id_fails_clearly_offline(monkeypatch, tmp_path: Path):
