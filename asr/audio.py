@@ -152,6 +152,7 @@ def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
         return
     import soxr
 
+    given = 0  # samples yielded
     with source:
         rate = source.samplerate
         resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ") if rate != SAMPLE_RATE else None
@@ -160,15 +161,26 @@ def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             try:
                 block = source.read(block_frames, dtype="float32", always_2d=True)
             except Exception as error:
-                raise AudioError(f"{path}: corrupt or truncated audio after {source.tell() / rate:.1f} s ({error})") from error
+                damage = f"{path}: corrupt or truncated audio after {source.tell() / rate:.1f} s ({error})"
+                break
             last = len(block) < block_frames
             samples = block.mean(axis=1) if block.shape[1] > 1 else block[:, 0]
             if resampler is not None:
                 samples = resampler.resample_chunk(samples, last=last)
             if len(samples):
+                given += len(samples)
                 yield np.ascontiguousarray(samples, dtype=np.float32)
             if last:
                 return
+    # As load_audio: FFmpeg decodes past damage that stops libsndfile (a bad FLAC frame in a
+    # long recording). Its samples up to those given are skipped.
+    try:
+        for block in _ffmpeg_blocks(path, block_seconds):
+            skipped, given = min(given, len(block)), given - min(given, len(block))
+            if len(block) > skipped:
+                yield block[skipped:]
+    except AudioError as error:
+        raise AudioError(damage) from error
 
 
 def _libsndfile_format(path: Path) -> str | None:

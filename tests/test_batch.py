@@ -182,6 +182,22 @@ def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
             assert torch_equal(streamed.window(seek), window_at(whole, seek, streamed.frames)), (path.name, seek)
 
 
+def test_a_damaged_frame_in_a_streamed_recording_is_read_past_as_a_whole_read_does(tmp_path: Path):
+    """libsndfile stops at a damaged FLAC frame, and a whole read goes on through FFmpeg; a
+    recording read block by block (over 10 minutes) failed there: the whole file was lost."""
+    path = tmp_path / "damaged.flac"
+    clip = load_audio(SHORT / "jfk.flac")
+    soundfile.write(path, np.tile(clip, 3), SAMPLE_RATE)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 2000] = b"\x55" * 2000
+    path.write_bytes(data)
+    with pytest.raises(soundfile.LibsndfileError, match="lost sync"):
+        soundfile.read(path)
+    whole = load_audio(path)
+    assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
+    assert 3 * len(clip) - SAMPLE_RATE < len(whole) < 3 * len(clip)  # the damaged frame's samples only are lost
+
+
 def test_a_streamed_window_whose_read_failed_is_read_again_when_asked_again():
     """The scheduler decodes a failed batch's windows again (asr/transcribe.py, Scheduler._guarded):
     a block stream that raised is spent, and its rest must not read as silence."""
