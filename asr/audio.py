@@ -11,6 +11,7 @@ SAMPLE_RATE = 16_000
 AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".m4b", ".aac", ".wma", ".amr", ".aiff", ".aif",
                     ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp"}  # video containers: their audio
 MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
+FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to float, not audio clipped a little
 
 
 class AudioError(ValueError):
@@ -58,6 +59,10 @@ def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
         samples = (samples.astype(np.float64) - (half if samples.dtype.kind == "u" else 0.0)) / half
     elif samples.dtype.kind != "f":
         raise AudioError(f"{name}: samples must be numbers (float or PCM integers), not {samples.dtype}")
+    elif samples.size and (peak := float(np.abs(samples).max())) > FLOAT_PEAK:
+        # PCM integers cast to float (x.astype(np.float32)): Whisper then writes nonsense.
+        raise AudioError(f"{name}: float samples peak at {peak:.0f}, where [-1, 1] is full scale; "
+                         "give PCM integers as their integer type, or divided by 32768 (int16)")
     if samples.ndim == 2:
         if samples.shape[0] <= 8 < samples.shape[1]:  # librosa's [channels, frames]: averaging would keep 2 samples
             raise AudioError(f"{name}: samples shaped {samples.shape} look like [channels, frames]; "
