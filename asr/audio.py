@@ -18,8 +18,10 @@ class AudioError(ValueError):
     """The file could not be used as audio; the message names it and the problem."""
 
 
-def load_audio(path: str | Path, seconds: float | None = None) -> np.ndarray:
-    """seconds: the duration the file's header states, where the caller has read it (audio_seconds)."""
+def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bool = False) -> np.ndarray:
+    """seconds: the duration the file's header states, where the caller has read it
+    (audio_seconds). allow_silence: digital silence is audio too (an evaluation's clip
+    without speech), not an error (nothing to transcribe)."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
@@ -42,7 +44,7 @@ def load_audio(path: str | Path, seconds: float | None = None) -> np.ndarray:
             # libsndfile knows the format but not this data: say so, not FFmpeg's guess
             raise AudioError(f"{path}: corrupt or truncated {_libsndfile_format(path)} audio ({error})") from error
     audio = to_model_input(samples, rate, str(path))
-    if float(np.abs(audio).max()) < 1e-6:
+    if not allow_silence and float(np.abs(audio).max()) < 1e-6:
         raise AudioError(f"{path}: contains only digital silence, nothing to transcribe")
     return audio
 

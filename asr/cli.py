@@ -338,6 +338,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
     except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"asr: interrupted; no report was written, {args.out} is left as it was", file=sys.stderr)
+        return 130
     for failure in report["failures"]:
         print(f"failed: {failure['file']} ({failure['system'] or 'audio'}): {failure['reason']}", file=sys.stderr)
     if not report["n_files"]:

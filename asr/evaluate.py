@@ -34,7 +34,7 @@ from asr.models import ModelPair, ctranslate2_directory
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
-from asr.writers import write_atomic
+from asr.writers import write_files_atomic
 
 TARGET, SPECULATIVE = "target", "speculative"
 TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED = "transformers_target", "transformers_assisted"
@@ -478,7 +478,8 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                 loaded: list[tuple[FileResult, AudioInput]] = []
                 for result in batch:
                     try:
-                        samples = load_audio(result.clip.path)
+                        # A silent clip is scored: what a system writes for it is all insertions.
+                        samples = load_audio(result.clip.path, allow_silence=True)
                     except Exception as error:
                         result.error = _describe(error)
                         continue
@@ -703,14 +704,15 @@ def _repeats(repeats: int) -> str:
 def render_markdown(report: dict, title: str) -> str:
     env = report["environment"]
     model = f"preset `{env['preset']}`: " if env["preset"] else ""
+    peers = [LABELS[s] for s in report["systems"] if s not in (TARGET, SPECULATIVE)]
+    peers = f" ({', '.join(peers)}: one file at a time)" if peers else ""
     lines = [
         f"# Evaluation: {title}",
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
         f"{', compiled steps' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
-        f"batch {env['batch_size']} "
-        f"(transformers: 1){_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
+        f"batch {env['batch_size']}{peers}{_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
         "",
         "| system | files | WER | seconds | RTFx | speed-up vs ours target-only | decoder s | acceptance "
@@ -776,8 +778,8 @@ def render_markdown(report: dict, title: str) -> str:
             lines.append(f"| {group['files']} {name} | {group['audio_seconds']:.1f} | " + " | ".join(cells) + " |")
     assisted = report["systems"].get(TRANSFORMERS_ASSISTED, {})
     if assisted.get("speedup_vs_transformers_target") is not None:
-        lines.append(f"transformers assisted vs transformers generate: {_number(assisted['speedup_vs_transformers_target'], 'x')} "
-                     "end to end.")
+        lines += ["", f"transformers assisted vs transformers generate: "
+                      f"{_number(assisted['speedup_vs_transformers_target'], 'x')} end to end."]
     for system in report["systems"]:
         differing = [f for f in report["per_file"] if f.get(f"{system}_identical_to_target") is False]
         if differing:
@@ -855,10 +857,8 @@ def render_plots(report: dict) -> dict[str, bytes]:
 
 
 def write_report(report: dict, out: Path, title: str) -> None:
-    """The plots, report.md and report.json, everything rendered before anything is written
-    (a failure leaves a previous report whole), each file written to a temporary one and renamed."""
+    """The plots, report.md and report.json, everything rendered, then written to temporary
+    files, before any is renamed into place: a failure leaves a previous report whole."""
     files = {**render_plots(report), "report.md": render_markdown(report, title).encode(),
              "report.json": (json.dumps(report, ensure_ascii=False, indent=2) + "\n").encode()}
-    out.mkdir(parents=True, exist_ok=True)
-    for name, data in files.items():
-        write_atomic(out / name, data)
+    write_files_atomic({out / name: data for name, data in files.items()})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import io
 import re
 from dataclasses import dataclass
 from functools import lru_cache
@@ -77,17 +78,21 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
     Optional: duration_seconds, and the clip's language as a language column or "lang=de"
     in a notes column (default: English). A row that does not fit is an error naming its line."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
+    data = path.read_bytes()
     try:
-        with open(path, newline="", encoding="utf-8-sig") as handle:  # -sig: a byte-order mark is not part of "file"
-            reader = csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE)
-            columns = reader.fieldnames or []
-            missing = {"file", "reference"} - set(columns)
-            if missing:
-                raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
-                                 f"missing {', '.join(sorted(missing))}")
-            rows = [(reader.line_num, row) for row in reader]
-    except UnicodeDecodeError as error:
-        raise ValueError(f"{path}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not part of "file"
+    except UnicodeDecodeError as error:  # decoded whole: a reader's error.start counts from its last chunk
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+    reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
+    columns = reader.fieldnames or []
+    missing = {"file", "reference"} - set(columns)
+    if missing:
+        raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
+                         f"missing {', '.join(sorted(missing))}")
+    if repeated := sorted({c for c in columns if columns.count(c) > 1}):  # DictReader would keep the last silently
+        raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
+    rows = [(reader.line_num, row) for row in reader]
     clips = []
     for line, row in rows:
         extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field

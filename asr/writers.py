@@ -204,19 +204,31 @@ def write_atomic(path: Path, data: str | bytes) -> None:
     """Writes to a temporary file beside `path`, flushed to disk, then renamed over it: a
     crash leaves the old file or the new one, never part of one. The file gets the mode a
     plain open() would give it (the temporary file's own is private)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name), suffix=".part")
+    write_files_atomic({path: data})
+
+
+def write_files_atomic(files: dict[Path, str | bytes]) -> None:
+    """write_atomic for files that go together (a report's): every one is written to its
+    temporary file before any is renamed, so a full disk leaves the old set whole."""
+    temporaries: dict[Path, str] = {}
     try:
-        with os.fdopen(handle, "wb") as out:
-            # backslashreplace: a file name that is not UTF-8 (in a JSON transcript's source) as \udcXX
-            out.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)
-            out.flush()
-            if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, whose files are not private anyway
-                os.fchmod(out.fileno(), 0o666 & ~UMASK)
-            os.fsync(out.fileno())
-        os.replace(temporary, path)
+        for path, data in files.items():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            handle, temporaries[path] = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name),
+                                                         suffix=".part")
+            with os.fdopen(handle, "wb") as out:
+                # backslashreplace: a file name that is not UTF-8 (in a JSON transcript's source) as \udcXX
+                out.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)
+                out.flush()
+                if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, whose files are not private anyway
+                    os.fchmod(out.fileno(), 0o666 & ~UMASK)
+                os.fsync(out.fileno())
+        for path in list(temporaries):
+            os.replace(temporaries[path], path)
+            del temporaries[path]
     except BaseException:
-        Path(temporary).unlink(missing_ok=True)
+        for temporary in temporaries.values():
+            Path(temporary).unlink(missing_ok=True)
         raise
 
 

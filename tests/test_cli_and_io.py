@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import random
 import re
+import tempfile
 import unicodedata
 from dataclasses import replace
 from pathlib import Path
@@ -381,6 +383,24 @@ def test_temperature_schedule():
     assert temperatures(0.0, 0.2) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     assert temperatures(0.5, 0.0) == (0.5,)
     assert temperatures(0.3, 0.2) == (0.3, 0.5, 0.7, 0.9)  # never past 1.0
+
+
+def test_files_written_together_are_all_replaced_or_none(tmp_path: Path, monkeypatch):
+    """asr evaluate's report.md, report.json and plots were renamed into place one by one: a
+    disk full at report.json left a new report.md beside the old report.json."""
+    report = {tmp_path / "report.md": "old\n", tmp_path / "report.json": "{}\n"}
+    writers.write_files_atomic(report)
+    mkstemp = tempfile.mkstemp
+
+    def full(**kwargs):
+        if kwargs["prefix"].startswith(".report.json."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return mkstemp(**kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(OSError, match="No space left"):
+        writers.write_files_atomic({path: "new\n" for path in report})
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"report.md": "old\n", "report.json": "{}\n"}
 
 
 def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path):

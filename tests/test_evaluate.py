@@ -131,6 +131,23 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     assert not list(tmp_path.glob(".*.part"))  # atomic writes leave no temporaries
 
 
+def test_a_clip_of_digital_silence_is_scored_not_failed(embedded, tmp_path: Path):
+    """A clip without speech (an empty reference) counts what a system writes for it as
+    insertions; one of pure digital silence failed as 'nothing to transcribe', unscored."""
+    soundfile.write(tmp_path / "silence.wav", np.zeros(SAMPLE_RATE, np.float32), SAMPLE_RATE)
+    (tmp_path / "manifest.tsv").write_text("file\treference\nsilence.wav\t\n")
+    options = EvaluateOptions(batch_size=1, progress=False)
+    results = run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded, options, {})
+    report = build_report(results, system_names(()), describe_environment(embedded, options))
+    assert report["failures"] == [] and report["n_files"] == 1
+    assert (report["per_file"][0]["target_text"], report["per_file"][0]["speculative_text"]) == ("", "")
+    header = render_markdown(report, "t").splitlines()[2]
+    assert "batch 1;" in header and "one file at a time" not in header  # no peer ran
+    peer = {**report, "systems": {**report["systems"], FASTER_WHISPER: report["systems"][TARGET]}}
+    header = render_markdown(peer, "t").splitlines()[2]
+    assert "batch 1 (faster-whisper: one file at a time);" in header
+
+
 def test_wer_equals_jiwer_on_the_same_texts_and_speculation_changes_nothing(evaluated):
     _, _, report = evaluated
     english = EnglishTextNormalizer()
@@ -524,6 +541,19 @@ def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_r
     assert not (tmp_path / "out").exists()
 
 
+def test_ctrl_c_during_an_evaluation_says_so_in_one_line(embedded, tmp_path: Path, monkeypatch, capsys):
+    """It printed a traceback through the systems' loop."""
+    manifest = write_manifest(tmp_path, [CLIPS[0]])
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("asr.cli.load_pair", lambda *args, **kwargs: embedded)
+    monkeypatch.setattr("asr.cli.evaluate", interrupted)
+    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out")]) == 130
+    assert capsys.readouterr().err == f"asr: interrupted; no report was written, {tmp_path / 'out'} is left as it was\n"
+
+
 def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
     cases = {
         "a.wav\tIN EIGHTEEN\tTHIRTEEN\n": ":2: 3 tab-separated fields where the header has 2 (a tab inside the reference splits it)",
@@ -531,13 +561,17 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         "\tsome words\n": ":2: no file named",
         "a.wav\tok\nb.wav\tok\tn/a\n": ":3: duration_seconds 'n/a' is not a number of seconds above 0",
         "a.wav\tok\t-1\n": ":2: duration_seconds '-1' is not a number of seconds above 0",
-        "b\xe9.wav\tok\n": ": not UTF-8 text",
+        "b\xe9.wav\tok\n": ":2: not UTF-8 text (invalid continuation byte at byte 16)",
+        "a.wav\tok\n" * 3000 + "b\xe9.wav\tok\n": ":3002: not UTF-8 text (invalid continuation byte at byte 27016)",  # past 8 KiB
+        "D:a.wav\tok\tb.wav\n": ": the header names file more than once",  # the last would be taken, silently
         "R:some words\n": ":2: 1 tab-separated fields where the header has 2 (a column is missing)",  # reference first
     }
     for i, (rows, message) in enumerate(cases.items()):
         header = "file\treference" + ("\tduration_seconds" if "n/a" in rows or "-1" in rows else "")
         if rows.startswith("R:"):
             header, rows = "reference\tfile", rows[2:]
+        if rows.startswith("D:"):
+            header, rows = "file\treference\tfile", rows[2:]
         path = tmp_path / f"{i}.tsv"
         path.write_bytes((header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
         with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
