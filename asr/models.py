@@ -280,7 +280,7 @@ def load_model(
     # Files that name none: Whisper's defaults, as openai/whisper and faster-whisper apply
     # them: without, brackets and music notes are free to be written, and a blank to begin.
     suppress = vocab.non_speech_tokens() if suppress is None else suppress
-    if begin_suppress is not None and vocab.eot not in begin_suppress:
+    if begin_suppress and vocab.eot not in begin_suppress:
         # WhisperConfig's default (220, 50256): the English-only end of text, a word in the
         # multilingual vocabulary, which save_pretrained copies into generation_config.json
         # for a model saved without one of its own.
