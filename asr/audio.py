@@ -61,10 +61,8 @@ def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
         samples = (samples.astype(np.float64) - (half if samples.dtype.kind == "u" else 0.0)) / half
     elif samples.dtype.kind != "f":
         raise AudioError(f"{name}: samples must be numbers (float or PCM integers), not {samples.dtype}")
-    elif samples.size and (peak := float(np.abs(samples).max())) > FLOAT_PEAK:
-        # PCM integers cast to float (x.astype(np.float32)): Whisper then writes nonsense.
-        raise AudioError(f"{name}: float samples peak at {peak:.0f}, where [-1, 1] is full scale; "
-                         "give PCM integers as their integer type, or divided by 32768 (int16)")
+    else:
+        check_float_peak(samples, name)
     if samples.ndim == 2:
         if samples.shape[0] <= 8 < samples.shape[1]:  # librosa's [channels, frames]: averaging would keep 2 samples
             raise AudioError(f"{name}: samples shaped {samples.shape} look like [channels, frames]; "
@@ -73,6 +71,16 @@ def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
     elif samples.ndim != 1:
         raise AudioError(f"{name}: expected samples shaped [frames] or [frames, channels], got {samples.shape}")
     return samples.astype(np.float32, copy=False)
+
+
+def check_float_peak(samples: np.ndarray, name: str) -> None:
+    """Float samples far past full scale are PCM integers cast to float unscaled
+    (x.astype(np.float32)), on which Whisper writes nonsense. NaN and infinities are for
+    to_model_input to name."""
+    peak = max(float(samples.max()), -float(samples.min())) if samples.size else 0.0  # no copy of an hour's audio
+    if FLOAT_PEAK < peak < float("inf"):
+        raise AudioError(f"{name}: float samples peak at {peak:.0f}, where [-1, 1] is full scale: PCM integers as "
+                         "floats, unscaled? (divide int16 by 32768, or give the integers as they are)")
 
 
 def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.ndarray:
@@ -145,6 +153,7 @@ def stream_audio(path: str | Path, block_seconds: float = 30.0) -> Iterator[np.n
     for block in _blocks(path, block_seconds):
         if not np.isfinite(block).all():
             raise AudioError(f"{path}: contains NaN or infinite samples (after {seconds:.1f} s)")
+        check_float_peak(block, str(path))
         seconds += len(block) / SAMPLE_RATE
         yield block
 

@@ -367,9 +367,17 @@ class Sources:
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
 
-    def recorded(self, item: PlannedFile) -> bool:
-        """Whether a run wrote (or began to write) outputs under item's name."""
-        return self._key(self._stem(item)) in self._known
+    def formats(self, item: PlannedFile) -> set[str]:
+        """The formats of item's outputs that a run wrote (or began to write)."""
+        record = self._known.get(self._key(self._stem(item)))
+        if record is None:
+            return set()
+        return set(record.get("formats", FORMATS))  # lines before 2026-11-28 name none: all were a run's
+
+    def foreign(self, item: PlannedFile, formats: Iterable[str]) -> list[str]:
+        """Those of item's outputs in these formats that exist and no run wrote."""
+        ours = self.formats(item)
+        return [fmt for fmt in formats if fmt not in ours and item.output(fmt).is_file()]
 
     def writing(self, item: PlannedFile) -> bool:
         """Whether the run that wrote item's outputs was stopped before they were all written."""
@@ -398,13 +406,14 @@ class Sources:
         record = self._known.get(self._key(self._stem(item)))
         return None if record is None else record.get("settings")
 
-    def add(self, item: PlannedFile, recording: dict | None, settings: dict, writing: bool = False) -> None:
-        """item's outputs are complete (writing: are about to be written), of this recording
-        (recording_of, taken as the file was read: one replaced since, a recorder reusing its
-        name mid-run, is not the one transcribed), made with these settings."""
+    def add(self, item: PlannedFile, recording: dict | None, settings: dict, formats: Iterable[str],
+            writing: bool = False) -> None:
+        """item's outputs in these formats are complete (writing: are about to be written), of
+        this recording (recording_of, taken as the file was read: one replaced since, a
+        recorder reusing its name mid-run, is not the one transcribed), made with these settings."""
         record = {"stem": self._stem(item), "source": str(item.source),
                   **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
-                  "settings": settings, **({"writing": True} if writing else {})}
+                  "formats": sorted(formats), "settings": settings, **({"writing": True} if writing else {})}
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -653,11 +662,11 @@ class _Recorder:
                              else f"another recording, {other}")
                     self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of {whose}: "
                                                    "--overwrite replaces them, or give another --out-dir")
-                elif written and not self.sources.recorded(item):
-                    found = ", ".join(item.output(fmt).name for fmt in FORMATS if item.output(fmt).is_file())
-                    self._failed(str(item.source), f"{found} already in {item.stem.parent}, not written by asr "
-                                                   f"(no line in {run.out_dir / SOURCES_FILE}): --overwrite replaces "
-                                                   "them, or give another --out-dir")
+                elif not run.overwrite and (foreign := self.sources.foreign(item, run.formats)):
+                    found = ", ".join(item.output(fmt).name for fmt in foreign)
+                    self._failed(str(item.source), f"{found} already in {item.stem.parent}, and "
+                                                   f"{run.out_dir / SOURCES_FILE} does not list it as a run's output: "
+                                                   "--overwrite replaces it, or give another --out-dir")
                 elif run.overwrite or not is_complete(item, run.formats) or self.sources.writing(item):
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
@@ -718,15 +727,20 @@ class _Recorder:
         if result.error is None:
             try:
                 # A file's outputs all come from one run (an --overwrite cut short), and from one
-                # recording: another's in formats not asked for now go too.
-                replaced = FORMATS if self.sources.other_recording(item) is not None else self.run.formats
+                # recording: a run's of another in formats not asked for now go too. Files no
+                # run wrote, in formats not asked for, stay.
+                ours, asked = self.sources.formats(item), set(self.run.formats)
+                if self.sources.other_recording(item) is not None:
+                    replaced, formats = ours | asked, asked
+                else:
+                    replaced, formats = asked, asked | {fmt for fmt in ours if item.output(fmt).is_file()}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
-                self.sources.add(item, result.recording, self.run.settings, writing=True)
+                self.sources.add(item, result.recording, self.run.settings, formats, writing=True)
                 for fmt in replaced:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
-                self.sources.add(item, result.recording, self.run.settings)
+                self.sources.add(item, result.recording, self.run.settings, formats)
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

@@ -348,6 +348,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 1
     try:
         write_report(report, args.out, title=str(args.manifest))
+    except KeyboardInterrupt:  # while renaming: some files may be the new report's
+        print(f"asr: interrupted while writing the report into {args.out}: run the evaluation again", file=sys.stderr)
+        return 130
     except OSError as error:  # the figures are not lost: report.json goes where it can
         handle, kept = tempfile.mkstemp(prefix="asr-report-", suffix=".json")
         with os.fdopen(handle, "w", encoding="utf-8") as out:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import csv
 import io
 import re
@@ -79,18 +80,21 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
     in a notes column (default: English). A row that does not fit is an error naming its line."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
     data = path.read_bytes()
+    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # not part of "file"
     try:
-        text = data.decode("utf-8-sig")  # -sig: a byte-order mark is not part of "file"
+        text = data[bom:].decode("utf-8")
     except UnicodeDecodeError as error:  # decoded whole: a reader's error.start counts from its last chunk
-        line = data[: error.start].count(b"\n") + 1
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {error.start})") from None
+        at = bom + error.start
+        line = len((data[:at] + b"x").splitlines())  # \n, \r\n or \r, as csv reads them
+        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {at})") from None
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
     columns = reader.fieldnames or []
     missing = {"file", "reference"} - set(columns)
     if missing:
         raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
                          f"missing {', '.join(sorted(missing))}")
-    if repeated := sorted({c for c in columns if columns.count(c) > 1}):  # DictReader would keep the last silently
+    # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
+    if repeated := sorted({c for c in columns if c.strip() and columns.count(c) > 1}):
         raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
     rows = [(reader.line_num, row) for row in reader]
     clips = []

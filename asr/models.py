@@ -314,8 +314,8 @@ def _weights_of(directory: Path) -> Iterator[None]:
         raise ValueError(f"{directory}: its weights cannot be loaded: {error}") from error
     except (pickle.UnpicklingError, EOFError) as error:  # pytorch_model.bin, read with weights_only=True
         # Not torch's message, which advises weights_only=False: running what the file holds.
-        raise ValueError(f"{directory}: its weights cannot be loaded: pytorch_model.bin is damaged, or holds more "
-                         "than tensors (code, which is never run)") from error
+        raise ValueError(f"{directory}: its weights cannot be loaded: its PyTorch weights (.bin) are damaged, or "
+                         "hold more than tensors (code, which is never run)") from error
 
 
 def encoder_fingerprint(encoder: nn.Module) -> dict:

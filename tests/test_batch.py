@@ -53,11 +53,11 @@ def quiet(formats=("txt", "json"), **kwargs) -> dict:
     return dict(formats=formats, progress=False, echo=False, **kwargs)
 
 
-def as_written_by_a_run(source: Path, out: Path, stem: str, writing: bool = False) -> None:
+def as_written_by_a_run(source: Path, out: Path, stem: str, writing: bool = False, formats=("txt", "json")) -> None:
     """Records outputs made here as a run's (.sources.jsonl): outputs it has no line for are
     a user's own."""
     item = PlannedFile(source, out / stem)
-    batch.Sources(out, fold_case=False).add(item, batch.recording_of(source), {}, writing=writing)
+    batch.Sources(out, fold_case=False).add(item, batch.recording_of(source), {}, formats, writing=writing)
 
 
 def errors_of(out: Path) -> dict[str, str]:
@@ -393,7 +393,7 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
     os.utime(day2 / "REC001.flac", ns=(10**18, 10**18))  # touched, not changed: read to tell
     assert run(day2) == (0, 0, 1)
     (out / batch.SOURCES_FILE).unlink()
-    assert run(day1) == (0, 1, 0) and "not written by asr" in errors_of(out)["REC001.flac"]
+    assert run(day1) == (0, 1, 0) and "does not list it as a run's output" in errors_of(out)["REC001.flac"]
     # Outputs in part (an earlier run asked for fewer formats) are a recording's too.
     shutil.rmtree(out)
     assert run(day1, formats=("txt",)) == (1, 0, 0) and run(day2) == (0, 1, 0)
@@ -801,9 +801,17 @@ def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tm
         summary = transcribe_folder(FolderRun((folder,), folder, **quiet(("txt",))), lambda: Transcriber(pair))
         assert (summary.ok, summary.failed, summary.skipped) == expected
         assert (folder / "talk.txt").read_text() == "MY REFERENCE\n" and not (folder / "talk.json").exists()
-        assert errors_of(folder) == {"talk.wav": f"talk.txt already in {folder}, not written by asr (no line in "
-                                                 f"{folder / '.sources.jsonl'}): --overwrite replaces them, or give "
+        assert errors_of(folder) == {"talk.wav": f"talk.txt already in {folder}, and {folder / '.sources.jsonl'} "
+                                                 "does not list it as a run's output: --overwrite replaces it, or give "
                                                  "another --out-dir"}
     assert "1813" in (folder / "half.txt").read_text()
-    summary = transcribe_folder(FolderRun((folder,), folder, overwrite=True, **quiet(("txt",))), lambda: Transcriber(pair))
-    assert summary.ok == 2 and "1813" in (folder / "talk.txt").read_text()
+    # Formats not asked for are not looked at, nor replaced; once asked for, they are not taken for done.
+    (folder / "talk.json").write_text('{"speaker": "me"}')
+    for overwrite in (True, False):
+        summary = transcribe_folder(FolderRun((folder,), folder, overwrite=overwrite, **quiet(("txt",))),
+                                    lambda: Transcriber(pair))
+        assert (summary.ok, summary.failed) == ((2, 0) if overwrite else (0, 0)) and "1813" in (folder / "talk.txt").read_text()
+    summary = transcribe_folder(FolderRun((folder,), folder, **quiet(("txt", "json"))), lambda: Transcriber(pair))
+    assert (summary.ok, summary.failed) == (1, 1) and (folder / "talk.json").read_text() == '{"speaker": "me"}'
+    assert errors_of(folder)["talk.wav"].startswith(f"talk.json already in {folder}, and ")
+    assert json.loads((folder / "half.json").read_text())["text"]

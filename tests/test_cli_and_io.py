@@ -421,9 +421,11 @@ def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
     with pytest.raises(AudioError, match=re.escape("mic: samples shaped (2, 16000) look like [channels, frames]")):
         to_model_input(np.zeros((2, SAMPLE_RATE), np.float32), SAMPLE_RATE, "mic")  # librosa's mono=False
     # PCM cast to float without scaling: Whisper wrote "你不许许" for JFK. Clipped floats pass.
-    with pytest.raises(AudioError, match=re.escape("mic: float samples peak at 32768, where [-1, 1] is full scale")):
+    with pytest.raises(AudioError, match=re.escape("mic: float samples peak at 32768, where [-1, 1] is full scale: PCM integers as floats, unscaled?")):
         to_model_input(pcm.astype(np.float32), SAMPLE_RATE, "mic")
     assert to_model_input(np.array([1.5, -40.0], np.float32), SAMPLE_RATE).tolist() == [1.5, -40.0]
+    with pytest.raises(AudioError, match="mic: contains NaN or infinite samples"):  # not a peak of inf
+        to_model_input(np.array([0.1, np.inf], np.float32), SAMPLE_RATE, "mic")
 
 
 def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys):

@@ -4,6 +4,7 @@ reference, a file that fails; the transformers peers on one clip, faster-whisper
 
 from __future__ import annotations
 
+import codecs
 import json
 import os
 import re
@@ -564,6 +565,7 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         "b\xe9.wav\tok\n": ":2: not UTF-8 text (invalid continuation byte at byte 16)",
         "a.wav\tok\n" * 3000 + "b\xe9.wav\tok\n": ":3002: not UTF-8 text (invalid continuation byte at byte 27016)",  # past 8 KiB
         "D:a.wav\tok\tb.wav\n": ": the header names file more than once",  # the last would be taken, silently
+        "\ufeffa.wav\tok\rb\xe9.wav\tok\n": ":3: not UTF-8 text (invalid continuation byte at byte 28)",  # BOM, bare CR
         "R:some words\n": ":2: 1 tab-separated fields where the header has 2 (a column is missing)",  # reference first
     }
     for i, (rows, message) in enumerate(cases.items()):
@@ -573,12 +575,14 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         if rows.startswith("D:"):
             header, rows = "file\treference\tfile", rows[2:]
         path = tmp_path / f"{i}.tsv"
-        path.write_bytes((header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
+        bom = rows.startswith("\ufeff")
+        rows = rows.removeprefix("\ufeff")
+        path.write_bytes(codecs.BOM_UTF8 * bom + (header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
         with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
             read_manifest(path)
     # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference,
     # spaces around a file name, a language code in capitals.
-    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
+    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\t\t\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
     assert [(c.path.name, c.reference, c.language) for c in read_manifest(tmp_path / "ok.tsv")] == [
         ("a.wav", "Hi", "de"), ("silence.wav", "", "en")]
     # An hour read aloud is about 60,000 characters; a long book chapter passes csv's 131,072.

@@ -144,8 +144,8 @@ def test_a_damaged_or_unsafe_pickle_is_named_without_advising_to_run_it(tmp_path
             torch.save({"x": content}, folder / "pytorch_model.bin")
         with pytest.raises(ValueError) as error:
             load_model(str(folder))
-        assert str(error.value) == (f"{folder}: its weights cannot be loaded: pytorch_model.bin is damaged, or holds "
-                                    "more than tensors (code, which is never run)")
+        assert str(error.value) == (f"{folder}: its weights cannot be loaded: its PyTorch weights (.bin) are damaged, "
+                                    "or hold more than tensors (code, which is never run)")
     assert not (tmp_path / "ran").exists()
 
 
