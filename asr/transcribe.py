@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from asr import hints, vad
-from asr.audio import SAMPLE_RATE, audio_seconds, load_audio, stream_audio, time_within, to_model_input
+from asr.audio import SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, time_within, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
@@ -62,6 +62,13 @@ class TranscribeOptions:
     seed: int = 0
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
+
+    def __post_init__(self) -> None:
+        # As faster-whisper takes them: one temperature as a number, no prompt as None.
+        if isinstance(self.temperatures, (int, float)):
+            object.__setattr__(self, "temperatures", (float(self.temperatures),))
+        if self.initial_prompt is None:
+            object.__setattr__(self, "initial_prompt", "")
 
 
 @dataclass(frozen=True)
@@ -318,7 +325,8 @@ class Transcriber:
         return transcript
 
     def input(self, audio: Audio, name: str | None = None) -> AudioInput:
-        """What transcribe takes, as an AudioInput: a file is read (read), an array named `name`."""
+        """What transcribe takes, as an AudioInput named `name` (default: an array "audio",
+        a file its path); a file is read (read)."""
         if isinstance(audio, AudioInput):
             return audio
         if isinstance(audio, np.ndarray):
@@ -339,28 +347,39 @@ class Transcriber:
         return AudioInput(name or str(path), mel)
 
     def transcribe_many(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
-        """Yields each recording's transcript as soon as its last window is decoded (inputs: as
-        transcribe takes them, files read as they are reached). Up to
-        batch_size recordings decode together, one window each; a row whose window is done
-        takes the recording's next window, or the next recording, at once. A recording
-        whose progress is cancelled stops decoding and yields nothing."""
-        pending = iter(inputs)  # pulled lazily: a folder's audio is not all held at once
+        """Yields each recording's transcript as soon as its last window is decoded, so not
+        necessarily in the inputs' order: each names its source (an array its place,
+        "audio[3]", unless given as a named AudioInput). Inputs: as transcribe takes them,
+        files read as they are reached. Up to batch_size recordings decode together, one
+        window each; a row whose window is done takes the recording's next window, or the
+        next recording, at once. A recording whose progress is cancelled stops decoding and
+        yields nothing. An input that cannot be read (AudioError, TypeError) is raised once
+        the recordings decoding when it was reached are yielded; to go on past such files,
+        read them first (Transcriber.read), as folder runs do."""
+        pending = enumerate(inputs)  # pulled lazily: a folder's audio is not all held at once
         decoding = _Decoding(self, self.batch_size)
-        exhausted = False
+        exhausted, failure = False, None
         try:
             while True:
                 new = []
                 while not exhausted and decoding.recordings + len(new) < self.batch_size:
-                    item = next(pending, None)
-                    exhausted = item is None
-                    if item is not None:
-                        item = self.input(item)
-                    if item is not None and not item.cancelled:
+                    index, item = next(pending, (None, None))
+                    if index is None:
+                        exhausted = True
+                        break
+                    try:
+                        item = self.input(item, f"audio[{index}]" if isinstance(item, np.ndarray) else None)
+                    except (AudioError, TypeError, OSError) as error:
+                        exhausted, failure = True, error
+                        break
+                    if not item.cancelled:
                         new.append(self._start(item))
                 for job in decoding.submit(new):
                     if job.done:  # else dropped, cancelled
                         yield job.transcript()
                 if not decoding.busy:
+                    if failure is not None:
+                        raise failure
                     if exhausted:
                         return
                     continue  # every recording pulled was done at once (no speech, cancelled): pull more

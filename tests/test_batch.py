@@ -20,7 +20,7 @@ import pytest
 import soundfile
 import soxr
 
-from asr.audio import SAMPLE_RATE, load_audio, stream_audio
+from asr.audio import SAMPLE_RATE, AudioError, load_audio, stream_audio
 from asr import batch
 from asr.batch import (
     ERRORS_FILE,
@@ -286,6 +286,27 @@ def test_recordings_done_at_once_filling_a_batch_do_not_end_the_run(pair):
     transcripts = list(Transcriber(pair, TranscribeOptions(language="en"), batch_size=2).transcribe_many(inputs))
     assert [t.source for t in transcripts] == ["a", "b", "jfk"]
     assert transcripts[0].segments == [] and "ask not what your country" in transcripts[2].text.lower()
+
+
+def test_an_unreadable_input_is_raised_after_the_recordings_decoding_beside_it(pair, tmp_path: Path):
+    """It was raised as it was pulled, and the recordings decoding in the batch were lost; a
+    None ended the inputs there, silently; arrays were all named "audio", and transcripts
+    come in the order they end."""
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    short = load_audio(SHORT / "LJ002-0020.wav")
+    transcriber = Transcriber(pair, TranscribeOptions(language="en"), batch_size=3)
+    transcripts = []
+    with pytest.raises(AudioError, match=f"{tmp_path / 'missing.wav'}: no such file"):
+        for transcript in transcriber.transcribe_many([jfk, short, tmp_path / "missing.wav", jfk]):
+            transcripts.append(transcript)
+    assert sorted((t.source, t.text.strip()) for t in transcripts) == [
+        ("audio[0]", transcriber.transcribe(jfk).text.strip()), ("audio[1]", "in 1813.")]
+    with pytest.raises(TypeError, match="not NoneType"):
+        list(transcriber.transcribe_many([short, None, short]))
+    # faster-whisper's forms of two options.
+    options = TranscribeOptions(language="en", temperatures=0, initial_prompt=None)
+    assert (options.temperatures, options.initial_prompt) == ((0.0,), "")
+    assert Transcriber(pair, options).transcribe(short).text.strip() == "in 1813."
 
 
 def test_translated_words_are_split_as_english_whatever_the_audio_language(pair, monkeypatch):
