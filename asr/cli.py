@@ -332,7 +332,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
         if unknown := sorted({c.language for c in clips} - (set(vocab.languages) if vocab.multilingual else {"en"})):
             first = next(c for c in clips if c.language == unknown[0])
             raise ValueError(f"{args.manifest}: {pair.target.name} does not know the language "
-                             f"{', '.join(map(repr, unknown))} (first in {first.path.name})"
+                             f"{', '.join(map(repr, unknown))} (first in {first.path})"
                              + ("; it is English-only" if not vocab.multilingual else ""))
         report = evaluate(clips, pair, options)  # files that fail are in the report: a ValueError is a peer that cannot run
     except CANNOT_RUN as error:

@@ -744,7 +744,7 @@ def render_markdown(report: dict, title: str) -> str:
         differing = [f for f in report["per_file"] if f.get("identical") is False]
         if differing:
             lines += ["", f"Files where ours speculative differs from ours target-only ({len(differing)}):", ""]
-            lines += [f"- `{Path(f['file']).name}`: "
+            lines += [f"- `{f['file']}`: "
                       + (("the same text, other segment times" if f["same_tokens"] else "the same text, other tokens")
                          if f[f"{SPECULATIVE}_text"] == f[f"{TARGET}_text"] else
                          f"target-only \"{f[f'{TARGET}_text']}\" / speculative \"{f[f'{SPECULATIVE}_text']}\"")
@@ -784,7 +784,7 @@ def render_markdown(report: dict, title: str) -> str:
         differing = [f for f in report["per_file"] if f.get(f"{system}_identical_to_target") is False]
         if differing:
             lines += ["", f"Files where {LABELS[system]}'s text tokens differ from ours target-only ({len(differing)}):", ""]
-            lines += [f"- `{Path(f['file']).name}`: ours \"{f[f'{TARGET}_text']}\" / {LABELS[system]} \"{f[f'{system}_text']}\""
+            lines += [f"- `{f['file']}`: ours \"{f[f'{TARGET}_text']}\" / {LABELS[system]} \"{f[f'{system}_text']}\""
                       for f in differing]
     if report["failures"]:
         lines += ["", f"Failures ({len(report['failures'])}):", ""]

@@ -234,12 +234,12 @@ def test_the_report_names_the_files_where_speculative_differs_and_what_it_could_
     markdown = render_markdown(build_report([first, second], system_names(()), environment), "t")
     assert "0/2 transcripts identical, WER delta" in markdown
     assert "Files where ours speculative differs from ours target-only (2):" in markdown
-    assert f'`{first.clip.path.name}`: target-only "{first.runs[TARGET].text}" / speculative "something else"' in markdown
-    assert f"`{second.clip.path.name}`: the same text, other segment times" in markdown
+    assert f'`{first.clip.path}`: target-only "{first.runs[TARGET].text}" / speculative "something else"' in markdown
+    assert f"`{second.clip.path}`: the same text, other segment times" in markdown
     # Other tokens that decode to the same text (a word split otherwise) are not called other times.
     second.runs[SPECULATIVE] = replace(second.runs[TARGET], tokens=second.runs[TARGET].tokens + [1])
     markdown = render_markdown(build_report([first, second], system_names(()), environment), "t")
-    assert f"`{second.clip.path.name}`: the same text, other tokens" in markdown
+    assert f"`{second.clip.path}`: the same text, other tokens" in markdown
     # A system that failed on every file has no seconds to split (it showed 0.00 for each).
     for result in (first, second):
         result.runs[SPECULATIVE] = Run(error="RuntimeError: no")
@@ -644,5 +644,5 @@ def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs
     (tmp_path / "manifest.tsv").write_text(f"file\treference\tlanguage\n{CLIPS[0]}\tsomething\tenglish\n")
     out = tmp_path / "out"
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out)]) == 2
-    assert f"does not know the language 'english' (first in {CLIPS[0]})" in capsys.readouterr().err
+    assert f"does not know the language 'english' (first in {tmp_path / CLIPS[0]})" in capsys.readouterr().err
     assert not out.exists() or not list(out.iterdir())
