@@ -831,6 +831,11 @@ class Scheduler:
                 self._guarded(key, decoding.step)
             if key[-1] is not None and key in self._decodings and not decoding.jobs:  # a job's own, its window done
                 self._rejoin(key)
+            elif key[-2] is not None and key in self._decodings and not decoding.busy:
+                # A fitted encoder width (a stream's growing buffer): rarely met again, and each
+                # batch kept held its caches (12 of them, 347 MB, for 30 s of whisper-base stream).
+                # The engine keeps a few states for reuse (slots.IDLE_STATES).
+                self._decodings.pop(key).close()
         return True
 
     def _fail_all(self, error: Exception, failures: bool = True) -> None:
