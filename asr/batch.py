@@ -142,7 +142,6 @@ class FolderSummary:
     failed: int = 0
     skipped: int = 0  # outputs already complete
     skipped_other_settings: int = 0  # of those, made with other settings (transcript_settings) than this run's
-    shorter: int = 0  # files transcribed whose audio ended well before their header says (truncated)
     audio_seconds: float = 0.0  # of the files transcribed by this run
     wall_seconds: float = 0.0  # transcribing, after the models loaded
     load_seconds: float = 0.0  # loading the models (in this process; a Ray run's workers load in its wall time)
@@ -168,8 +167,6 @@ class FolderSummary:
             line += f", after loading the models in {self.load_seconds:.1f} s"
         if self.draft_proposed:
             line += f", draft acceptance {self.acceptance:.0%}"
-        if self.shorter:
-            line += f"; {self.shorter} file(s) shorter than their headers say (truncated?), transcribed as far as they go"
         if self.errors_file is not None:
             line += f"; failures listed in {self.errors_file}"
         return line
@@ -763,13 +760,6 @@ class _Recorder:
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
                 tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
                            f"{drafted}): {result.text or '(no speech found)'}", file=sys.stdout)
-            if item.seconds and result.seconds < item.seconds - max(1.0, 0.02 * item.seconds):
-                # A download or copy cut short: the file still reads, as far as it goes.
-                summary.shorter += 1
-                if self.run.echo:
-                    tqdm.write(f"warning: {printable(result.source)}: its header says {item.seconds:.1f} s of audio, "
-                               f"and {result.seconds:.1f} s could be read (truncated?): the transcript covers those",
-                               file=sys.stderr)
         if item.seconds is None:  # its header did not tell: out of the bar's total until now
             self.bar.total += result.seconds
         self._credit(result.source, item.seconds or result.seconds, decoded=result.error is None)
