@@ -6,6 +6,7 @@ window's start depends on where the previous one's last segment ended."""
 from __future__ import annotations
 
 import contextlib
+import numbers
 import threading
 import time
 import traceback
@@ -65,8 +66,10 @@ class TranscribeOptions:
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
-        if isinstance(self.temperatures, (int, float)):
+        if isinstance(self.temperatures, numbers.Real):
             object.__setattr__(self, "temperatures", (float(self.temperatures),))
+        elif not isinstance(self.temperatures, tuple):  # a list: hashable and fixed, as a frozen dataclass's
+            object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
 

@@ -306,6 +306,8 @@ def test_an_unreadable_input_is_raised_after_the_recordings_decoding_beside_it(p
     # faster-whisper's forms of two options.
     options = TranscribeOptions(language="en", temperatures=0, initial_prompt=None)
     assert (options.temperatures, options.initial_prompt) == ((0.0,), "")
+    assert TranscribeOptions(temperatures=[0.0, np.float32(0.5)]).temperatures == (0.0, 0.5)
+    assert TranscribeOptions(temperatures=np.float32(0.5)).temperatures == (0.5,)
     assert Transcriber(pair, options).transcribe(short).text.strip() == "in 1813."
 
 
