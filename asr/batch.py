@@ -90,11 +90,11 @@ class FolderRun:
 
 def transcript_settings(target: str, options: TranscribeOptions, layout: SubtitleLayout = SubtitleLayout()) -> dict:
     """The settings a file's transcript depends on, as .sources.jsonl records them. Not the
-    draft, its length, the batch size, device or dtype: greedy output is the target's,
-    whatever drafts for it."""
+    draft, its length or the batch size (greedy output is the target's, whatever drafts for
+    it), nor the device and dtype (which can tip a near tie, but are not a choice of text)."""
     local = Path(target)  # a folder of weights, however it was named (./w, w/, /abs/w)
-    settings = {"target": str(local.resolve()) if local.exists() else target, "language": options.language or "detect", "task": options.task,
-                "temperatures": list(options.temperatures),
+    settings = {"target": str(local.resolve()) if local.exists() else target,
+                "language": options.language or "detect", "task": options.task, "temperatures": list(options.temperatures),
                 "compression_ratio_threshold": options.compression_ratio_threshold,
                 "log_prob_threshold": options.log_prob_threshold, "no_speech_threshold": options.no_speech_threshold,
                 "condition_on_previous_text": options.condition_on_previous_text, "prompt": options.initial_prompt,
