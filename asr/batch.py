@@ -367,9 +367,12 @@ class Sources:
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
 
+    def _record(self, item: PlannedFile) -> dict | None:
+        return self._known.get(self._key(self._stem(item)))
+
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
-        record = self._known.get(self._key(self._stem(item)))
+        record = self._record(item)
         if record is None:
             return set()
         return set(record.get("formats", FORMATS))  # lines before 2026-11-28 name none: all were a run's
@@ -381,15 +384,15 @@ class Sources:
 
     def writing(self, item: PlannedFile) -> bool:
         """Whether the run that wrote item's outputs was stopped before they were all written."""
-        return bool(self._known.get(self._key(self._stem(item)), {}).get("writing"))
+        return bool((self._record(item) or {}).get("writing"))
 
     def holds(self, item: PlannedFile) -> bool:
         """Whether item's outputs are recorded as the transcript of this very recording."""
-        return self._key(self._stem(item)) in self._known and self.other_recording(item) is None
+        return self._record(item) is not None and self.other_recording(item) is None
 
     def other_recording(self, item: PlannedFile) -> str | None:
         """The source of another recording whose transcript item's outputs hold, or None."""
-        record = self._known.get(self._key(self._stem(item)))
+        record = self._record(item)
         if record is None or record.get("fingerprint") is None:  # unreadable when recorded: nothing to compare
             return None
         try:
@@ -403,7 +406,7 @@ class Sources:
 
     def settings(self, item: PlannedFile) -> dict | None:
         """The settings item's outputs were made with (transcript_settings), where recorded."""
-        record = self._known.get(self._key(self._stem(item)))
+        record = self._record(item)
         return None if record is None else record.get("settings")
 
     def add(self, item: PlannedFile, recording: dict | None, settings: dict, formats: Iterable[str],
