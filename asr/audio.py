@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -12,10 +13,18 @@ AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".
                     ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp"}  # video containers: their audio
 MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
 FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to float, not audio clipped a little
+# libsndfile ends an MP3 where its header's estimate of the length does, silently: a VBR file
+# without a Xing header, files joined with `cat`, or a damaged stretch lost the rest. FFmpeg
+# decodes every frame (as faster-whisper and the whisper command read MP3).
+FFMPEG_FORMATS = {"MP3"}
 
 
 class AudioError(ValueError):
     """The file could not be used as audio; the message names it and the problem."""
+
+
+class AudioWarning(UserWarning):
+    """The file was read, less a damaged part of it; the message names it and what was lost."""
 
 
 def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bool = False) -> np.ndarray:
@@ -33,16 +42,22 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
         seconds = audio_seconds(path)
     if seconds is not None and seconds > MAX_SECONDS:  # before it fills memory
         raise AudioError(_too_long(str(path), seconds))
+    known = _libsndfile_format(path)
     try:
-        samples, rate = _read_soundfile(path)
+        if known in FFMPEG_FORMATS:
+            samples, rate = _read_ffmpeg(path)
+        else:
+            samples, rate = _read_soundfile(path)
+    except AudioError:
+        raise
     except Exception as error:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
         try:
             samples, rate = _read_ffmpeg(path)
         except AudioError:
-            if _libsndfile_format(path) is None:
+            if known is None:
                 raise
             # libsndfile knows the format but not this data: say so, not FFmpeg's guess
-            raise AudioError(f"{path}: corrupt or truncated {_libsndfile_format(path)} audio ({error})") from error
+            raise AudioError(f"{path}: corrupt or truncated {known} audio ({error})") from error
     audio = to_model_input(samples, rate, str(path))
     if not allow_silence and float(np.abs(audio).max()) < 1e-6:
         raise AudioError(f"{path}: contains only digital silence, nothing to transcribe")
@@ -159,11 +174,15 @@ def stream_audio(path: str | Path, block_seconds: float = 30.0) -> Iterator[np.n
 
 
 def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
-    try:
-        import soundfile
+    import soundfile
 
+    try:
         source = soundfile.SoundFile(str(path))
     except Exception:  # not for libsndfile: FFmpeg reads it
+        source = None
+    if source is None or source.format in FFMPEG_FORMATS:
+        if source is not None:
+            source.close()
         yield from _ffmpeg_blocks(path, block_seconds)
         return
     import soxr
@@ -232,7 +251,8 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     import av
 
     pending: list[np.ndarray] = []
-    size = 0
+    size = decoded = 0
+    lost: list[tuple[float, str]] = []  # each packet that could not be decoded: its seconds, the error
     try:
         with av.open(str(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
@@ -242,19 +262,34 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
 
             def resampled():
-                for frame in container.decode(audio=0):
-                    yield from resampler.resample(frame)
+                for packet in container.demux(container.streams.audio[0]):
+                    try:
+                        frames = packet.decode()
+                    except av.error.InvalidDataError as error:
+                        # A damaged stretch, or a joined file's header: only it is lost, as with the
+                        # ffmpeg command (a whole file failed on one bad packet).
+                        seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
+                        lost.append((seconds, str(error)))
+                        continue
+                    for frame in frames:
+                        yield from resampler.resample(frame)
                 yield from resampler.resample(None)
 
             for out in resampled():
                 pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
                 size += len(pending[-1])
+                decoded += len(pending[-1])
                 if size >= block_seconds * SAMPLE_RATE:
                     yield np.concatenate(pending)
                     pending, size = [], 0
+            if lost and not decoded:
+                raise AudioError(f"{path}: not a readable audio file (no packet could be decoded: {lost[0][1]})")
     except AudioError:
         raise
     except Exception as error:
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from error
+    if lost:
+        warnings.warn(f"{path}: {len(lost)} damaged audio packet(s), {sum(s for s, _ in lost):.2f} s, could not be "
+                      f"decoded and were skipped ({lost[0][1]})", AudioWarning, stacklevel=2)
     if pending:
         yield np.concatenate(pending)

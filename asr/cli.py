@@ -13,7 +13,9 @@ import os
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -27,7 +29,7 @@ from asr.batch import (
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
-from asr.audio import load_audio
+from asr.audio import AudioWarning, load_audio
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 from asr.writers import FORMATS, SubtitleLayout, unwritable
@@ -442,15 +444,18 @@ def main(argv: list[str] | None = None) -> int:
     if problem:
         print(f"asr: {problem}", file=sys.stderr)
         return 2
-    if args.command == "transcribe":
-        return transcribe_command(args)
-    if args.command == "evaluate":
-        return evaluate_command(args)
-    if args.command == "app":
-        return app_command(args)
-    if args.command == "stream":
-        return stream_command(args)
-    return 2
+    commands = {"transcribe": transcribe_command, "evaluate": evaluate_command, "app": app_command, "stream": stream_command}
+    with warnings.catch_warnings():
+        warnings.showwarning = partial(show_warning, warnings.showwarning)
+        return commands[args.command](args)
+
+
+def show_warning(shown: Callable, message, category, *where) -> None:
+    """A damaged file's warning as a line of the command's own, not a source location."""
+    if issubclass(category, AudioWarning):
+        print(f"asr: warning: {message}", file=sys.stderr)
+    else:
+        shown(message, category, *where)
 
 
 if __name__ == "__main__":

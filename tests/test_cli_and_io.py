@@ -9,6 +9,7 @@ import random
 import re
 import tempfile
 import unicodedata
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import soundfile
 import torch
 
 from asr import writers
-from asr.audio import SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, to_model_input
+from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load_audio, stream_audio, to_model_input
 from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
@@ -54,6 +55,56 @@ def test_m4a_goes_through_ffmpeg(tmp_path: Path):
     path = write_m4a(tmp_path / "clip.m4a", 0.2 * np.sin(np.linspace(0, 3000, 22050)), 22050)
     audio = load_audio(path)
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
+
+
+def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True) -> bytes:
+    import io
+
+    import av
+
+    out = io.BytesIO()
+    options = {} if xing else {"write_xing": "0", "id3v2_version": "0"}  # no Xing: a reader can only estimate the length
+    with av.open(out, "w", format="mp3", options=options) as container:
+        stream = container.add_stream("libmp3lame", rate=SAMPLE_RATE, layout="mono")
+        stream.bit_rate = bit_rate
+        frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
+        frame.sample_rate = SAMPLE_RATE
+        for packet in [*stream.encode(frame), *stream.encode(None)]:
+            container.mux(packet)
+    return out.getvalue()
+
+
+def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_path: Path):
+    """libsndfile ends an MP3 where the header's length estimate says, silently: a VBR
+    file without a Xing header, two files joined with `cat`, and a damaged stretch lost the
+    rest of the recording. Each is read whole; the joined file's second header, which FFmpeg
+    cannot decode, and the damaged packets are skipped with a warning naming the file."""
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")  # 11 s
+    loud_first = tmp_path / "vbr.mp3"  # the header's bit rate makes 11 s + 44 s look like 14 s
+    loud_first.write_bytes(mp3_bytes(jfk, 160_000, xing=False) + mp3_bytes(np.tile(jfk, 4), 32_000, xing=False))
+    joined = tmp_path / "joined.mp3"  # the ID3 tag and Xing frame of the second file sit in the middle
+    joined.write_bytes(mp3_bytes(jfk, 64_000) + mp3_bytes(np.tile(jfk, 3), 64_000))
+    damaged = tmp_path / "damaged.mp3"
+    data = bytearray(mp3_bytes(np.tile(jfk, 4), 64_000))
+    data[len(data) // 3 : len(data) // 3 + 500] = random.Random(0).randbytes(500)
+    damaged.write_bytes(bytes(data))
+    assert len(soundfile.read(loud_first)[0]) < 20 * SAMPLE_RATE and len(soundfile.read(joined)[0]) < 12 * SAMPLE_RATE
+
+    for path, seconds, damage in [(loud_first, 55, False), (joined, 44, True), (damaged, 44, True)]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            audio = load_audio(path)
+            streamed = np.concatenate(list(stream_audio(path, 7.3)))
+        assert seconds - 0.5 < len(audio) / SAMPLE_RATE < seconds + 0.2, path.name  # the damaged frames only lost
+        assert np.array_equal(streamed, audio), path.name
+        told = [str(w.message) for w in caught if issubclass(w.category, AudioWarning)]
+        assert len(told) == (2 if damage else 0), (path.name, told)
+        assert all(t.startswith(f"{path}: ") and "could not be decoded and were skipped" in t for t in told)
+
+    garbage = tmp_path / "garbage.mp3"  # frames, but nothing in them decodes: an error, not an empty warning
+    garbage.write_bytes(bytes(b if i < 200 else b ^ 0x5A for i, b in enumerate(mp3_bytes(jfk, 64_000))))
+    with pytest.raises(AudioError, match=f"{garbage}: "):
+        load_audio(garbage)
 
 
 def test_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):
@@ -432,14 +483,19 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     bad = tmp_path / "in" / "broken.wav"
     bad.parent.mkdir()
     bad.write_bytes(b"RIFF not really")
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    joined = tmp_path / "in" / "joined.mp3"  # two mp3s joined with `cat`: read whole, the header between skipped
+    joined.write_bytes(mp3_bytes(jfk[: len(jfk) // 2], 64_000) + mp3_bytes(jfk[len(jfk) // 2 :], 64_000))
     out = tmp_path / "out"
-    code = main(["transcribe", str(SAMPLES / "1089-134691-0001.flac"), str(bad), "--out-dir", str(out),
+    code = main(["transcribe", str(SAMPLES / "1089-134691-0001.flac"), str(bad), str(joined), "--out-dir", str(out),
                  "--formats", "txt,json", "--batch-size", "2", "--language", "en"])
     captured = capsys.readouterr()
     assert code == 1
-    assert "broken.wav" in captured.err and "1 transcribed, 1 failed" in captured.err
+    assert "broken.wav" in captured.err and "2 transcribed, 1 failed" in captured.err
+    assert f"asr: warning: {joined}: 1 damaged audio packet(s)" in captured.err  # a line of its own, not a traceback
+    assert "ask not what your country can do for you" in (out / "joined.txt").read_text().lower()
     assert sorted(p.name for p in out.iterdir()) == [".asr-run.lock", ".sources.jsonl", "1089-134691-0001.json",
-                                                     "1089-134691-0001.txt", "errors.jsonl"]
+                                                     "1089-134691-0001.txt", "errors.jsonl", "joined.json", "joined.txt"]
     failure = json.loads((out / "errors.jsonl").read_text())
     assert failure["file"] == str(bad) and "not a readable audio file" in failure["reason"]
     document = json.loads((out / "1089-134691-0001.json").read_text())
