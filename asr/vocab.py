@@ -73,6 +73,9 @@ class Vocabulary:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as error:
             raise ValueError(f"{path}: not a readable tokenizer.json ({error})") from error
+        # A prompt's "<|endoftext|>" or "<|en|>" is text: as a control token it ends or
+        # redirects the prompt the model reads (openai/whisper refuses such text).
+        tokenizer.encode_special_tokens = True
         added = {token.content: i for i, token in tokenizer.get_added_tokens_decoder().items()}
 
         def token(*names: str) -> int:

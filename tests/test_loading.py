@@ -49,6 +49,16 @@ def test_save_pretrained_round_trip(tmp_path: Path):
     torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()))
 
 
+def test_a_prompt_naming_special_tokens_is_encoded_as_text(tmp_path: Path):
+    """An --initial-prompt pasted from a tool's log put <|endoftext|> and <|en|> among the
+    prompt's tokens: the model read an end of text and a language tag in the middle of it."""
+    vocab = load_model(str(save_tiny(tiny_target(0, dtype=torch.float32), tmp_path / "tiny"))).vocab
+    text = " Notes <|endoftext|> on <|en|><|notimestamps|> names"
+    tokens = vocab.encode(text)
+    assert max(tokens) < vocab.eot and vocab.decode(tokens) == text
+    assert vocab.sot_sequence("en", "transcribe") == [vocab.sot, vocab.languages["en"], vocab.transcribe]
+
+
 def test_a_save_naming_no_suppressed_tokens_gets_whispers_defaults(tmp_path: Path):
     """Without generation_config.json (or with a CTranslate2 config's nulls, above), a model
     once decoded with nothing suppressed; openai/whisper and faster-whisper compute Whisper's
