@@ -111,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--prompt", default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
-                   help="srt/vtt: break each segment's text into lines of at most N characters (a longer word has a "
-                        "line of its own)")
+                   help="srt/vtt: break each segment's text into lines of at most N characters (a Chinese, Japanese "
+                        "or Korean one counts two, as wide on a screen; a longer word has a line of its own)")
     t.add_argument("--max-line-count", type=count(1), metavar="N",
                    help="srt/vtt, with --max-line-width and --word-timestamps: cues of at most N lines timed by their "
                         "words, which flow across segments; a pause of over 3 s starts a new cue")

@@ -66,10 +66,10 @@ class TranscribeOptions:
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
-        if isinstance(self.temperatures, numbers.Real):
-            object.__setattr__(self, "temperatures", (float(self.temperatures),))
-        elif not isinstance(self.temperatures, tuple):  # a list: hashable and fixed, as a frozen dataclass's
-            object.__setattr__(self, "temperatures", tuple(float(t) for t in self.temperatures))
+        # Any sequence: a tuple of floats, hashable and fixed as a frozen dataclass's, and
+        # written to JSON (numpy's float32 is not).
+        given = (self.temperatures,) if isinstance(self.temperatures, numbers.Real) else self.temperatures
+        object.__setattr__(self, "temperatures", tuple(float(t) for t in given))
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
 

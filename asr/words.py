@@ -33,23 +33,35 @@ UNSPACED_SCRIPTS = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u
                               "\uf900-\ufaff\uff00-\uffef]")
 
 
+def columns(text: str) -> int:
+    """The width of text on a screen: a Chinese, Japanese or Korean character (East Asian
+    wide or full-width) takes two columns, a combining mark none, any other character one."""
+    return sum(_columns(char) for char in text)
+
+
+def _columns(char: str) -> int:
+    if unicodedata.combining(char) or unicodedata.category(char) in ("Mn", "Me"):
+        return 0
+    return 2 if unicodedata.east_asian_width(char) in "WF" else 1
+
+
 def cut_unspaced(word: str, width: int) -> list[str]:
-    """A word (text between spaces) longer than `width`: where it holds a script written
-    without spaces, pieces of at most `width` characters, a combining mark kept with the
-    character before it (Thai's vowel and tone marks), the leading space with the first;
-    other words (a long name, a URL) stay whole."""
+    """A word (text between spaces) wider than `width` columns: where it holds a script
+    written without spaces, pieces of at most `width` columns (one character, where it is
+    wider), a combining mark kept with the character before it (Thai's vowel and tone
+    marks), the leading space with the first; other words (a long name, a URL) stay whole."""
     text = word.lstrip()
-    if len(text) <= width or not UNSPACED_SCRIPTS.search(text):
+    if columns(text) <= width or not UNSPACED_SCRIPTS.search(text):
         return [word]
     pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
     used = 0
     for char in text:
-        mark = unicodedata.category(char).startswith("M")
-        if used == width and not mark:
+        wide = _columns(char)
+        if used and used + wide > width:
             pieces.append("")
             used = 0
         pieces[-1] += char
-        used += not mark or used == 0
+        used += wide
     return pieces
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from asr.transcribe import Segment, Transcript
-from asr.words import cut_unspaced
+from asr.words import UNSPACED_SCRIPTS, columns, cut_unspaced
 
 FORMATS = ("txt", "srt", "vtt", "json")
 # The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
@@ -39,7 +39,8 @@ def to_txt(transcript: Transcript) -> str:
 @dataclass(frozen=True)
 class SubtitleLayout:
     """How srt and vtt cues are laid out. max_line_width: text broken into lines of at most
-    this many characters (a longer word has a line of its own), each segment a cue, timed
+    this many columns (a character; a Chinese, Japanese or Korean one takes two, as on a
+    screen; a longer word has a line of its own), each segment a cue, timed
     by its words where they are timed. max_line_count, with word timestamps: cues of at most
     this many lines, timed by their words, which flow across segments; a pause of more than
     PAUSE_SECONDS between two words starts a new cue (without word timestamps, each segment
@@ -58,7 +59,9 @@ class SubtitleLayout:
 # A silence this long from one word's end to the next word's start ends a cue (Whisper's
 # subtitle writer measures from one word's start to the next's, which a long word trips).
 PAUSE_SECONDS = 3.0
-MIN_CUE_SECONDS = 0.5  # a cue of no time (a segment past the audio's end, clamped to it) is shown up to this long
+# A cue of no time (a segment past the audio's end, clamped to it; a word timed at an
+# instant) is shown up to this long before its time, or joins the cue before it within this.
+MIN_CUE_SECONDS = 0.5
 Piece = tuple[float, float, str]  # a word to lay out: start, end, text (leading space included)
 
 
@@ -75,19 +78,22 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     else:
         laid_out = [cue for s in segments for cue in _laid_out(_pieces(s, width), width)]
     cues: list[Piece] = []
-    for start, end, text in laid_out:
+    for given, end, text in laid_out:
         text = "\n".join(line.strip() for line in re.sub(r"-{2,}>", "->", text).splitlines() if line.strip())
         if not text:
             continue
-        start = max(start, cues[-1][1]) if cues else start
-        if end > start:
+        start = max(given, cues[-1][1]) if cues else given
+        if round(end * 1000) > round(start * 1000):  # as written, to the millisecond
             cues.append((start, end, text))
         elif not cues:
             cues.append((start, start + MIN_CUE_SECONDS, text))
+        elif given - cues[-1][1] >= MIN_CUE_SECONDS:  # of no time, well after the cue before: shown just before it
+            cues.append((given - MIN_CUE_SECONDS, given, text))
         else:  # a cue of no time, which players never show: the cue before takes it, within the layout
             before_start, before_end, before = cues[-1]
-            if width is None or ("\n" not in text and len(before.split("\n")[-1]) + 1 + len(text) <= width):
-                cues[-1] = (before_start, before_end, f"{before} {text}")
+            space = "" if UNSPACED_SCRIPTS.match(before[-1]) and UNSPACED_SCRIPTS.match(text[0]) else " "
+            if width is None or ("\n" not in text and columns(before.split("\n")[-1] + space + text) <= width):
+                cues[-1] = (before_start, before_end, f"{before}{space}{text}")
             elif layout.max_line_count is None or before.count("\n") + text.count("\n") + 2 <= layout.max_line_count:
                 cues[-1] = (before_start, before_end, f"{before}\n{text}")
             else:  # no room there: it takes up to MIN_CUE_SECONDS before its time, at most half the cue before's
@@ -108,7 +114,7 @@ def _pieces(segment: Segment, width: int) -> list[Piece]:
 
 
 def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:
-    """Words as cues of lines filled up to `width` characters, at most `count` lines each
+    """Words as cues of lines filled up to `width` columns, at most `count` lines each
     (None: one cue), a pause ending a cue. A word keeps its leading space (none in Chinese
     or Japanese), which the line's start drops."""
     cues: list[list[list[Piece]]] = []
@@ -116,15 +122,15 @@ def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[
     used = 0
     for word in words:
         pause = bool(lines) and word[0] - lines[-1][-1][1] > PAUSE_SECONDS
-        if lines and not pause and used + len(word[2]) <= width:
+        if lines and not pause and used + columns(word[2]) <= width:
             lines[-1].append(word)
-            used += len(word[2])
+            used += columns(word[2])
             continue
         if lines and (pause or len(lines) == count):
             cues.append(lines)
             lines = []
         lines.append([word])
-        used = len(word[2].strip())
+        used = columns(word[2].strip())
     cues += [lines] if lines else []
     return [(cue[0][0][0], cue[-1][-1][1], "\n".join("".join(text for _, _, text in line) for line in cue)) for cue in cues]
 
@@ -172,8 +178,10 @@ def to_json(transcript: Transcript) -> str:
 
 
 def _segment(s: Segment) -> dict:
-    document = {"start": s.start, "end": s.end, "text": s.text.strip(), "avg_logprob": round(s.avg_logprob, 4),
-                "no_speech_prob": round(s.no_speech_prob, 4), "temperature": s.temperature}
+    # openai/whisper's keys, which tools written for its JSON read (seek aside: ours are not per window)
+    document = {"id": s.id, "start": s.start, "end": s.end, "text": s.text.strip(), "tokens": s.tokens,
+                "temperature": s.temperature, "avg_logprob": round(s.avg_logprob, 4),
+                "compression_ratio": round(s.compression_ratio, 4), "no_speech_prob": round(s.no_speech_prob, 4)}
     if s.words is not None:
         document["words"] = [{"start": round(w.start, 3), "end": round(w.end, 3), "word": w.text,
                               "probability": round(w.probability, 4)} for w in s.words]

@@ -264,7 +264,8 @@ def test_no_cue_lasts_no_time():
     assert writers.to_srt(inside) == "1\n00:00:00,000 --> 00:00:05,000\nHello. Again.\n"
     words = [Word(" Hi", 0.0, 1.0, 0.9), Word(" Bye", 5.0, 5.0, 0.9)]
     paused = Transcript("b", [Segment(0, 0.0, 5.0, " Hi Bye", [1], -0.2, 1.1, 0.01, 0.0, words)], info)
-    assert writers.to_vtt(paused, writers.SubtitleLayout(42, 2)) == "WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHi Bye\n"
+    assert writers.to_vtt(paused, writers.SubtitleLayout(42, 2)) == (  # not 4 s early, in the cue before
+        "WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHi\n\n00:00:04.500 --> 00:00:05.000\nBye\n")
     past = Transcript("c", [Segment(0, 30.0, 30.0, " Thanks.", [1], -0.2, 1.1, 0.01, 0.0)], info)
     assert writers.to_srt(past) == "1\n00:00:30,000 --> 00:00:30,500\nThanks.\n"
     # Where the cue before has no room within the layout, its text is not added to it (its
@@ -273,10 +274,14 @@ def test_no_cue_lasts_no_time():
     clamped = Transcript("d", [Segment(0, 9.2, 11.0, " for your country.", [1], -0.2, 1.1, 0.01, 0.0, words)], info)
     assert writers.to_srt(clamped, writers.SubtitleLayout(10, 1)) == (
         "1\n00:00:09,200 --> 00:00:10,200\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
-    # Segment by segment (no line count), a line of its own in the cue before.
+    # Segment by segment (no line count), a line of its own in the cue before, when within
+    # half a second of its end; else a cue of its own.
     split = Transcript("e", [Segment(0, 9.2, 10.2, " for your", [1], -0.2, 1.1, 0.01, 0.0),
-                             Segment(1, 11.0, 11.0, " country.", [2], -0.2, 1.1, 0.01, 0.0)], info)
+                             Segment(1, 10.6, 10.6, " country.", [2], -0.2, 1.1, 0.01, 0.0)], info)
     assert writers.to_srt(split, writers.SubtitleLayout(10)) == "1\n00:00:09,200 --> 00:00:10,200\nfor your\ncountry.\n"
+    split.segments[1] = replace(split.segments[1], start=11.0, end=11.0)
+    assert writers.to_srt(split, writers.SubtitleLayout(10)) == (
+        "1\n00:00:09,200 --> 00:00:10,200\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
     words[1] = Word(" your", 9.6, 11.0, 0.9)  # the cue before runs to it: it gets the last half second
     assert writers.to_srt(clamped, writers.SubtitleLayout(10, 1)) == (
         "1\n00:00:09,200 --> 00:00:10,500\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
@@ -319,9 +324,30 @@ def test_writers_render_every_format(tmp_path: Path):
     document = json.loads((tmp_path / "talk.json").read_text())
     assert document["segments"][0]["words"] == [{"start": 0.0, "end": 0.62, "word": " Hello", "probability": 0.9123},
                                                 {"start": 0.62, "end": 2.5, "word": " there.", "probability": 0.8}]
-    assert document["segments"][1] == {"start": 2.5, "end": 3661.25, "text": "General Kenobi!", "avg_logprob": -0.3,
-                                       "no_speech_prob": 0.02, "temperature": 0.0}
+    segment = transcript.segments[1]
+    assert document["segments"][1] == {  # openai/whisper's keys, seek aside
+        "id": segment.id, "start": 2.5, "end": 3661.25, "text": "General Kenobi!", "tokens": segment.tokens,
+        "temperature": 0.0, "avg_logprob": -0.3, "compression_ratio": round(segment.compression_ratio, 4),
+        "no_speech_prob": 0.02}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
+
+
+def test_a_cue_of_no_time_is_shown_at_its_own_time():
+    """A segment clamped to the audio's end, or a word timed at an instant, takes no time. One
+    seconds after the cue before was added to that cue, and shown seconds early; one within
+    half a second of it still joins it (players never show a cue of no time), without a space
+    between two Chinese sentences. A cue that rounds to no time is one too."""
+    base = _transcript()
+
+    def segment(start: float, end: float, text: str) -> Segment:
+        return Segment(0, start, end, text, [1], -0.2, 1.1, 0.01, 0.0)
+
+    late = Transcript("t", [segment(20.0, 25.0, " Thanks for watching."), segment(28.5, 28.5, " Goodbye.")], base.info)
+    assert writers.to_srt(late) == ("1\n00:00:20,000 --> 00:00:25,000\nThanks for watching.\n\n"
+                                    "2\n00:00:28,000 --> 00:00:28,500\nGoodbye.\n")
+    close = Transcript("t", [segment(20.0, 25.0, " 谢谢观看。"), segment(25.3, 25.3, " 再见。"),
+                             segment(30.0, 30.0004, " Bye.")], base.info)
+    assert writers.to_srt(close) == "1\n00:00:20,000 --> 00:00:25,000\n谢谢观看。再见。\n\n2\n00:00:29,500 --> 00:00:30,000\nBye.\n"
 
 
 def test_subtitle_cues_hold_only_text():
@@ -376,15 +402,20 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     assert writers.to_srt(long_word, writers.SubtitleLayout(max_line_width=5)) == (
         "1\n00:00:00,000 --> 00:00:05,200\na\nSupercalifragilistic\nb\n")
     # Chinese and Thai write no spaces between words: their runs are cut at the width (Thai's
-    # vowel and tone marks kept with their letters), where a Latin word is not.
+    # vowel and tone marks kept with their letters), where a Latin word is not. A Chinese
+    # character is two columns wide on a screen: 8 make 4 of them (8 ran twice as wide).
     chinese = " 我们今天在这里讨论的是一个非常重要的问题，关于未来的发展方向。"
     thai = " สวัสดีครับวันนี้อากาศดีมากเลยนะครับ"
-    for text in (chinese, thai):
+    for text, count, per_line in ((chinese, 8, 4), (thai, 4, 8)):
         unspaced = Transcript("t", [replace(segments[0], text=text, words=None)], timed.info)
         lines = writers.to_srt(unspaced, writers.SubtitleLayout(max_line_width=8)).split("\n")[2:-1]
-        assert len(lines) == 4 and "".join(lines) == text.strip()
-        assert all(sum(not unicodedata.category(c).startswith("M") for c in line) <= 8 for line in lines)
+        assert len(lines) == count and "".join(lines) == text.strip()
+        assert all(sum(not unicodedata.category(c).startswith("M") for c in line) <= per_line for line in lines)
         assert not any(unicodedata.category(line[0]).startswith("M") for line in lines)
+    words = [Word(c, 0.25 * i, 0.25 * (i + 1), 0.9) for i, c in enumerate(chinese.strip())]
+    timed_chinese = Transcript("t", [replace(segments[0], text=chinese, words=words)], timed.info)
+    cues = writers._cues(timed_chinese, writers.SubtitleLayout(max_line_width=42, max_line_count=2))
+    assert [len(line) for _, _, text in cues for line in text.split("\n")] == [21, 10]
     for wrong in (dict(max_line_count=2), dict(max_line_width=0), dict(max_line_width=10, max_line_count=0)):
         with pytest.raises(ValueError):
             writers.SubtitleLayout(**wrong)
