@@ -8,6 +8,9 @@ never change again. Once the buffer is longer than buffer_trim_seconds, it is cu
 before the end of the last segment whose words are all committed (never the hypothesis's
 last segment).
 
+A buffer in which nothing has been heard yet (silence, room noise) keeps only its last
+few seconds, so that speech starts near the buffer's start.
+
 Audio that does not fit in the 30 s buffer waits (a long chunk, a slow machine falling
 behind, a buffer whose words never agreed). A full buffer with audio waiting is decoded as
 Whisper decodes a long file: its closed segments are committed without waiting for a second
@@ -26,7 +29,9 @@ a little padding (encoder_padding_seconds), which makes early updates several ti
 but less accurate.
 
 Each buffer is decoded greedily (no temperature fallback: sampled hypotheses would rarely
-agree). A hypothesis that loops or echoes the prompt is decoded again without the prompt;
+agree). A hypothesis that loops where Whisper thinks the buffer holds no speech is judged
+silent (as offline, where the fallback's samples would then be skipped as silence). Another
+hypothesis that loops or echoes the prompt is decoded again without the prompt;
 the loops Whisper falls into on silence and at the end of the audio are cut from every
 hypothesis, and so are copies of the prompt (from those decoded with it), lest two
 hypotheses agree on them; but for the last decode and a backlog's, which no later one
@@ -62,6 +67,7 @@ PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of 
 UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
 SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's loudest
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
+UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
@@ -278,10 +284,19 @@ class StreamingTranscriber:
 
     def _transcribe(self, context: list[int]) -> WindowResult:
         seconds = len(self._buffer) / SAMPLE_RATE
-        return self.transcriber.transcribe_window(
+        window = self.transcriber.transcribe_window(
             self._buffer, context, self._language, self._hint if self.hypothesis_draft else None,
             self._encoder_frames(len(self._buffer)), 20 + math.ceil(TOKENS_PER_SECOND * seconds),
         )
+        # Offline, a window that loops is sampled again at higher temperatures and, where
+        # Whisper thinks it holds no speech, then skipped as silence. A stream decodes
+        # greedily only, so such a loop is judged silent at once: room noise was committed as
+        # "I'm going to go to the next room." and the like.
+        threshold = self.transcriber.options.no_speech_threshold
+        if not window.silent and threshold is not None and window.no_speech_prob > threshold:
+            if self._loops(self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])):
+                window = replace(window, silent=True)
+        return window
 
     def _hallucinated(self, window: WindowResult) -> bool:
         """Whether a hypothesis decoded with the prompt loops (Whisper's compression-ratio
@@ -338,6 +353,7 @@ class StreamingTranscriber:
         pass Whisper's own test are kept: speech that repeats itself ("No, no, no, no.")."""
         segments = [] if window.silent else self._split_at_committed(self._segments(window.tokens))
         words = [w for s in segments for w in s.words]
+        unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(words)
         new = words[done:]
@@ -363,7 +379,9 @@ class StreamingTranscriber:
         # buffer): they stay as they were, or the next hypothesis would commit them again
         self._tentative = fresh[agreed:]
         self._hint = window.tokens
-        if backlog:
+        if unheard:
+            self._cut_unheard()
+        elif backlog:
             self._cut_closed(segments)
         elif len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
             self._trim_at_segment(segments)
@@ -388,6 +406,18 @@ class StreamingTranscriber:
             self._hint = []
         else:
             self._cut_at(*cut)
+
+    def _cut_unheard(self) -> None:
+        """A buffer in which nothing has been heard (silence, room noise) keeps its last
+        UNHEARD_KEEP_SECONDS. Cut only at a committed segment, such a buffer grew to a full
+        window, whose backlog cut dropped it whole with the first words of speech at its end;
+        and seconds of silence before speech set Whisper timing it from the buffer's start
+        and stopping a sentence short, at every update."""
+        drop = len(self._buffer) - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
+        if drop > 0:  # no committed word in it: the prompt stays as it is (_cut would bound it)
+            self._buffer = self._buffer[drop:]
+            self._buffer_start += drop
+            self._hint = []
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they

@@ -123,6 +123,7 @@ class WindowResult:
     temperature: float
     silent: bool  # judged to hold no speech (transcribe would skip the window)
     info: TranscriptionInfo  # this window's stats and timings
+    no_speech_prob: float = 0.0  # Whisper's probability that the window holds no speech
 
 
 class Cancelled(Exception):
@@ -727,7 +728,8 @@ class _Decoding:
             job.info.windows += 1
             temperature = temperatures[job.attempt]
             if job.window_only:
-                job.result = WindowResult(sequence.tokens, job.info.language, temperature, t._silent(sequence), job.info)
+                job.result = WindowResult(sequence.tokens, job.info.language, temperature, t._silent(sequence), job.info,
+                                          sequence.no_speech_prob)
             else:
                 t._advance(job, sequence, temperature)
                 job.report()
