@@ -23,7 +23,7 @@ import numpy as np
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, progress_figures,
-                       segments_html, server_figures, transcript_html, upload_figures)
+                       segments_html, server_figures, stopped_html, transcript_html, upload_figures)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
@@ -333,10 +333,11 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
     session = gr.State(None)  # this visitor's LiveSession: every browser tab has its own
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
-        if live.error is not None:  # shown once, in place of the text, where the speaker is looking
-            shown, live.shown = live.shown, -1
-            return (gr.skip() if shown == -1 else error_html(f"The live transcription stopped: {live.error}"),
-                    gr.skip(), live)
+        if live.error is not None:  # shown once, above the text, where the speaker is looking
+            shown, live.shown, last = live.shown, -1, live.last
+            message = f"The live transcription stopped: {live.error}"
+            return (gr.skip() if shown == -1 else stopped_html(message, last.committed_text if last else "",
+                                                                  last.tentative_text if last else ""), gr.skip(), live)
         shown = len(live.updates)  # read once: the worker may append meanwhile
         if not shown:
             return live_html("", "", listening=not live.finished), gr.skip(), live

@@ -122,6 +122,13 @@ def live_html(committed: str, tentative: str, listening: bool) -> str:
     )
 
 
+def stopped_html(message: str, committed: str, tentative: str) -> str:
+    """A live session that failed: why, above the text it had (which stays on the page: the
+    error once took its place, and minutes of dictation went with it)."""
+    kept = live_html(committed, tentative, listening=False) if committed.strip() or tentative.strip() else ""
+    return error_html(message) + kept
+
+
 def live_figures(summary: StreamSummary, recorded_seconds: float, status: str) -> list[Figure]:
     """status: the recording's, in words (recording, finished, why it stopped)."""
     if summary.median_commit_latency is None:

@@ -251,8 +251,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     import av
 
     pending: list[np.ndarray] = []
-    size = decoded = 0
+    size = 0
     lost: list[tuple[float, str]] = []  # each packet that could not be decoded: its seconds, the error
+    ends_lost = [False]  # whether no packet decoded after the last lost one (a truncated file)
     try:
         with av.open(str(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
@@ -270,7 +271,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
                         # ffmpeg command (a whole file failed on one bad packet).
                         seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
                         lost.append((seconds, str(error)))
+                        ends_lost[0] = True
                         continue
+                    ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:
                         yield from resampler.resample(frame)
                 yield from resampler.resample(None)
@@ -278,12 +281,11 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             for out in resampled():
                 pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
                 size += len(pending[-1])
-                decoded += len(pending[-1])
                 if size >= block_seconds * SAMPLE_RATE:
                     yield np.concatenate(pending)
                     pending, size = [], 0
-            if lost and not decoded:
-                raise AudioError(f"{path}: not a readable audio file (no packet could be decoded: {lost[0][1]})")
+            if ends_lost[0]:  # damage up to the end, or nothing but: what a whole read cannot pass
+                raise AudioError(f"{path}: not a readable audio file (corrupt or truncated: {lost[-1][1]})")
     except AudioError:
         raise
     except Exception as error:

@@ -28,7 +28,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import transcribe_upload
-from app.views import clock, live_html
+from app.views import clock, live_html, stopped_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
@@ -212,6 +212,10 @@ def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.
     live.feed(*next(browser_chunks()))
     assert live._pending_samples == queued  # audio after the failure is not kept
     live.finish()
+    # The page says why above the text so far, black and grey: the error took its place.
+    page = stopped_html("The live transcription stopped: out of memory", "Minutes of dictation.", "And its end")
+    assert page.index("out of memory") < page.index("Minutes of dictation.") < page.index("And its end")
+    assert "asr-tentative" in page and "asr-error" in page
 
 
 def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, tmp_path: Path,

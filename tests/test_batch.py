@@ -311,8 +311,8 @@ def test_an_unreadable_input_is_raised_after_the_recordings_decoding_beside_it(p
     assert (options.temperatures, options.initial_prompt) == ((0.0,), "")
     assert TranscribeOptions(temperatures=[0.0, np.float32(0.5)]).temperatures == (0.0, 0.5)
     assert TranscribeOptions(temperatures=np.float32(0.5)).temperatures == (0.5,)
-    numpy_tuple = TranscribeOptions(temperatures=(np.float32(0.0), np.float32(0.2))).temperatures
-    assert numpy_tuple == (0.0, 0.2) and all(type(t) is float for t in numpy_tuple)  # a segment's, written to JSON
+    numpy_tuple = TranscribeOptions(temperatures=(np.float32(0.0), np.float32(0.5))).temperatures
+    assert numpy_tuple == (0.0, 0.5) and all(type(t) is float for t in numpy_tuple)  # a segment's, written to JSON
     assert Transcriber(pair, options).transcribe(short).text.strip() == "in 1813."
 
 
