@@ -130,6 +130,14 @@ def time_within(seconds: float, limit: float, places: int = 3) -> float:
     return value if value <= limit else round(value - 10**-places, places)
 
 
+def _stated_seconds(container) -> float | None:
+    """The duration an open PyAV container's header states, if any."""
+    stream = container.streams.audio[0]
+    if stream.duration is not None and stream.time_base is not None:
+        return float(stream.duration * stream.time_base)
+    return container.duration / 1_000_000 if container.duration else None  # in AV_TIME_BASE units
+
+
 def audio_seconds(path: str | Path) -> float | None:
     """The duration a file's header states, or else its packets' timestamps (a browser's
     MediaRecorder webm states none), without decoding it; None when it cannot tell (the
@@ -145,10 +153,8 @@ def audio_seconds(path: str | Path) -> float | None:
 
         with av.open(str(path), metadata_errors="ignore") as container:
             stream = container.streams.audio[0]
-            if stream.duration is not None and stream.time_base is not None:
-                return float(stream.duration * stream.time_base)
-            if container.duration:
-                return container.duration / av.time_base
+            if (stated := _stated_seconds(container)) is not None:
+                return stated
             # The packets demuxed, not decoded: a small part of what decoding them costs.
             end = max((p.pts + (p.duration or 0) for p in container.demux(stream) if p.pts is not None), default=0)
             return float(end * stream.time_base) if end > 0 and stream.time_base is not None else None
@@ -252,8 +258,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
 
     pending: list[np.ndarray] = []
     size = 0
-    lost: list[tuple[float, str]] = []  # each packet that could not be decoded: its seconds, the error
-    ends_lost = [False]  # whether no packet decoded after the last lost one (a truncated file)
+    lost: list[tuple[float, str]] = []  # each packet that could not be decoded: where it starts (s), the error
+    ends_lost = [False]  # whether no packet decoded after the last lost one
+    decoded = 0
     try:
         with av.open(str(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
@@ -269,8 +276,8 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
                     except av.error.InvalidDataError as error:
                         # A damaged stretch, or a joined file's header: only it is lost, as with the
                         # ffmpeg command (a whole file failed on one bad packet).
-                        seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
-                        lost.append((seconds, str(error)))
+                        at = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
+                        lost.append((at, str(error)))
                         ends_lost[0] = True
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
@@ -281,17 +288,20 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
             for out in resampled():
                 pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
                 size += len(pending[-1])
+                decoded += len(pending[-1])
                 if size >= block_seconds * SAMPLE_RATE:
                     yield np.concatenate(pending)
                     pending, size = [], 0
-            if ends_lost[0]:  # damage up to the end, or nothing but: what a whole read cannot pass
+            # Damage up to the end is junk after the audio, or a file cut short: the length the
+            # header states tells them apart where it is exact (FLAC's, WAV's).
+            if (ends_lost[0] and decoded < 0.9 * SAMPLE_RATE * (_stated_seconds(container) or 0.0)) or (lost and not decoded):
                 raise AudioError(f"{path}: not a readable audio file (corrupt or truncated: {lost[-1][1]})")
     except AudioError:
         raise
     except Exception as error:
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from error
     if lost:
-        warnings.warn(f"{path}: {len(lost)} damaged audio packet(s), {sum(s for s, _ in lost):.2f} s, could not be "
+        warnings.warn(f"{path}: {len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be "
                       f"decoded and were skipped ({lost[0][1]})", AudioWarning, stacklevel=2)
     if pending:
         yield np.concatenate(pending)

@@ -453,7 +453,9 @@ def main(argv: list[str] | None = None) -> int:
 def show_warning(shown: Callable, message, category, *where) -> None:
     """A damaged file's warning as a line of the command's own, not a source location."""
     if issubclass(category, AudioWarning):
-        print(f"asr: warning: {message}", file=sys.stderr)
+        from tqdm import tqdm
+
+        tqdm.write(f"asr: warning: {message}", file=sys.stderr)  # above a folder run's progress bar, not through it
     else:
         shown(message, category, *where)
 

@@ -159,6 +159,7 @@ class StreamingTranscriber:
         self._waiting = np.zeros(0, dtype=np.float32)  # received audio past the buffer's full window
         self._received = 0
         self._decoded_until = 0  # stream sample index of the buffer's end when it was last decoded
+        self._decoded_before = 0  # and when it was decoded before that
         self._repeated = 0  # leading committed words of the buffer heard again after a cut (_heard_again)
         self._finished = False
         self._committed: list[Word] = []
@@ -241,7 +242,9 @@ class StreamingTranscriber:
                 retry = self._transcribe([])
                 if (self._heard_until(retry) or 0.0) > self._heard_until(window):
                     window, prompted = retry, False
-            self._decoded_until = until  # decoded (a decode that raised is done again at the next call)
+            window = self._judged(window)
+            # decoded (a decode that raised is done again at the next call)
+            self._decoded_before, self._decoded_until = self._decoded_until, until
             stats.append(window.info.stats)
             decoded_seconds += len(self._buffer) / SAMPLE_RATE
             shown = self._tentative
@@ -284,19 +287,21 @@ class StreamingTranscriber:
 
     def _transcribe(self, context: list[int]) -> WindowResult:
         seconds = len(self._buffer) / SAMPLE_RATE
-        window = self.transcriber.transcribe_window(
+        return self.transcriber.transcribe_window(
             self._buffer, context, self._language, self._hint if self.hypothesis_draft else None,
             self._encoder_frames(len(self._buffer)), 20 + math.ceil(TOKENS_PER_SECOND * seconds),
         )
-        # Offline, a window that loops is sampled again at higher temperatures and, where
-        # Whisper thinks it holds no speech, then skipped as silence. A stream decodes
-        # greedily only, so such a loop is judged silent at once: room noise was committed as
-        # "I'm going to go to the next room." and the like.
+
+    def _judged(self, window: WindowResult) -> WindowResult:
+        """Offline, a window that loops is sampled again at higher temperatures and, where
+        Whisper thinks it holds no speech, then skipped as silence. A stream decodes greedily
+        only, so the hypothesis it keeps (after the retry without the prompt) is judged silent
+        where it loops so: room noise was committed as "I'm going to go to the next room."."""
         threshold = self.transcriber.options.no_speech_threshold
-        if not window.silent and threshold is not None and window.no_speech_prob > threshold:
-            if self._loops(self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])):
-                window = replace(window, silent=True)
-        return window
+        if window.silent or threshold is None or window.no_speech_prob <= threshold:
+            return window
+        text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
+        return replace(window, silent=True) if self._loops(text) else window
 
     def _hallucinated(self, window: WindowResult) -> bool:
         """Whether a hypothesis decoded with the prompt loops (Whisper's compression-ratio
@@ -408,12 +413,14 @@ class StreamingTranscriber:
             self._cut_at(*cut)
 
     def _cut_unheard(self) -> None:
-        """A buffer in which nothing has been heard (silence, room noise) keeps its last
-        UNHEARD_KEEP_SECONDS. Cut only at a committed segment, such a buffer grew to a full
+        """A buffer in which nothing has been heard (silence, room noise) keeps the last
+        UNHEARD_KEEP_SECONDS of what the decode before this one heard, and all after. Cut only at a committed segment, such a buffer grew to a full
         window, whose backlog cut dropped it whole with the first words of speech at its end;
         and seconds of silence before speech set Whisper timing it from the buffer's start
         and stopping a sentence short, at every update."""
-        drop = len(self._buffer) - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
+        # Only audio decoded twice, lest a call that took long (behind uploads) drop audio heard once.
+        heard_twice = min(len(self._buffer), self._decoded_before - self._buffer_start)
+        drop = heard_twice - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
         if drop > 0:  # no committed word in it: the prompt stays as it is (_cut would bound it)
             self._buffer = self._buffer[drop:]
             self._buffer_start += drop

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from asr.transcribe import Segment, Transcript
-from asr.words import UNSPACED_SCRIPTS, columns, cut_unspaced
+from asr.words import columns, cut_unspaced
 
 FORMATS = ("txt", "srt", "vtt", "json")
 # The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
@@ -62,6 +62,7 @@ PAUSE_SECONDS = 3.0
 # A cue of no time (a segment past the audio's end, clamped to it; a word timed at an
 # instant) is shown up to this long before its time, or joins the cue before it within this.
 MIN_CUE_SECONDS = 0.5
+CJK = re.compile("[\u3000-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff\uff00-\uffef]")  # no space between sentences
 Piece = tuple[float, float, str]  # a word to lay out: start, end, text (leading space included)
 
 
@@ -91,7 +92,7 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
             cues.append((given - MIN_CUE_SECONDS, given, text))
         else:  # a cue of no time, which players never show: the cue before takes it, within the layout
             before_start, before_end, before = cues[-1]
-            space = "" if UNSPACED_SCRIPTS.match(before[-1]) and UNSPACED_SCRIPTS.match(text[0]) else " "
+            space = "" if CJK.match(before[-1]) and CJK.match(text[0]) else " "  # Thai spaces its sentences
             if width is None or ("\n" not in text and columns(before.split("\n")[-1] + space + text) <= width):
                 cues[-1] = (before_start, before_end, f"{before}{space}{text}")
             elif layout.max_line_count is None or before.count("\n") + text.count("\n") + 2 <= layout.max_line_count:

@@ -88,9 +88,11 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
     data = bytearray(mp3_bytes(np.tile(jfk, 4), 64_000))
     data[len(data) // 3 : len(data) // 3 + 500] = random.Random(0).randbytes(500)
     damaged.write_bytes(bytes(data))
+    junk = tmp_path / "junk.mp3"  # bytes after the last frame: the audio is whole, not truncated
+    junk.write_bytes(mp3_bytes(np.tile(jfk, 4), 64_000) + random.Random(1).randbytes(400))
     assert len(soundfile.read(loud_first)[0]) < 20 * SAMPLE_RATE and len(soundfile.read(joined)[0]) < 12 * SAMPLE_RATE
 
-    for path, seconds, damage in [(loud_first, 55, False), (joined, 44, True), (damaged, 44, True)]:
+    for path, seconds, damage in [(loud_first, 55, False), (joined, 44, True), (damaged, 44, True), (junk, 44, True)]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             audio = load_audio(path)
@@ -523,7 +525,7 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     captured = capsys.readouterr()
     assert code == 1
     assert "broken.wav" in captured.err and "2 transcribed, 1 failed" in captured.err
-    assert f"asr: warning: {joined}: 1 damaged audio packet(s)" in captured.err  # a line of its own, not a traceback
+    assert f"asr: warning: {joined}: 1 damaged audio packet(s), the first at 5.5" in captured.err  # a line of its own, not a traceback
     assert "ask not what your country can do for you" in (out / "joined.txt").read_text().lower()
     assert sorted(p.name for p in out.iterdir()) == [".asr-run.lock", ".sources.jsonl", "1089-134691-0001.json",
                                                      "1089-134691-0001.txt", "errors.jsonl", "joined.json", "joined.txt"]
