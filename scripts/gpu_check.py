@@ -33,7 +33,7 @@ from typing import Callable
 
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
-AUDIO_EXTRAS = ("soundfile", "soxr", "jiwer", "whisper_normalizer")
+AUDIO_EXTRAS = ("soundfile", "soxr", "av", "jiwer", "whisper_normalizer")  # av: the MP3s
 PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 

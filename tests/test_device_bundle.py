@@ -95,6 +95,10 @@ def test_the_plan_runs_the_dev_set_parts_as_soon_as_the_weights_have_come_within
     checks = [int(line.split("CHECK_SECONDS=")[1].split()[0]) if "CHECK_SECONDS=" in line else 0 for line in numbered]
     assert all(check < timeout <= 600 for check, timeout in zip(checks, timeouts))
     assert sum(timeouts) <= bundle.DEVICE_SECONDS - bundle.START_SECONDS  # the machine's start, too, is paid from it
+    # whisper-base's weights and the extras with PyAV: four chunks, all within the device time too.
+    four = [line for line in bundle.calls(4).splitlines() if line[:1].isdigit()]
+    assert len(four) == 5 and sum(int(line.split("timeout_s ")[1].split(":")[0]) for line in four) <= (
+        bundle.DEVICE_SECONDS - bundle.START_SECONDS)
     # One chunk: the dev-set parts come first.
     assert bundle.calls(1).splitlines()[4].startswith('1. carry [".device/extras", ".device/w1"]')
     assert "evaluate,tests" in bundle.calls(1).splitlines()[4]
@@ -138,3 +142,15 @@ def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part
         (tmp_path / "out" / "report" / "gpu_check.md").read_text()
     assert "- manifest.tsv, target-only: 0.010, 0.200, 0.250, 0.040" in (tmp_path / "report" / "gpu_check.md").read_text()
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["gpu_check.json", "gpu_check.md"]
+
+
+def test_every_dependency_of_the_project_is_packed_on_the_machine_or_unused_by_the_check(bundle):
+    # PyAV was missing from the extras after MP3s moved to FFmpeg: the GPU machine failed the dev set.
+    import re
+    import tomllib
+
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    names = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower().replace("_", "-") for d in dependencies}
+    weights = {name.replace("_", "-") for name in bundle.WEIGHTS}
+    missing = names - set(bundle.EXTRAS) - set(bundle.ON_THE_MACHINE) - set(bundle.NOT_CHECKED) - weights
+    assert not missing, f"dependencies the GPU machine would lack: {sorted(missing)}"
