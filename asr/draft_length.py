@@ -115,7 +115,7 @@ class DraftLength:
                 self._acceptance[language] = (decay * before[0] + kept, decay * before[1] + rejected)
             c.drafting.append((seconds, k))
         chosen = c.plain_wins
-        if self._choose(c) and c.exploring:
+        if c.exploring and self._choose(c):  # only a round going the other way needs the choice now: next_round makes it
             confirmed = c.plain_wins == chosen
             c.interval = min(2 * c.interval, self.MAX_EXPLORE) if confirmed else self.EXPLORE
             c.until_explore = min(c.until_explore, c.interval)
