@@ -23,7 +23,7 @@ import numpy as np
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, progress_figures,
-                       segments_html, server_figures, stopped_html, transcript_html, upload_figures)
+                       segments_html, server_figures, stopped_html, transcript_html, upload_figures, warnings_html)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
@@ -73,6 +73,8 @@ CSS = """
 .asr-tentative { color: var(--body-text-color-subdued); opacity: .6; font-style: italic; }
 .asr-error { color: var(--error-text-color); background: var(--error-background-fill);
   border: 1px solid var(--error-border-color); border-radius: 8px; padding: .8rem 1rem; }
+.asr-warning { border: 1px solid var(--border-color-accent); border-radius: 8px; padding: .6rem 1rem;
+  margin-bottom: .6rem; }
 .asr-empty { color: var(--body-text-color-subdued); padding: 1rem; border: 1px dashed var(--border-color-primary);
   border-radius: 8px; text-align: center; }
 """
@@ -252,7 +254,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         except ValueError as error:
             yield _failed(str(error))
             return
-        audio = dataclasses.replace(transcriber.read(path, name), progress=progress)
+        audio = transcriber.read(path, name)
+        # Its warnings named as errors are, after the visitor's file (in the downloads' JSON too).
+        audio = dataclasses.replace(audio, progress=progress, warnings=tuple(w.replace(path, name) for w in audio.warnings))
         started = time.perf_counter()
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
         decoding = transcriber.submit(audio) if engine.scheduler is not None else in_thread(
@@ -286,8 +290,8 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
             if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
                 del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
-    yield (figures_html(stats), transcript_html(result), gr.update(value=[str(f) for f in files], visible=True),
-           gr.update(visible=False))
+    yield (figures_html(stats), warnings_html(result.info.warnings) + transcript_html(result),
+           gr.update(value=[str(f) for f in files], visible=True), gr.update(visible=False))
 
 
 def _progress(progress: Progress, seconds: float) -> tuple[str, str, dict, dict]:

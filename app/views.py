@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
+from typing import Iterable
 
 from asr.streaming import StreamSummary
 from asr.transcribe import Progress, SchedulerLoad, Segment, Transcript
@@ -46,6 +47,12 @@ def figures_html(figures: list[Figure]) -> str:
 
 def error_html(message: str) -> str:
     return f'<div class="asr-error" role="alert"><strong>Cannot transcribe.</strong> {html.escape(message)}</div>'
+
+
+def warnings_html(messages: Iterable[str]) -> str:
+    """What reading an upload lost (TranscriptionInfo.warnings), above its transcript."""
+    return "".join(f'<div class="asr-warning" role="status"><strong>Part of the audio could not be read.</strong> '
+                   f'{html.escape(m)}</div>' for m in messages)
 
 
 def transcript_html(transcript: Transcript) -> str:

@@ -27,10 +27,13 @@ class AudioWarning(UserWarning):
     """The file was read, less a damaged part of it; the message names it and what was lost."""
 
 
-def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bool = False) -> np.ndarray:
+def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bool = False,
+               notices: list[str] | None = None) -> np.ndarray:
     """seconds: the duration the file's header states, where the caller has read it
     (audio_seconds). allow_silence: digital silence is audio too (an evaluation's clip
-    without speech), not an error (nothing to transcribe)."""
+    without speech), not an error (nothing to transcribe). notices: where given, what the
+    read lost (damaged packets skipped) is added to it, for the caller to report with the
+    transcript, rather than warned (AudioWarning)."""
     path = Path(path)
     if not path.exists():
         raise AudioError(f"{path}: no such file")
@@ -45,14 +48,14 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
     known = _libsndfile_format(path)
     try:
         if known in FFMPEG_FORMATS:
-            samples, rate = _read_ffmpeg(path)
+            samples, rate = _read_ffmpeg(path, notices)
         else:
             samples, rate = _read_soundfile(path)
     except AudioError:
         raise
     except Exception as error:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
         try:
-            samples, rate = _read_ffmpeg(path)
+            samples, rate = _read_ffmpeg(path, notices)
         except AudioError:
             if known is None:
                 raise
@@ -162,16 +165,16 @@ def audio_seconds(path: str | Path) -> float | None:
         return None
 
 
-def stream_audio(path: str | Path, block_seconds: float = 30.0) -> Iterator[np.ndarray]:
+def stream_audio(path: str | Path, block_seconds: float = 30.0, notices: list[str] | None = None) -> Iterator[np.ndarray]:
     """16 kHz mono float32 blocks of about block_seconds, read and resampled as they are
     needed, so a recording of hours is never held whole. The samples equal load_audio's
-    (the same readers, channel mean and resampler, streamed). Empty and silent input is
-    for the consumer to judge, since only the whole stream tells."""
+    (the same readers, channel mean and resampler, streamed), and so do the notices. Empty
+    and silent input is for the consumer to judge, since only the whole stream tells."""
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         load_audio(path)  # raises the error a whole read would
     seconds = 0.0
-    for block in _blocks(path, block_seconds):
+    for block in _blocks(path, block_seconds, notices):
         if not np.isfinite(block).all():
             raise AudioError(f"{path}: contains NaN or infinite samples (after {seconds:.1f} s)")
         check_float_peak(block, str(path))
@@ -179,7 +182,7 @@ def stream_audio(path: str | Path, block_seconds: float = 30.0) -> Iterator[np.n
         yield block
 
 
-def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
+def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iterator[np.ndarray]:
     import soundfile
 
     try:
@@ -189,7 +192,7 @@ def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     if source is None or source.format in FFMPEG_FORMATS:
         if source is not None:
             source.close()
-        yield from _ffmpeg_blocks(path, block_seconds)
+        yield from _ffmpeg_blocks(path, block_seconds, notices)
         return
     import soxr
 
@@ -216,7 +219,7 @@ def _blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     # As load_audio: FFmpeg decodes past damage that stops libsndfile (a bad FLAC frame in a
     # long recording). Its samples up to those given are skipped.
     try:
-        for block in _ffmpeg_blocks(path, block_seconds):
+        for block in _ffmpeg_blocks(path, block_seconds, notices):
             skipped, given = min(given, len(block)), given - min(given, len(block))
             if len(block) > skipped:
                 yield block[skipped:]
@@ -240,9 +243,9 @@ def _read_soundfile(path: Path) -> tuple[np.ndarray, int]:
     return samples, rate
 
 
-def _read_ffmpeg(path: Path) -> tuple[np.ndarray, int]:
+def _read_ffmpeg(path: Path, notices: list[str] | None) -> tuple[np.ndarray, int]:
     chunks, size = [], 0
-    for chunk in _ffmpeg_blocks(path, block_seconds=0):  # counted as read: not every container states its length
+    for chunk in _ffmpeg_blocks(path, 0, notices):  # counted as read: not every container states its length
         chunks.append(chunk)
         if (size := size + len(chunk)) > MAX_SECONDS * SAMPLE_RATE:
             raise AudioError(_too_long(str(path), size / SAMPLE_RATE))
@@ -251,9 +254,9 @@ def _read_ffmpeg(path: Path) -> tuple[np.ndarray, int]:
     return np.concatenate(chunks), SAMPLE_RATE
 
 
-def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
+def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iterator[np.ndarray]:
     """Decoded frames resampled to 16 kHz mono, gathered into blocks of block_seconds
-    (0: as decoded)."""
+    (0: as decoded); damaged packets skipped are told in notices (load_audio's)."""
     import av
 
     pending: list[np.ndarray] = []
@@ -301,7 +304,11 @@ def _ffmpeg_blocks(path: Path, block_seconds: float) -> Iterator[np.ndarray]:
     except Exception as error:
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from error
     if lost:
-        warnings.warn(f"{path}: {len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be "
-                      f"decoded and were skipped ({lost[0][1]})", AudioWarning, stacklevel=2)
+        notice = (f"{path}: {len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be "
+                  f"decoded and were skipped ({lost[0][1]})")
+        if notices is None:
+            warnings.warn(notice, AudioWarning, stacklevel=2)
+        else:
+            notices.append(notice)
     if pending:
         yield np.concatenate(pending)

@@ -134,6 +134,7 @@ class FileResult:
     draft_proposed: int = 0
     draft_accepted: int = 0
     recording: dict | None = None  # the file's size, time and fingerprint when it was read (recording_of)
+    warnings: tuple[str, ...] = ()  # what reading it lost (TranscriptionInfo.warnings): told by the writer, here or from Ray
 
 
 @dataclass
@@ -626,6 +627,7 @@ def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], la
         draft_proposed=info.stats.draft_proposed if info.speculative else 0,
         draft_accepted=info.stats.draft_accepted if info.speculative else 0,
         recording=recording,
+        warnings=info.warnings,
     )
 
 
@@ -758,6 +760,8 @@ class _Recorder:
             summary.draft_proposed += result.draft_proposed
             summary.draft_accepted += result.draft_accepted
             if self.run.echo:
+                for warning in result.warnings:  # above the progress bar, as the other commands' (asr.cli.show_warning)
+                    tqdm.write(f"asr: warning: {printable(warning)}", file=sys.stderr)
                 # Nothing decoded (no audio frames, or no speech kept by --vad) takes no time: no speed to tell.
                 rtf = f", {result.seconds / result.busy_seconds:.1f}x real time" if result.busy_seconds else ""
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""

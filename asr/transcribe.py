@@ -101,6 +101,7 @@ class TranscriptionInfo:
     windows: int = 0
     dtype: str = ""  # the models' dtypes, e.g. "float32, encoder bfloat16"
     duration_after_vad: float | None = None  # the speech decoded, with vad_filter
+    warnings: tuple[str, ...] = ()  # what reading the audio lost (AudioInput.warnings)
 
 
 @dataclass
@@ -158,6 +159,9 @@ class AudioInput:
     name: str
     samples: np.ndarray | StreamedMel  # 16 kHz mono, or a long recording read block by block
     progress: Progress | None = None  # for a thread that watches this recording's transcription
+    # What reading the file lost (damaged packets skipped, each message naming the file): the
+    # transcript carries them (TranscriptionInfo.warnings) to the command line, JSON and web page.
+    warnings: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # Arrays as transcribe() takes them: float64 (soundfile's default) failed in the
@@ -343,12 +347,15 @@ class Transcriber:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
         longer than stream_above_seconds, scanned once and then read block by block as the
         windows advance (not with vad_filter, which reads the whole). Raises AudioError for
-        unusable input either way."""
-        seconds = audio_seconds(path)
+        unusable input either way; what reading it lost are the input's warnings."""
+        seconds, notices = audio_seconds(path), []
         if seconds is None or seconds <= stream_above_seconds or self.options.vad_filter:
-            return AudioInput(name or str(path), load_audio(path, seconds))
-        mel = StreamedMel(lambda: stream_audio(path), self.models.target.config.num_mel_bins, str(path))
-        return AudioInput(name or str(path), mel)
+            return AudioInput(name or str(path), load_audio(path, seconds, notices=notices), warnings=tuple(notices))
+        # The first pass over the file (StreamedMel's scan) tells what it lost; the next ones read the same.
+        passes = iter([notices])
+        mel = StreamedMel(lambda: stream_audio(path, notices=next(passes, [])), self.models.target.config.num_mel_bins,
+                          str(path))
+        return AudioInput(name or str(path), mel, warnings=tuple(notices))
 
     def transcribe_many(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
         """Yields each recording's transcript as soon as its last window is decoded, so not
@@ -462,6 +469,7 @@ class Transcriber:
             dtype=target.dtype_label,
             duration_after_vad=None if speech is None else speech.seconds,
             features_seconds=features_seconds,
+            warnings=audio.warnings,
         )
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []

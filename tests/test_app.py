@@ -33,7 +33,7 @@ from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
 from asr.transcribe import Transcriber
-from conftest import DEV, REPO, SAMPLES, speech_between_silences
+from conftest import DEV, REPO, SAMPLES, mp3_bytes, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -245,6 +245,22 @@ def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine
                                                              AUTO, "", False, False, "segments")
     assert EXPECTED in words(transcript)
     assert sorted(Path(f).name for f in downloads["value"]) == ["take2.json", "take2.srt", "take2.txt", "take2.vtt"]
+
+
+def test_an_upload_with_damaged_audio_says_what_was_lost_above_its_transcript(engine: Engine, tmp_path: Path) -> None:
+    """Damaged packets are skipped, and the page says so (it went only to the server's log),
+    naming the visitor's file, as the downloaded JSON does."""
+    jfk = load_audio(CLIP)
+    upload = tmp_path / "cache" / "joined.mp3"  # two MP3s joined with `cat`: the header between them does not decode
+    upload.parent.mkdir()
+    upload.write_bytes(mp3_bytes(jfk[: len(jfk) // 2], 64_000) + mp3_bytes(jfk[len(jfk) // 2 :], 64_000))
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path / "out", str(upload), "en",
+                                                             "transcribe", AUTO, "", False, False, "segments")
+    assert EXPECTED in words(transcript)
+    assert transcript.index("asr-warning") < transcript.index("asr-transcript")
+    assert "joined.mp3: 1 damaged audio packet(s), the first at 5.5" in transcript and str(tmp_path) not in transcript
+    document = json.loads(next(Path(f) for f in downloads["value"] if f.endswith(".json")).read_text())
+    assert document["warnings"][0].startswith("joined.mp3: 1 damaged audio packet(s)")
 
 
 def test_a_live_session_whose_decode_fails_once_goes_on(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:

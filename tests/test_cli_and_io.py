@@ -24,7 +24,7 @@ from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
 from asr.words import Word
-from conftest import DEV, SAMPLES, speech_between_silences
+from conftest import DEV, SAMPLES, mp3_bytes, speech_between_silences
 
 
 def test_formats_and_rates_become_16k_mono(tmp_path: Path):
@@ -55,23 +55,6 @@ def test_m4a_goes_through_ffmpeg(tmp_path: Path):
     path = write_m4a(tmp_path / "clip.m4a", 0.2 * np.sin(np.linspace(0, 3000, 22050)), 22050)
     audio = load_audio(path)
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
-
-
-def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True) -> bytes:
-    import io
-
-    import av
-
-    out = io.BytesIO()
-    options = {} if xing else {"write_xing": "0", "id3v2_version": "0"}  # no Xing: a reader can only estimate the length
-    with av.open(out, "w", format="mp3", options=options) as container:
-        stream = container.add_stream("libmp3lame", rate=SAMPLE_RATE, layout="mono")
-        stream.bit_rate = bit_rate
-        frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
-        frame.sample_rate = SAMPLE_RATE
-        for packet in [*stream.encode(frame), *stream.encode(None)]:
-            container.mux(packet)
-    return out.getvalue()
 
 
 def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_path: Path):
@@ -525,8 +508,11 @@ def test_cli_transcribes_good_files_and_reports_bad_ones(tmp_path: Path, capsys)
     captured = capsys.readouterr()
     assert code == 1
     assert "broken.wav" in captured.err and "2 transcribed, 1 failed" in captured.err
-    assert f"asr: warning: {joined}: 1 damaged audio packet(s), the first at 5.5" in captured.err  # a line of its own, not a traceback
+    told = f"{joined}: 1 damaged audio packet(s), the first at 5.5"
+    assert captured.err.count(f"asr: warning: {told}") == 1  # a line of its own, not a traceback
     assert "ask not what your country can do for you" in (out / "joined.txt").read_text().lower()
+    assert json.loads((out / "joined.json").read_text())["warnings"][0].startswith(told)  # kept with the transcript
+    assert "warnings" not in json.loads((out / "1089-134691-0001.json").read_text())
     assert sorted(p.name for p in out.iterdir()) == [".asr-run.lock", ".sources.jsonl", "1089-134691-0001.json",
                                                      "1089-134691-0001.txt", "errors.jsonl", "joined.json", "joined.txt"]
     failure = json.loads((out / "errors.jsonl").read_text())

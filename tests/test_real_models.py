@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import replace
 
 import numpy as np
@@ -10,13 +11,13 @@ import soundfile
 import torch
 
 import asr.transcribe
-from asr.audio import SAMPLE_RATE, load_audio
+from asr.audio import SAMPLE_RATE, AudioWarning, load_audio
 from asr.draft_length import DraftLength
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
 from asr.transcribe import AudioInput, Progress, TranscribeOptions, Transcriber
-from conftest import DEV, speech_between_silences
+from conftest import DEV, mp3_bytes, speech_between_silences
 
 
 @pytest.fixture(scope="module")
@@ -354,3 +355,13 @@ def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair
     assert not isinstance(streamed.samples, np.ndarray)
     first, again = (transcriber.transcribe(streamed).text for _ in range(2))
     assert again == first and first.lower().count("ask not what your country") == 2
+    # What a read lost is the transcript's to tell, once, though a file read block by block is read twice.
+    joined = tmp_path / "joined.mp3"  # two MP3s joined with `cat`: the header between them does not decode
+    joined.write_bytes(mp3_bytes(jfk[: len(jfk) // 2], 64_000) + mp3_bytes(jfk[len(jfk) // 2 :], 64_000))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", AudioWarning)
+        streamed = transcriber.read(joined, "joined", stream_above_seconds=5)
+        transcript = transcriber.transcribe(streamed)
+    assert not isinstance(streamed.samples, np.ndarray) and "ask not what your country" in transcript.text.lower()
+    assert len(transcript.info.warnings) == 1 and transcript.info.warnings[0].startswith(f"{joined}: 1 damaged audio packet")
+    assert transcriber.read(joined).warnings == transcript.info.warnings  # read whole
