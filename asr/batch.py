@@ -880,7 +880,9 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         try:
             for row in results.iter_rows():
                 result = FileResult(**json.loads(row["result"]))
-                recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
+                source = absolute.get(result.source, result.source)  # the path as the user gave it
+                recorder.record(dataclasses.replace(result, source=source,
+                                                    warnings=tuple(w.replace(result.source, source) for w in result.warnings)))
         except ray.exceptions.RayActorError as error:  # its message ends with the worker's own error
             raise WorkerError(f"a Ray worker could not start: {str(error).strip().splitlines()[-1]}") from error
     except BaseException:

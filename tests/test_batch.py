@@ -39,7 +39,7 @@ from asr.batch import (
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber, _Decoding
-from conftest import DEV, REPO
+from conftest import DEV, REPO, mp3_bytes
 
 SHORT = DEV / "en_short"
 
@@ -724,7 +724,7 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     assert not list(out.rglob("*.part")) and not (out / ERRORS_FILE).exists()
 
 
-def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair, monkeypatch):
+def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair, monkeypatch, capsys):
     import ray  # the test extra installs ray[data]: a missing Ray is a failure, not a skip
 
     source = tmp_path / "in"
@@ -733,27 +733,33 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     shutil.copy(SHORT / "7902-96591-0001.wav", source / "sub" / "7902-96591-0001.wav")
     shutil.copy(SHORT / "LJ002-0020.wav", source / "sub" / "LJ002-0020.wav")
     (source / "sub" / "broken.wav").write_bytes(b"RIFF not really")
+    clip = load_audio(SHORT / "1089-134691-0000.flac")  # two MP3s joined with `cat`: a damaged packet between
+    (source / "sub" / "joined.mp3").write_bytes(mp3_bytes(clip[: len(clip) // 2], 64_000) + mp3_bytes(clip[len(clip) // 2 :], 64_000))
 
     local = transcribe_folder(FolderRun((source,), tmp_path / "local", **quiet()), lambda: Transcriber(pair, batch_size=2))
-    assert (local.ok, local.failed) == (3, 1)
+    assert (local.ok, local.failed) == (4, 1)
     spec = PipelineSpec(*PRESETS[DEFAULT_PRESET], batch_size=2)
     # Paths as typed, relative to this process's folder: a remote worker's is another, so they go
     # as absolute paths (and the failures name the same files as the local run's).
     monkeypatch.chdir(tmp_path)
-    run = FolderRun((Path("in"),), Path("ray"), **quiet())
+    run = FolderRun((Path("in"),), Path("ray"), **{**quiet(), "echo": True})
+    capsys.readouterr()
     on_ray = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))
     assert not ray.is_initialized()  # the local cluster it started is shut down
-    assert (on_ray.ok, on_ray.failed) == (3, 1)
+    assert (on_ray.ok, on_ray.failed) == (4, 1)
+    # A worker's warning names the file as typed here, as the run's other lines do, once.
+    assert capsys.readouterr().err.count(f"asr: warning: {Path('in/sub/joined.mp3')}: 1 damaged audio packet(s)") == 1
     assert errors_of(tmp_path / "ray") == errors_of(tmp_path / "local")
     for path in (tmp_path / "local").rglob("*.json"):
         ours = json.loads(path.read_text())
         theirs = json.loads((tmp_path / "ray" / path.relative_to(tmp_path / "local")).read_text())
         timed = [[(s["start"], s["end"], s["text"]) for s in document["segments"]] for document in (ours, theirs)]
         assert theirs["text"] == ours["text"] and timed[0] == timed[1], path.name
+        assert theirs.get("warnings") == ours.get("warnings") and ("warnings" in ours) == (path.stem == "joined")
     assert on_ray.acceptance > 0
 
     again = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))  # same resume rules
-    assert (again.ok, again.failed, again.skipped) == (0, 1, 3)
+    assert (again.ok, again.failed, again.skipped) == (0, 1, 4)
 
 
 def test_a_ray_worker_that_cannot_load_its_model_says_why(tmp_path: Path):
