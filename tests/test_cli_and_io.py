@@ -183,8 +183,8 @@ def test_a_recording_over_the_limit_is_refused_before_it_is_decoded(tmp_path: Pa
     monkeypatch.setattr(audio, "audio_seconds", lambda path: None)
     blocks, read = audio._ffmpeg_blocks, []
 
-    def counted(path, block_seconds):
-        for block in blocks(path, block_seconds):
+    def counted(path, block_seconds, notices):
+        for block in blocks(path, block_seconds, notices):
             read.append(len(block))
             yield block
 
