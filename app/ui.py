@@ -255,7 +255,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
             yield _failed(str(error))
             return
         audio = transcriber.read(path, name)
-        # Its warnings named as errors are, after the visitor's file (in the downloads' JSON too).
+        # Its warnings name the visitor's file, as its errors do (in the downloaded JSON too).
         audio = dataclasses.replace(audio, progress=progress, warnings=tuple(w.replace(path, name) for w in audio.warnings))
         started = time.perf_counter()
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
