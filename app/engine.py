@@ -28,7 +28,7 @@ class Settings:
     vad_filter: bool = False  # uploads: silences cut out before decoding (TranscribeOptions.vad_filter)
 
     def options(self, engine_options: dict) -> TranscribeOptions:
-        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile)."""
+        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile, lengths_attention)."""
         return TranscribeOptions(
             language=None if self.language == AUTO else self.language,
             task=self.task,
@@ -45,7 +45,7 @@ class Engine:
     models: ModelPair
     description: str  # what the page says it runs, e.g. the target and draft names
     # How the engine runs, as TranscribeOptions' fields: cuda_graphs (on a GPU, the decoder's
-    # steps run as CUDA graphs, the default), compile
+    # steps run as CUDA graphs, the default), compile, lengths_attention
     engine_options: dict = field(default_factory=dict)
     # Every visitor's uploads and live windows decode together in the scheduler's batches;
     # None: requests take turns on the models, one at a time (the lock).

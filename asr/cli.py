@@ -195,11 +195,15 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the engine's steps whole with torch.compile (Inductor; the decoder's pass, the rules "
                              "and the bookkeeping fused into fewer kernels inside the CUDA graphs), for a GPU: each new shape "
                              "compiles at first use, which takes a while; slower on a CPU")
+    parser.add_argument("--lengths-attention", action="store_true",
+                        help="on a GPU in float16 or bfloat16, the draft's steps and the verification attend by each row's "
+                             "length (flash-attention's kernel for rows of their own lengths) rather than under a mask; "
+                             "not yet measured on a GPU against the default")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The TranscribeOptions that say how the engine runs (graphs, compiled steps)."""
-    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile)
+    """The TranscribeOptions that say how the engine runs (graphs, compiled steps, attention by lengths)."""
+    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile, lengths_attention=args.lengths_attention)
 
 
 # A model that cannot load (or fit on the GPU), input or options it refuses: one line, no traceback.

@@ -34,6 +34,61 @@ def attention_without_cudnn(device: torch.device, where: bool = True) -> Context
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why self-attention by row lengths (ByLengths) cannot run here, or None."""
+    if device.type != "cuda":
+        return f"it needs a CUDA device, not {device.type}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"flash-attention computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this build of PyTorch has no flash-attention kernel"
+    return None
+
+
+# flash-attention's kernel for rows of their own lengths (CUDA only); tests put a CPU copy of its semantics here.
+flash_varlen = torch.ops.aten._flash_attention_forward
+
+
+@dataclass
+class ByLengths:
+    """Self-attention over a static cache told each row's length, not masked: flash-attention's
+    kernel for rows of their own lengths reads only the keys a row has, where masked attention
+    reads the whole window (on an H100 at large-v3's shapes, 6 us against cuDNN's 13 for a
+    row of 64 positions; docs/gpu-check-2026-11-28.md). The cache [2, B, H, C, Dh] is read in
+    place: each row is a sequence whose positions lie Dh apart and heads C * Dh apart, the
+    rows H * C positions apart; the queries [n, q, H * Dh] are the projection's own layout,
+    and so is the output. Made once a pass, for every layer."""
+
+    starts_q: Tensor  # [n + 1] int32: where each row's queries start among the n * q
+    starts_k: Tensor  # [n + 1] int32: where each row's keys start, in positions of the cache seen as above
+    used: Tensor  # [n] int32: each row's keys, up to its last query's position
+    capacity: int
+    window: int
+
+    @classmethod
+    def of(cls, positions: Tensor, heads: int, capacity: int, window: int) -> "ByLengths":
+        n, q = positions.shape
+        rows = torch.arange(n + 1, dtype=torch.int32, device=positions.device)
+        used = (positions[:, -1] + 1).clamp(max=window).to(torch.int32)
+        return cls(rows * q, rows * (heads * capacity), used, capacity, window)
+
+    def __call__(self, query: Tensor, kv: Tensor) -> Tensor:
+        """query [n, q, H * Dh], kv a layer's cache: the attention's output [n, q, H * Dh]. Query i
+        of a row sees the keys up to its own position (used - q + i: the kernel's causal mask
+        meets the last key at the last query)."""
+        n, q, width = query.shape
+        heads, head_dim = kv.shape[2], kv.shape[4]
+        if not kv.is_contiguous():  # the strides below would read other entries
+            raise ValueError("attention by row lengths reads a cache laid out [2, B, H, C, Dh], contiguous")
+        # Spans the cache up to the last row's first head's C positions, all its heads reached by stride.
+        extent = ((n - 1) * heads + 1) * self.capacity
+        keys, values = (torch.as_strided(kv[j], (extent, heads, head_dim), (head_dim, self.capacity * head_dim, 1))
+                        for j in (0, 1))
+        out = flash_varlen(query.view(n * q, heads, head_dim), keys, values, self.starts_q, self.starts_k, q, self.window,
+                           0.0, True, False, seqused_k=self.used)[0]
+        return out.view(n, q, width)
+
+
 @dataclass
 class KVCache:
     """Per layer: self-attention K and V in one tensor [2, B, H, capacity, Dh] (a step
@@ -204,7 +259,7 @@ class DecoderRunner:
     @torch.no_grad()  # not inference_mode: a step compiled whole traces through this, and Dynamo cannot enter it
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
-        window: int | None = None, rows: Tensor | None = None,
+        window: int | None = None, rows: Tensor | None = None, by_lengths: bool = False,
     ) -> Tensor:
         """tokens [n, q] placed at positions start[b] .. start[b]+q-1 of each row.
         Returns logits [n, m, V] at the query indices logits_at [n, m] (all q if None).
@@ -216,16 +271,23 @@ class DecoderRunner:
         token, the window is exactly what it attends to and no mask is needed. Nothing here
         reads a value back to the host or shapes a tensor by one, so the pass can be
         captured as a CUDA graph. Positions past the decoder's last (proposals never kept)
-        take the last position's embedding."""
-        return self._pass(tokens, start, cache, logits_at, window, rows)
+        take the last position's embedding. by_lengths: self-attention told each row's
+        length instead of masked (ByLengths; CUDA only, lengths_attention_unavailable), for
+        passes over all the cache's rows."""
+        return self._pass(tokens, start, cache, logits_at, window, rows, by_lengths=by_lengths)
 
     def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
-              rows: Tensor | None, scores: tuple[set[int], dict[int, Tensor]] | None = None) -> Tensor:
+              rows: Tensor | None, scores: tuple[set[int], dict[int, Tensor]] | None = None,
+              by_lengths: bool = False) -> Tensor:
         batch, q = tokens.shape
         positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
         attended = cache.capacity if window is None else window
-        mask = None
-        if window is None or batch > 1 or q > 1:
+        mask = lengths = None
+        if by_lengths:
+            if rows is not None:
+                raise ValueError("attention by row lengths reads every row of the cache, not some")
+            lengths = ByLengths.of(positions, self.num_heads, cache.capacity, attended)
+        elif window is None or batch > 1 or q > 1:
             # Additive, in the model's dtype, made once for every layer (SDPA would convert a
             # boolean mask in each call).
             keys = torch.arange(attended, device=tokens.device)
@@ -249,10 +311,14 @@ class DecoderRunner:
             # [2, B, capacity, H, Dh]: one operation, no copy of K and V beforehand
             new = qkv[..., width:].view(batch, q, 2, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4)
             cache.self_kv[i].transpose(2, 3)[:, where, positions] = new
-            keys = rows_of(cache.self_kv[i][0, :, :, :attended])
-            values = rows_of(cache.self_kv[i][1, :, :, :attended])
-            out = F.scaled_dot_product_attention(self._heads(query), keys, values, attn_mask=mask)
-            x = x + project.out(out.transpose(1, 2).reshape(batch, q, -1))
+            if lengths is not None:
+                out = lengths(query, cache.self_kv[i])
+            else:
+                keys = rows_of(cache.self_kv[i][0, :, :, :attended])
+                values = rows_of(cache.self_kv[i][1, :, :, :attended])
+                out = F.scaled_dot_product_attention(self._heads(query), keys, values, attn_mask=mask)
+                out = out.transpose(1, 2).reshape(batch, q, -1)
+            x = x + project.out(out)
 
             h = layer.encoder_attn_layer_norm(x)
             cross_query = self._heads(project.cross_q(h))

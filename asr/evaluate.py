@@ -540,6 +540,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "repeats": options.repeats,
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
         "compiled": options.transcribe.compile,
+        "lengths_attention": options.transcribe.lengths_attention,
         # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
         # (transformers is given those samples), timed from the whole recording.
         "vad": options.transcribe.vad_filter,
@@ -711,7 +712,8 @@ def render_markdown(report: dict, title: str) -> str:
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
-        f"{', compiled steps' if env.get('compiled') else ''}{', silences cut (VAD)' if env.get('vad') else ''}, "
+        f"{', compiled steps' if env.get('compiled') else ''}{', attention by row lengths' if env.get('lengths_attention') else ''}"
+        f"{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']}{peers}{_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
         "",

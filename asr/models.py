@@ -172,16 +172,18 @@ class ModelPair:
         return self.draft is not None and self.draft.model is self.target.model
 
     def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
-               compile: bool = False) -> SpeculativeDecoder:
+               compile: bool = False, lengths_attention: bool = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
         configuration: it keeps its batch states and CUDA graphs for every Transcriber.
-        compile: its steps compiled whole by torch.compile (SpeculativeDecoder.compiled)."""
-        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile)
+        compile: its steps compiled whole by torch.compile (SpeculativeDecoder.compiled);
+        lengths_attention: SpeculativeDecoder's."""
+        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile, lengths_attention)
         if key not in self._engines:
             draft = self.draft.runner if key[0] else None
             # setdefault: two threads creating the same engine at once end up sharing one
             self._engines.setdefault(key, SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
-                                                             cuda_graphs=cuda_graphs, compile="default" if compile else None))
+                                                             cuda_graphs=cuda_graphs, compile="default" if compile else None,
+                                                             lengths_attention=lengths_attention))
         return self._engines[key]
 
 

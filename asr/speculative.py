@@ -24,7 +24,7 @@ from torch import Tensor
 
 from asr import hints, sampling
 from asr.cudagraphs import CompiledSteps, StepGraphs, compilations, device_clock
-from asr.decoder import DecoderRunner, attention_without_cudnn
+from asr.decoder import DecoderRunner, attention_without_cudnn, lengths_attention_unavailable
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
 from asr.slots import Row, Sequence, Slots, States, Window, prefill_width
@@ -42,17 +42,23 @@ class SpeculativeDecoder:
     """The engine for one target (and optionally one draft); keeps the states of its batches
     (and their CUDA graphs) for reuse. fixed_shapes: decode in fixed shapes (default: on
     CUDA); cuda_graphs: run those as CUDA graphs on CUDA; compile: a torch.compile mode
-    ("default", "max-autotune-no-cudagraphs", ...) in which each step is compiled whole."""
+    ("default", "max-autotune-no-cudagraphs", ...) in which each step is compiled whole;
+    lengths_attention: the draft's steps and the verification attend by row lengths
+    (asr/decoder.py's ByLengths, CUDA in float16 or bfloat16), and not by cuDNN's kernel."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
-                 fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None):
+                 fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None,
+                 lengths_attention: bool = False):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        weight = target.decoder.embed_tokens.weight
+        if lengths_attention and (reason := lengths_attention_unavailable(weight.device, weight.dtype)):
+            raise ValueError(f"attention by row lengths cannot run here: {reason}")
+        self.lengths_attention = lengths_attention
         self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
         self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
         self.max_draft_tokens = max_draft_tokens
-        weight = target.decoder.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.fixed_shapes = self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
         self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda", self.device)
@@ -257,7 +263,8 @@ class Batch(Slots):
         start = (position - width).clamp(min=0)
         feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
         with attention_without_cudnn(e.device):
-            logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window)[:, 0]
+            logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window,
+                                     by_lengths=e.lengths_attention)[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
         if sample:
             u = s.noise.gather(1, s.step.expand(len(position))[:, None])[:, 0]
@@ -289,8 +296,11 @@ class Batch(Slots):
         k = width - 1
         steps = torch.arange(width, device=e.device)
         positions = s.length[:, None] + steps  # predicted indices
-        with attention_without_cudnn(e.device, width != e.verify_width):  # inside the step: a compiled one then keeps it
-            logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window)
+        # Inside the step: a compiled one then keeps it. By lengths, the cross-attention runs flash's kernel (11 us
+        # against cuDNN's 20 at 9 queries over 1,500 frames on an H100, docs/gpu-check-2026-11-28.md).
+        with attention_without_cudnn(e.device, width != e.verify_width or e.lengths_attention):
+            logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window,
+                                      by_lengths=e.lengths_attention)
         n, _, vocab = logits.shape
         rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])

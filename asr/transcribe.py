@@ -63,6 +63,7 @@ class TranscribeOptions:
     seed: int = 0
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
+    lengths_attention: bool = False  # on CUDA, attention by row lengths (SpeculativeDecoder's)
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
@@ -260,7 +261,8 @@ class Transcriber:
         if min(options.max_draft_tokens, options.num_draft_tokens or 0) < 0:
             raise ValueError("draft lengths (num_draft_tokens, max_draft_tokens) cannot be negative")
         maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
-        self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile)
+        self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile,
+                                    options.lengths_attention)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")

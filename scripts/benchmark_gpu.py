@@ -27,6 +27,11 @@ MODES (torch.compile's modes, comma-separated), a set of rows per mode, side by 
 `--compile default,max-autotune-no-cudagraphs` (Inductor times its own Triton matrix
 products against cuBLAS per shape, and can fuse the bias, GELU and residual add into them).
 
+--lengths-attention adds our target-only and speculative rows with the draft's steps and the
+verification attending by row lengths (SpeculativeDecoder's lengths_attention: flash-attention's
+kernel told each row's length, no mask, no cuDNN), side by side with the masked ones (CUDA,
+float16 or bfloat16).
+
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time), and writes
 where that time goes, per row: by kind of kernel (matrix products, attention, layer
@@ -78,7 +83,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
 
 from asr.cudagraphs import compile_modes as engine_compile_modes  # noqa: E402
-from asr.decoder import DecoderRunner  # noqa: E402
+from asr.decoder import DecoderRunner, lengths_attention_unavailable  # noqa: E402
 from asr.draft_length import DraftLength  # noqa: E402
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_proposals, oracle_table  # noqa: E402
 from asr.rules import DecodingRules  # noqa: E402
@@ -98,6 +103,7 @@ TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU;
 # computes one, to show what that costs.
 ONE_POSITION = "ours target-only, 1 position per pass"
 COMPILED = "compiled"  # --compile: the steps compiled by torch.compile inside the graphs
+BY_LENGTHS = "attention by row lengths"  # --lengths-attention
 # Where --readme writes the table in a README.
 README_BEGIN, README_END = "<!-- benchmark_gpu.py --readme: begin -->", "<!-- benchmark_gpu.py --readme: end -->"
 
@@ -188,6 +194,8 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="default", metavar="MODES",
                         help="add rows with the engine's steps compiled by torch.compile (SpeculativeDecoder.compiled), "
                              "a set per torch.compile mode in MODES (comma-separated; default: default)")
+    parser.add_argument("--lengths-attention", action="store_true",
+                        help="add rows whose steps attend by row lengths (SpeculativeDecoder's lengths_attention; CUDA)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -226,6 +234,8 @@ def main() -> None:
 
         inductor.cpp.enable_kernel_profile = True
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
+    if args.lengths_attention and (reason := lengths_attention_unavailable(device, dtype)):
+        parser.error(f"--lengths-attention cannot run here: {reason}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = device.type == "cuda"
     bandwidth = measure_bandwidth(device) if args.measure_bandwidth else args.bandwidth_gbs * 1e9
@@ -306,12 +316,19 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
     fixed = device.type == "cuda" or args.fixed_shapes
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
-              compile: str | None = None) -> SpeculativeDecoder:
+              compile: str | None = None, lengths: bool = False) -> SpeculativeDecoder:
         if draft is not None:  # room for the rows' fixed k
             max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
         return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
-                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile)
+                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile, lengths_attention=lengths)
     return build
+
+
+def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
+    """The engine's variants beside its default, each a set of rows: a label's suffix, and the
+    engine's options (compiled steps per --compile mode; attention by lengths)."""
+    found = [(f", {compiled(mode)}", dict(compile=mode)) for mode in compile_modes(args)]
+    return found + ([(f", {BY_LENGTHS}", dict(lengths=True))] if args.lengths_attention else [])
 
 
 def compile_modes(args: argparse.Namespace) -> list[str]:
@@ -361,16 +378,16 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
             (TARGET_ONLY, ours(target_only), None),
             (ONE_POSITION, ours(engine(target_runner, max_draft_tokens=0)), None),
         ]
-        for mode in compile_modes(args):
-            methods.append((f"{TARGET_ONLY}, {compiled(mode)}", ours(engine(target_runner, compile=mode)), None))
+        for suffix, options in variants(args):
+            methods.append((f"{TARGET_ONLY}{suffix}", ours(engine(target_runner, **options)), None))
         reference = ours(target_only)().tokens  # the oracle's right answers
         for alpha in [float(a) for a in args.acceptance.split(",")]:
             proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
             slots = target_only.states.rows_for(batch)
             table = oracle_table(proposals, [len(prompt)] * batch, slots, target_only.capacity, device)
-            for mode in [None] + compile_modes(args):
-                oracle = engine(target_runner, OracleDraft(draft_runner, table), compile=mode)
-                methods.append((f"ours speculative{f', {compiled(mode)}' if mode else ''}, oracle alpha={alpha:g}",
+            for suffix, options in [("", {})] + variants(args):
+                oracle = engine(target_runner, OracleDraft(draft_runner, table), **options)
+                methods.append((f"ours speculative{suffix}, oracle alpha={alpha:g}",
                                 ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
         measure(f"{geometry.name} geometry, random weights", batch, methods, args, device,
                 target_bytes, draft_bytes, k, bandwidth, ends_with_eot=False, report=report)
@@ -423,10 +440,10 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             (f"ours speculative, k = {k}", ours(speculative, lambda: DraftLength(fixed=k)), None),
             ("ours speculative, adaptive k", ours(speculative, lambda: DraftLength()), None),
         ]
-        for mode in compile_modes(args):
-            methods += [(f"{TARGET_ONLY}, {compiled(mode)}", ours(engine(target.runner, compile=mode)), None),
-                        (f"ours speculative, adaptive k, {compiled(mode)}",
-                         ours(engine(target.runner, draft.runner, compile=mode), lambda: DraftLength()), None)]
+        for suffix, options in variants(args):
+            methods += [(f"{TARGET_ONLY}{suffix}", ours(engine(target.runner, **options)), None),
+                        (f"ours speculative, adaptive k{suffix}",
+                         ours(engine(target.runner, draft.runner, **options), lambda: DraftLength()), None)]
         lengths = [len(t) for t in ours(engine(target.runner))().tokens]
         frames = encoded[0].shape[1]
         context = len(prompt) + statistics.mean(lengths) / 2

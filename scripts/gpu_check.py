@@ -5,7 +5,8 @@ set are installed) the dev set through
 (hinted rounds, captured like the draft's), all written to one report; then the same
 benchmark with the engine's steps compiled (torch.compile, `compile`), the dev set through
 `asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
-max-autotune (`autotune`).
+max-autotune (`autotune`). --lengths-attention adds rows attending by row lengths to every
+benchmark part; `lengths-evaluate` runs the dev set through `asr evaluate --lengths-attention`.
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -34,7 +35,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "av", "jiwer", "whisper_normalizer")  # av: the MP3s
-PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune"
+PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -46,6 +47,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", help="of the large-v3-geometry benchmark (default 1,4,16; compiled: 1,16)")
     parser.add_argument("--acceptance", help="the oracle draft's in the benchmark (default 0.6,0.8,0.95; compiled: 0.8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per benchmark row")
+    parser.add_argument("--lengths-attention", action="store_true",
+                        help="the benchmark parts add rows attending by row lengths (benchmark_gpu.py --lengths-attention)")
     parser.add_argument("--only", default=PARTS, help=f"comma-separated parts to run, in this order, from {PARTS} (default: all)")
     args = parser.parse_args()
     only = list(dict.fromkeys(part.strip() for part in args.only.split(",") if part.strip()))
@@ -66,6 +69,8 @@ def main() -> None:
         "compile-evaluate": [("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))],
         "autotune": [(f"autotune benchmark, batch {batch_sizes(args, True)}",
                       lambda: benchmark(args, env, real, compile="max-autotune-no-cudagraphs"))],
+        "lengths-evaluate": [(f"lengths evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real, lengths=True))
+                             for dtype in args.dtypes.split(",")],
     }
     unknown = [name for name in only if name not in parts]
     if unknown:
@@ -173,6 +178,7 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
                sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
                "--out", str(folder)] + (["--no-real"] if real or compile else []) + (["--compile", compile] if compile else [])
+    command += ["--lengths-attention"] if args.lengths_attention else []
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"
@@ -181,15 +187,20 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
     return {"ok": code == 0, "command": " ".join(command[1:]), "table": table, "note": " ".join(filter(None, notes))}
 
 
-def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False) -> dict:
+def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False,
+             lengths: bool = False) -> dict:
+    """The dev set through `asr evaluate`, English and multilingual; compile: with --compile;
+    lengths: with --lengths-attention."""
     if real:
         return {"skipped": real}
     results = {}
     ok = True
+    options = (["--compile"] if compile else []) + (["--lengths-attention"] if lengths else [])
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
-        folder = args.out / f"evaluate-{dtype}{'-compiled' if compile else ''}-{manifest.removesuffix('.tsv')}"
+        variant = "".join(f"-{name}" for name, on in (("compiled", compile), ("lengths", lengths)) if on)
+        folder = args.out / f"evaluate-{dtype}{variant}-{manifest.removesuffix('.tsv')}"
         command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
-                   "--batch-size", "8", "--repeats", "5", "--out", str(folder)] + (["--compile"] if compile else [])
+                   "--batch-size", "8", "--repeats", "5", "--out", str(folder)] + options
         code, _ = run(command, env, args.out / f"{folder.name}.log")
         if code != 0 or not (folder / "report.json").is_file():
             ok = False

@@ -84,6 +84,88 @@ def test_full_capacity_forward_gives_the_windowed_forwards_logits(pair):
     torch.testing.assert_close(alone[0], outputs[0][1], rtol=1e-10, atol=1e-10)
 
 
+def flash_varlen_on_cpu(query, key, value, starts_q, starts_k, max_q, max_k, dropout_p, causal, debug, *, seqused_k):
+    """flash-attention's kernel for rows of their own lengths (torch.ops.aten._flash_attention_forward
+    with cumulative starts and seqused_k, CUDA only) as its documentation defines it, in plain
+    PyTorch, read through the tensors' own strides as the kernel reads them: row b's queries
+    are query[starts_q[b] : starts_q[b + 1]], its keys and values the seqused_k[b] positions
+    from starts_k[b]; causal: query i of n_q sees the keys up to i + n_k - n_q."""
+    assert dropout_p == 0.0 and causal and not debug
+    assert starts_q.dtype == starts_k.dtype == seqused_k.dtype == torch.int32
+    out = torch.empty_like(query)
+    for b, n_k in enumerate(seqused_k.tolist()):
+        begin, end = starts_q[b].item(), starts_q[b + 1].item()
+        assert end - begin <= max_q and n_k <= max_k
+        first = starts_k[b].item()
+        q, k, v = query[begin:end], key[first:first + n_k], value[first:first + n_k]
+        scores = torch.einsum("qhd,khd->hqk", q, k) * q.shape[-1] ** -0.5
+        seen = torch.arange(n_k)[None, :] <= torch.arange(end - begin)[:, None] + n_k - (end - begin)
+        out[begin:end] = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v)
+    return out, None, None, None, None
+
+
+@pytest.fixture
+def lengths_on_cpu(monkeypatch):
+    """Attention by row lengths made to run on a CPU, through flash_varlen_on_cpu; records the
+    rows and queries of each call."""
+    calls = []
+    monkeypatch.setattr(asr_decoder, "flash_varlen",
+                        lambda *a, **k: calls.append((len(a[3]) - 1, a[5])) or flash_varlen_on_cpu(*a, **k))
+    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda device, dtype: None)
+    return calls
+
+
+@torch.inference_mode()
+def test_attention_by_row_lengths_gives_the_masked_attentions_logits(pair, lengths_on_cpu):
+    """The cache read in place as rows of their own lengths (asr/decoder.py's ByLengths): the
+    logits of masked attention, for rows at different positions after a rollback, over the
+    whole capacity and over a fitted window, and for one row of one token."""
+    target, encoded = pair[0], pair[1][:3]
+    run = runner(target)
+    prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * 3)
+    for window in (None, 10):
+        caches = [run.new_cache(encoded, capacity=24) for _ in range(2)]
+        outputs = []
+        for cache, by_lengths in zip(caches, (False, True)):
+            run.forward(prompt, torch.tensor([0, 0, 0]), cache)
+            tokens, start = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]]), torch.tensor([4, 6, 2])
+            outputs.append(run.forward(tokens, start, cache, window=window, by_lengths=by_lengths))
+        torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-10)
+    assert lengths_on_cpu == [(3, 3)] * len(run.layers) * 2
+    single = [run.new_cache(encoded[:1], capacity=24) for _ in range(2)]
+    outputs = [run.forward(prompt[:1], torch.tensor([0]), cache, window=6, by_lengths=by_lengths)
+               for cache, by_lengths in zip(single, (False, True))]
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-10)
+    with pytest.raises(ValueError, match="every row"):
+        run.forward(prompt[:1], torch.tensor([0]), caches[0], rows=torch.tensor([1]), by_lengths=True)
+
+
+def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, lengths_on_cpu, monkeypatch):
+    """The engine's steps by row lengths (every draft step and verification, not the prefills,
+    which read some rows): target-only and speculative give the tokens of masked attention,
+    in fixed and fitted shapes. Without the CPU stand-in, a CPU engine refuses them."""
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    masked = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    for fixed in (True, False):
+        for k in (0, 3):
+            lengths_on_cpu.clear()
+            by_lengths = engine(target, draft, fixed=fixed, lengths_attention=True)
+            result = by_lengths.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options)
+            assert_same(result, masked)
+            queries = {q for _, q in lengths_on_cpu}
+            assert max(queries) == (by_lengths.verify_width if fixed else k + 1), (fixed, k)
+            assert (min(queries) < max(queries)) == (k > 0), (fixed, k)  # the draft's steps too
+            assert fixed == ({rows for rows, _ in lengths_on_cpu} == {BATCH})  # fitted shapes drop finished rows
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="row lengths cannot run here: it needs a CUDA device"):
+        engine(target, draft, lengths_attention=True)
+    refused = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_gpu.py"), "--device", "cpu", "--geometry",
+                              "tiny", "--lengths-attention"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--lengths-attention cannot run here: it needs a CUDA device" in refused.stderr
+
+
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
 def test_fixed_shapes_give_the_fitted_shapes_tokens(pair, timestamps: bool):
     """Target-only and speculative, k = 0..8, batches of 1..4 (padded to 1, 2, 4) whose rows
@@ -801,6 +883,41 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
     captured = [graph for state in graphed.states.idle.values() for graph in state.graphs.values() if graph != "seen"]
     assert captured and "eager" not in captured and graphed.graphs.counts.failed == 0
     assert sum(counters["graph_break"].values()) == breaks  # compiled steps whole: attention's choice traced too
+
+
+@cuda
+@torch.inference_mode()
+def test_attention_by_row_lengths_on_cuda():
+    """On a GPU in float16 (heads of 64, as Whisper's): flash-attention's kernel by row lengths
+    gives masked attention's logits to float16's rounding, for rows at different positions;
+    with the steps by row lengths captured as CUDA graphs, speculative tokens equal target-only
+    ones (the same kernels at the same verification width), and no capture fails."""
+    from test_exactness import windows
+
+    target = tiny_target(0, d_model=256)
+    draft = decoder_only_draft(target, noise=0.1, seed=0).half().cuda()
+    target = target.half().cuda()
+    encoded = target.model.encoder(windows(0).half().cuda()).last_hidden_state
+    run = runner(target)
+    prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
+    outputs = []
+    for by_lengths in (False, True):
+        cache = run.new_cache(encoded, capacity=32)
+        run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, by_lengths=by_lengths)
+        tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
+        outputs.append(run.forward(tokens, torch.tensor([4, 6, 2, 5], device="cuda"), cache, by_lengths=by_lengths))
+    torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=2e-2, atol=2e-2)
+
+    rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
+                          begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
+    prompts = [prompt_for(True)] * BATCH
+    target_only = SpeculativeDecoder(runner(target), lengths_attention=True).decode(encoded, prompts, rules,
+                                                                                  max_new_tokens=MAX_NEW)
+    graphed = SpeculativeDecoder(runner(target), runner(draft), lengths_attention=True)
+    for k in (1, 4, 8, 4):
+        result = graphed.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=k))
+        assert [s.tokens for s in result] == [s.tokens for s in target_only], f"k={k}"
+    assert graphed.graphs.counts.captures > 0 and graphed.graphs.counts.failed == 0
 
 
 @cuda
