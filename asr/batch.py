@@ -751,6 +751,9 @@ class _Recorder:
                     self.by_source[result.source] = item  # not done: left to the next run
                     raise OutputError(f"{error.filename or self.run.out_dir}: {error.strerror}") from error
                 result = dataclasses.replace(result, error=f"writing the transcript failed: {error}")
+        if self.run.echo:  # also before an error in writing the transcript: what reading the file lost stays true
+            for warning in result.warnings:  # above the progress bar, as the other commands' (asr.cli.show_warning)
+                tqdm.write(f"asr: warning: {printable(warning)}", file=sys.stderr)
         if result.error is not None:
             self._failed(result.source, result.error)
         else:
@@ -760,8 +763,6 @@ class _Recorder:
             summary.draft_proposed += result.draft_proposed
             summary.draft_accepted += result.draft_accepted
             if self.run.echo:
-                for warning in result.warnings:  # above the progress bar, as the other commands' (asr.cli.show_warning)
-                    tqdm.write(f"asr: warning: {printable(warning)}", file=sys.stderr)
                 # Nothing decoded (no audio frames, or no speech kept by --vad) takes no time: no speed to tell.
                 rtf = f", {result.seconds / result.busy_seconds:.1f}x real time" if result.busy_seconds else ""
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""

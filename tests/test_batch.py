@@ -724,6 +724,30 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     assert not list(out.rglob("*.part")) and not (out / ERRORS_FILE).exists()
 
 
+def test_a_files_warning_is_told_when_its_transcript_then_cannot_be_written(tmp_path: Path, pair, monkeypatch, capsys):
+    """What reading a file lost is told beside the error that its transcript could not be
+    written (before, only the error was)."""
+    source = tmp_path / "in"
+    source.mkdir()
+    clip = load_audio(SHORT / "1089-134691-0000.flac")  # two MP3s joined with `cat`: a damaged packet between
+    (source / "joined.mp3").write_bytes(mp3_bytes(clip[: len(clip) // 2], 64_000) + mp3_bytes(clip[len(clip) // 2 :], 64_000))
+    written = batch.write_atomic
+
+    def refuse(path: Path, data) -> None:
+        if path.suffix == ".json":
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        written(path, data)
+
+    monkeypatch.setattr(batch, "write_atomic", refuse)
+    summary = transcribe_folder(FolderRun((source,), tmp_path / "out", **{**quiet(), "echo": True}),
+                                lambda: Transcriber(pair, batch_size=1))
+    assert (summary.ok, summary.failed) == (0, 1)
+    err = capsys.readouterr().err
+    told = f"asr: warning: {source / 'joined.mp3'}: 1 damaged audio packet(s)"
+    assert err.count(told) == 1 and "writing the transcript failed" in err
+    assert err.index(told) < err.index("writing the transcript failed")
+
+
 def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path: Path, pair, monkeypatch, capsys):
     import ray  # the test extra installs ray[data]: a missing Ray is a failure, not a skip
 
