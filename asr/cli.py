@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from asr import vad
+from asr.decoder import lengths_attention_unavailable
 from asr.batch import (
     DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
     transcript_settings,
@@ -445,6 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     problem = device_problem(getattr(args, "device", "auto"), here=not remote)
     if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
+    if not problem and getattr(args, "lengths_attention", False) and not remote:
+        if args.compile:
+            problem = "--lengths-attention has not been tried with --compile: not both at once"
+        else:
+            device, dtype, _ = device_and_dtypes(args)
+            if reason := lengths_attention_unavailable(torch.device(device), dtype):
+                problem = f"--lengths-attention cannot run here: {reason}"
     if problem:
         print(f"asr: {problem}", file=sys.stderr)
         return 2

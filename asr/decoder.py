@@ -34,14 +34,22 @@ def attention_without_cudnn(device: torch.device, where: bool = True) -> Context
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why self-attention by row lengths (ByLengths) cannot run here, or None."""
+def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why self-attention by row lengths (ByLengths) cannot run here, or None: flash-attention's
+    kernel wants an NVIDIA GPU from Ampere on, float16 or bfloat16, and heads of a multiple
+    of 8 up to 256 wide (head_dim None: not asked, Whisper's are 64)."""
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
+    if torch.version.hip is not None:
+        return "it has not been tried on ROCm"
     if dtype not in (torch.float16, torch.bfloat16):
         return f"flash-attention computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if not torch.backends.cuda.is_flash_attention_available():
         return "this build of PyTorch has no flash-attention kernel"
+    if (capability := torch.cuda.get_device_capability(device)) < (8, 0):
+        return f"flash-attention needs a GPU of compute capability 8.0 or later, not {capability[0]}.{capability[1]}"
+    if head_dim is not None and (head_dim % 8 or head_dim > 256):
+        return f"flash-attention takes heads of a multiple of 8 up to 256 wide, not {head_dim}"
     return None
 
 

@@ -51,9 +51,14 @@ class SpeculativeDecoder:
                  lengths_attention: bool = False):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
+        if lengths_attention:
+            if compile is not None:
+                raise ValueError("attention by row lengths has not been tried in compiled steps: not both at once")
+            for runner in filter(None, (target, draft)):
+                weight = runner.decoder.embed_tokens.weight
+                if reason := lengths_attention_unavailable(weight.device, weight.dtype, runner.head_dim):
+                    raise ValueError(f"attention by row lengths cannot run here: {reason}")
         weight = target.decoder.embed_tokens.weight
-        if lengths_attention and (reason := lengths_attention_unavailable(weight.device, weight.dtype)):
-            raise ValueError(f"attention by row lengths cannot run here: {reason}")
         self.lengths_attention = lengths_attention
         self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.

@@ -178,7 +178,7 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
                sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
                "--out", str(folder)] + (["--no-real"] if real or compile else []) + (["--compile", compile] if compile else [])
-    command += ["--lengths-attention"] if args.lengths_attention else []
+    command += ["--lengths-attention"] if args.lengths_attention and not compile else []  # not tried compiled
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"
@@ -215,6 +215,8 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
             "seconds_target": target["seconds"], "seconds_speculative": speculative["seconds"],
             "speedup": report["speedup"], "decoder_speedup": report["decoder_speedup"],
             "acceptance": speculative.get("acceptance_rate"), "tokens_per_pass": speculative.get("tokens_per_target_pass"),
+            "same_as_masked": same_as_masked(args.out / f"evaluate-{dtype}-{manifest.removesuffix('.tsv')}", report)
+            if lengths else None,
             "graphs": {"target-only": target.get("cuda_graphs"), "speculative": speculative.get("cuda_graphs")},
             "warm_up": report["environment"].get("warm_up_graphs"),  # untimed, before the timed runs
             # Per system: seconds of features, encoder, decoder, and the rest (the host's work around them).
@@ -223,6 +225,17 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
                       for name, system in (("target-only", target), ("speculative", speculative))},
         }
     return {"ok": ok, "runs": results}
+
+
+def same_as_masked(folder: Path, report: dict) -> str | None:
+    """A run by row lengths against the plain run's report in folder (the `evaluate` part's,
+    same dtype): "N/M" files whose target-only and speculative texts are both the same."""
+    if not (folder / "report.json").is_file():
+        return None
+    masked = {f["file"]: f for f in json.loads((folder / "report.json").read_text())["per_file"]}
+    keys = ("target_text", "speculative_text")
+    same = [all(f.get(key) == masked.get(f["file"], {}).get(key) for key in keys) for f in report["per_file"]]
+    return f"{sum(same)}/{len(same)}"
 
 
 def transcribe(args: argparse.Namespace, env: dict, real: str | None) -> dict:
@@ -302,6 +315,9 @@ def write(report: dict, out: Path) -> None:
                              f"| {shown(r['seconds_target'], '.2f')} | {shown(r['seconds_speculative'], '.2f')} "
                              f"| {shown(r['speedup'], '.2f')}x | {shown(r['decoder_speedup'], '.2f')}x "
                              f"| {shown(r['acceptance'], '.0%')} | {shown(r['tokens_per_pass'], '.2f')} |")
+            compared = [(manifest, r["same_as_masked"]) for manifest, r in result["runs"].items() if r.get("same_as_masked")]
+            lines += [""] + [f"- {manifest}: files whose texts are the `evaluate` part's (masked attention): {same}"
+                             for manifest, same in compared] if compared else []
             lines += ["", "CUDA graphs in the timed runs (host seconds of first uses and of captures):", ""]
             for manifest, r in result["runs"].items():
                 for system, g in (r.get("graphs") or {}).items():

@@ -92,6 +92,11 @@ def flash_varlen_on_cpu(query, key, value, starts_q, starts_k, max_q, max_k, dro
     from starts_k[b]; causal: query i of n_q sees the keys up to i + n_k - n_q."""
     assert dropout_p == 0.0 and causal and not debug
     assert starts_q.dtype == starts_k.dtype == seqused_k.dtype == torch.int32
+    assert starts_q.is_contiguous() and starts_k.is_contiguous() and seqused_k.is_contiguous()
+    # The kernel's own checks: [tokens, heads, head width], the last contiguous, heads a multiple of 8 up to 256.
+    assert all(t.dim() == 3 and t.stride(-1) == 1 for t in (query, key, value)) and key.shape[1:] == query.shape[1:]
+    assert query.shape[-1] % 8 == 0 and query.shape[-1] <= 256
+    assert all((seqused_k >= torch.diff(starts_q)).tolist())  # every query sees a key (the kernel would give it zeros)
     out = torch.empty_like(query)
     for b, n_k in enumerate(seqused_k.tolist()):
         begin, end = starts_q[b].item(), starts_q[b + 1].item()
@@ -111,7 +116,7 @@ def lengths_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(asr_decoder, "flash_varlen",
                         lambda *a, **k: calls.append((len(a[3]) - 1, a[5])) or flash_varlen_on_cpu(*a, **k))
-    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda device, dtype: None)
+    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda device, dtype, head_dim: None)
     return calls
 
 
@@ -140,7 +145,7 @@ def test_attention_by_row_lengths_gives_the_masked_attentions_logits(pair, lengt
         run.forward(prompt[:1], torch.tensor([0]), caches[0], rows=torch.tensor([1]), by_lengths=True)
 
 
-def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, lengths_on_cpu, monkeypatch):
+def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, lengths_on_cpu, monkeypatch, tmp_path, capsys):
     """The engine's steps by row lengths (every draft step and verification, not the prefills,
     which read some rows): target-only and speculative give the tokens of masked attention,
     in fixed and fitted shapes. Without the CPU stand-in, a CPU engine refuses them."""
@@ -158,12 +163,21 @@ def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, l
             assert max(queries) == (by_lengths.verify_width if fixed else k + 1), (fixed, k)
             assert (min(queries) < max(queries)) == (k > 0), (fixed, k)  # the draft's steps too
             assert fixed == ({rows for rows, _ in lengths_on_cpu} == {BATCH})  # fitted shapes drop finished rows
+    with pytest.raises(ValueError, match="not been tried in compiled steps"):
+        engine(target, draft, lengths_attention=True, compile="default")
     monkeypatch.undo()
     with pytest.raises(ValueError, match="row lengths cannot run here: it needs a CUDA device"):
         engine(target, draft, lengths_attention=True)
     refused = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_gpu.py"), "--device", "cpu", "--geometry",
                               "tiny", "--lengths-attention"], capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2 and "--lengths-attention cannot run here: it needs a CUDA device" in refused.stderr
+    from asr.cli import main
+
+    capsys.readouterr()
+    for extra, told in (([], "cannot run here: it needs a CUDA device"), (["--compile"], "has not been tried with --compile")):
+        assert main(["transcribe", str(REPO / "samples" / "jfk.flac"), "--out-dir", str(tmp_path), "--lengths-attention",
+                     *extra]) == 2  # before any model loads
+        assert f"asr: --lengths-attention {told}" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
