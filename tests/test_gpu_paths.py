@@ -163,6 +163,12 @@ def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, l
             assert max(queries) == (by_lengths.verify_width if fixed else k + 1), (fixed, k)
             assert (min(queries) < max(queries)) == (k > 0), (fixed, k)  # the draft's steps too
             assert fixed == ({rows for rows, _ in lengths_on_cpu} == {BATCH})  # fitted shapes drop finished rows
+    # Sampled rows following a hint longer than a round's proposals: verified in one wider pass.
+    hinted = [engine(target, draft, lengths_attention=by_lengths).decode(
+        encoded, [prompt] * BATCH, rules, hints=[list(range(400, 430))] * BATCH, temperature=1.0,
+        generator=torch.Generator().manual_seed(0), **options) for by_lengths in (False, True)]
+    assert_same(hinted[1], hinted[0])
+    assert max(q for _, q in lengths_on_cpu) > by_lengths.max_draft_tokens + 1  # wider than the captured width
     with pytest.raises(ValueError, match="not been tried in compiled steps"):
         engine(target, draft, lengths_attention=True, compile="default")
     monkeypatch.undo()
