@@ -58,12 +58,12 @@ class SpeculativeDecoder:
                 weight = runner.decoder.embed_tokens.weight
                 if reason := lengths_attention_unavailable(weight.device, weight.dtype, runner.head_dim):
                     raise ValueError(f"attention by row lengths cannot run here: {reason}")
-        weight = target.decoder.embed_tokens.weight
         self.lengths_attention = lengths_attention
         self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
         self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
         self.max_draft_tokens = max_draft_tokens
+        weight = target.decoder.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.fixed_shapes = self.device.type == "cuda" if fixed_shapes is None else fixed_shapes
         self.graphs = StepGraphs(cuda_graphs and self.fixed_shapes and self.device.type == "cuda", self.device)
