@@ -539,12 +539,15 @@ def transcribe_files(
     stream_above_seconds: float = STREAM_ABOVE_SECONDS,
     layout: SubtitleLayout = SubtitleLayout(),
     on_progress: Callable[[Path, float], None] | None = None,
+    typed: dict[str, str] | None = None,
 ) -> Iterator[FileResult]:
     """Transcribes files in the order given, decoding transcriber.batch_size of them at a
     time, and yields each file's result as soon as it is done. A file that cannot be read
     fails alone. Should decoding itself fail, the files of that batch are redone one at a
     time, so only a file that fails alone is reported, and the rest go on. on_progress:
-    called as each window of a file starts and ends, with the file and its seconds decoded so far."""
+    called as each window of a file starts and ends, with the file and its seconds decoded so far.
+    typed: a file's name as the user typed it, by the path given here (a Ray worker's absolute
+    one), for the warnings written with its transcript."""
     formats = tuple(formats)
     queue = iter(files)
     unreadable: list[FileResult] = []
@@ -576,7 +579,7 @@ def transcribe_files(
             for transcript in transcriber.transcribe_many(inputs()):
                 yield from _drain(unreadable)
                 source = in_flight[transcript.source]
-                rendered = _rendered(transcript, source, formats, layout, recordings.pop(source))
+                rendered = _rendered(transcript, source, formats, layout, recordings.pop(source), typed)
                 del in_flight[transcript.source]  # only now: a file whose rendering raised is retried, then reported
                 yield rendered
             yield from _drain(unreadable)
@@ -595,7 +598,7 @@ def transcribe_files(
                     continue
                 try:
                     transcript = next(iter(alone.transcribe_many([audio])))
-                    yield _rendered(transcript, source, formats, layout, recordings.pop(source))
+                    yield _rendered(transcript, source, formats, layout, recordings.pop(source), typed)
                 except Exception as again:
                     yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
 
@@ -616,7 +619,10 @@ def _reason(error: Exception, path: Path) -> str:
 
 
 def _rendered(transcript: Transcript, source: Path, formats: tuple[str, ...], layout: SubtitleLayout,
-              recording: dict | None) -> FileResult:
+              recording: dict | None, typed: dict[str, str] | None = None) -> FileResult:
+    if (name := (typed or {}).get(str(source))) is not None:  # reading's warnings start with the path read
+        warnings = tuple(w.replace(str(source), name, 1) for w in transcript.info.warnings)
+        transcript = dataclasses.replace(transcript, info=dataclasses.replace(transcript.info, warnings=warnings))
     info = transcript.info
     return FileResult(
         str(source),
@@ -862,7 +868,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         # Paths as every node sees them: a worker's working directory is not this process's.
         absolute = {os.path.abspath(item.source): str(item.source) for item in recorder.todo}
-        rows = [{"source": source} for source in absolute]
+        rows = [{"source": source, "typed": typed} for source, typed in absolute.items()]
         spec = dataclasses.replace(spec, target=_local_absolute(spec.target),
                                    draft=None if spec.draft is None else _local_absolute(spec.draft))
         # Up to two decode batches per call (the actor keeps its batch full as files end),
@@ -881,9 +887,8 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         try:
             for row in results.iter_rows():
                 result = FileResult(**json.loads(row["result"]))
-                source = absolute.get(result.source, result.source)  # the path as the user gave it
-                recorder.record(dataclasses.replace(result, source=source,
-                                                    warnings=tuple(w.replace(result.source, source) for w in result.warnings)))
+                # The path as the user gave it (its warnings already name it so: transcribe_files' typed).
+                recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
         except ray.exceptions.RayActorError as error:  # its message ends with the worker's own error
             raise WorkerError(f"a Ray worker could not start: {str(error).strip().splitlines()[-1]}") from error
     except BaseException:
@@ -914,9 +919,11 @@ class _RayWorker:
 
     def __call__(self, batch: dict) -> dict:
         files = [Path(source) for source in batch["source"]]
+        typed = dict(zip(map(str, batch["source"]), map(str, batch["typed"])))
         results: list[FileResult] = []
         try:
-            for result in transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout):
+            for result in transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout,
+                                           typed=typed):
                 results.append(result)
         except Exception as error:  # a batch Ray drops would reach the driver as "no result": say why instead
             done = {result.source for result in results}
