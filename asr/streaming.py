@@ -167,6 +167,7 @@ class StreamingTranscriber:
         self._tentative: list[Word] = []
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._held_back = False  # whether its new words were cut where they loop or copy (_agree)
+        self._unprompted = False  # the prompt made Whisper loop or echo it on this buffer's start: decode without it
         self._last_end = 0.0  # the audio-time clock when the last call ended
         prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
         # Whole, as offline (up to Whisper's 223 tokens): CONTEXT_CHARACTERS bounds the text
@@ -232,12 +233,14 @@ class StreamingTranscriber:
                 break  # nothing new to hear (nor words a last decode would keep)
             # else new audio, or a full buffer decoded already that audio waits behind: it
             # is decoded again as a backlog's (_agree), which cuts it and makes room
-            window = self._transcribe(self._context)
-            prompted = bool(self._context)
+            prompted = bool(self._context) and not self._unprompted
+            window = self._transcribe(self._context if prompted else [])
             # A window judged silent is not decoded again: without the prompt, Whisper fills
             # noise with a loop of its own ("I'm going to go to the next room." 14 times).
             if prompted and not window.silent and self._hallucinated(window):
-                window, prompted = self._transcribe([]), False
+                # Until the buffer is cut: the same prompt before the same start failed again
+                # in every update, each a decode to the token limit (5 s on a CPU, per 0.5 s chunk).
+                window, prompted, self._unprompted = self._transcribe([]), False, True
             elif prompted and self._stops_short(window):
                 retry = self._transcribe([])
                 if (self._heard_until(retry) or 0.0) > self._heard_until(window):
@@ -425,6 +428,7 @@ class StreamingTranscriber:
             self._buffer = self._buffer[drop:]
             self._buffer_start += drop
             self._hint = []
+            self._unprompted = False
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
@@ -563,6 +567,7 @@ class StreamingTranscriber:
         self._in_buffer = self._in_buffer[words:]
         self._buffer = self._buffer[samples:]
         self._buffer_start += samples
+        self._unprompted = False
 
 
 def _before_repeats(keys: list[str], before: list[str]) -> int:
