@@ -27,7 +27,7 @@ class GraphCounts:
     runs eagerly, and its capture runs it twice more (a warm-up, then the capture). Counted
     where graphs are on; the seconds are the host's."""
 
-    eager: int = 0  # first uses, and steps never captured (a wider verification of hints, where every row samples)
+    eager: int = 0  # first uses
     captures: int = 0
     replays: int = 0
     eager_seconds: float = 0.0
@@ -57,12 +57,12 @@ class StepGraphs:
         self._pool = None
         self._stream = None
 
-    def run(self, graphs: dict, key: tuple, step: Callable[[], object], state: list[Tensor], capture: bool = True) -> bool:
+    def run(self, graphs: dict, key: tuple, step: Callable[[], object], state: list[Tensor]) -> bool:
         """Runs step, as the graph graphs[key] where it has one. Returns whether the run was
         representative of the step's cost (not a first use, a capture, or a compilation).
         state: the tensors the step changes besides the caches (whose entries the step
         rewrites before reading them), put back after the capture's warm-up."""
-        graph = graphs.get(key) if self.enabled and capture else None
+        graph = graphs.get(key) if self.enabled else None
         if graph not in (None, SEEN, EAGER):
             self.counts.replays += 1
             graph.replay()
@@ -82,7 +82,7 @@ class StepGraphs:
                 self.counts.captures += 1
                 self.counts.capture_seconds += time.perf_counter() - started
                 return False
-        elif graph is None and self.enabled and capture:
+        elif graph is None and self.enabled:
             graphs[key] = SEEN
         step()
         if self.enabled:
@@ -90,7 +90,7 @@ class StepGraphs:
             self.counts.eager_seconds += time.perf_counter() - started
             self.counts.compilations += compilations() - compiled
         # A first use (or a capture that failed) says nothing of the step's cost.
-        first = self.enabled and capture and graph is not EAGER
+        first = self.enabled and graph is not EAGER
         return not first and compilations() == compiled
 
     def _capture(self, step: Callable[[], object], state: list[Tensor]) -> "torch.cuda.CUDAGraph":

@@ -61,8 +61,6 @@ class HintRound:
     proposed: list[int]  # per slot: tokens its hint proposed
     drafted: list[int]  # per slot: tokens the draft proposed (rows not following a hint)
     k: int  # the round's proposals per row (the verification checks k + 1 positions)
-    probs: Tensor | None = None  # when sampling: the proposals as distributions (all mass on each) [R, >= k, V]
-    noise: Tensor | None = None  # and the verification's uniforms [R, >= 2k + 1] (it reads the first k, 2k + 1)
 
 
 def follow_round(batch: Batch) -> list[int] | None:
@@ -78,16 +76,16 @@ def follow_round(batch: Batch) -> list[int] | None:
     return left if any(live) else None
 
 
-def propose(batch: Batch, rows: list[Row], sample: bool, left: list[int], drafted: int) -> HintRound:
+def propose(batch: Batch, rows: list[Row], left: list[int], drafted: int) -> HintRound:
     """Rows following their hints propose the rest of them (left: follow_round's), written
     over what the draft proposed this round (drafted tokens a row, for the rows that follow
     none; their cache of the hint rows' tokens is cut where the hints begin). In fixed
-    shapes, unless every row samples, at most max_draft_tokens (a greedy row's logits then
-    always come from passes of one width: on a GPU, target-only's to the bit)."""
+    shapes at most max_draft_tokens: a row's logits then always come from passes of one
+    width, on a GPU target-only's to the bit, and so do its tokens, sampled ones too."""
     s, e = batch.state, batch.engine
     remaining = min(row.limit - row.length for row in rows)
     k = max(min(max(left), remaining - 1), drafted, 0)
-    if e.verify_width and any(row.temperature == 0 for row in rows):
+    if e.verify_width:
         k = min(k, e.max_draft_tokens)
     k = min(k, max(e.max_draft_tokens, HINT_POSITIONS // len(batch.slots)))
     steps = torch.arange(k, device=e.device)
@@ -101,15 +99,4 @@ def propose(batch: Batch, rows: list[Row], sample: bool, left: list[int], drafte
     # Counted up to a row's limit: k may pass it where other rows draft.
     proposed = [0 if row is None else min(n, k, max(row.limit - row.length - 1, 0)) for n, row in zip(left, batch.slots)]
     by_draft = [0 if n or row is None else min(drafted, k) for n, row in zip(left, batch.slots)]
-    if not sample:
-        return HintRound(proposed, by_draft, k)
-    # A hint's tokens as a draft with all its mass on each; the draft's own keep its distributions.
-    proposals = s.tokens.gather(1, positions)[:, :, None]
-    if k <= e.max_draft_tokens:  # the draft's buffers (and so a captured verification's)
-        probs = s.draft_probs[:, :k].masked_fill_(~drafts[:, :, None], 0.0)
-        probs.scatter_add_(2, proposals, (~drafts)[:, :, None].to(probs.dtype))
-        return HintRound(proposed, by_draft, k, s.draft_probs, s.noise[:, e.max_draft_tokens:])
-    probs = torch.zeros(len(batch.slots), k, e.target.vocab_size, device=e.device).scatter_(2, proposals, 1.0)
-    probs[:, :drafted] = torch.where(drafts[:, :drafted, None], s.draft_probs[:, :drafted], probs[:, :drafted])
-    noise = torch.rand(len(batch.slots), 2 * k + 1, device=e.device, generator=batch.generator).neg_().add_(1)
-    return HintRound(proposed, by_draft, k, probs, noise)
+    return HintRound(proposed, by_draft, k)

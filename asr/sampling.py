@@ -1,10 +1,13 @@
-"""Sampling at temperature > 0 without a random number generator inside a step: every
-draw reads uniforms drawn beforehand (in (0, 1]), so a step can be captured as a CUDA
-graph and replayed with fresh ones. Rows at temperature 0 stay greedy beside sampled rows.
+"""Sampling at temperature > 0 by the inverse of the cumulative distribution, at a uniform
+that a hash makes of the row's seed and the token's position, not a generator. So:
 
-Rejection sampling keeps the target's distribution (Leviathan et al. 2023, Chen et al.
-2023): proposal j is accepted with probability min(1, p_j / q_j); at the first rejection
-a token is drawn from normalise(max(p - q, 0)), and after k acceptances from p_k."""
+- the draft proposes at the uniform the target verifies with, and verification keeps the
+  proposals equal to the target's own draws: speculative decoding keeps exactly the tokens
+  that target-only decoding draws with that seed, and these follow the target's distribution;
+- a row's draws do not depend on the rows beside it, on the draft's k, or on a hint;
+- a step reads no generator: it can be captured as a CUDA graph.
+
+Rows at temperature 0 stay greedy beside sampled rows."""
 
 from __future__ import annotations
 
@@ -12,6 +15,32 @@ import torch
 from torch import Tensor
 
 MIN_TEMPERATURE = 1e-5  # greedy rows divide by this harmlessly: their draws are never used
+MASK = 0xFFFFFFFF
+# Odd, below 2**31: a 32-bit value times one fits in int64, on every device.
+MULTIPLIERS = ((0x7FEB352D, 15), (0x2C1B3C6D, 12), (0x297A2D39, 15))
+
+
+def mix(x):
+    """A 32-bit hash (xorshift-multiply rounds) of x in [0, 2**32): a Python int or an int64 tensor."""
+    x = x ^ (x >> 16)
+    for multiplier, shift in MULTIPLIERS:
+        x = (x * multiplier) & MASK
+        x = x ^ (x >> shift)
+    return x
+
+
+def seed_of(*parts: int) -> int:
+    """One row seed from several integers (a run's seed, a window's place, its attempt)."""
+    seed = 0
+    for part in parts:
+        seed = mix(seed ^ mix(part & MASK))
+    return seed
+
+
+def uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
+    """A uniform in (0, 1] (float32) for each row seed [N] at its token position [N]."""
+    bits = mix(seeds ^ mix(positions & MASK))
+    return ((bits >> 8).float() + 1) * 2.0**-24
 
 
 def draw(weights: Tensor, u: Tensor) -> Tensor:
@@ -23,48 +52,17 @@ def draw(weights: Tensor, u: Tensor) -> Tensor:
     return index.clamp(max=weights.shape[-1] - 1)
 
 
-def probabilities(logits: Tensor, temperature: Tensor) -> Tensor:
-    """softmax(logits / temperature) in float32; temperature [B] applies along dim 0."""
-    shape = (-1,) + (1,) * (logits.dim() - 1)
-    return torch.softmax(logits.float() / temperature.clamp(min=MIN_TEMPERATURE).view(shape), -1)
+def choose(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
+    """A token per row of logits [N, V]: drawn from softmax(logits / temperature) at the
+    row's uniform for its position (seeds, positions [N]), or the argmax at temperature 0."""
+    probs = torch.softmax(logits.float() / temperature.clamp(min=MIN_TEMPERATURE)[:, None], -1)
+    return torch.where(temperature > 0, draw(probs, uniforms(seeds, positions)), logits.argmax(-1))
 
 
-def choose(logits: Tensor, temperature: Tensor, u: Tensor) -> tuple[Tensor, Tensor]:
-    """A token per row of logits [B, V]: drawn from its distribution at the row's temperature,
-    or its argmax at temperature 0. Returns the tokens [B] and the distributions [B, V]."""
-    probs = probabilities(logits, temperature)
-    return torch.where(temperature > 0, draw(probs, u), logits.argmax(-1)), probs
-
-
-def greedy(logits: Tensor, proposals: Tensor, proposed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Greedy verification of proposals [B, k] against the target's logits [B, k+1, V]: each
-    is accepted where it is the argmax and the ones before it were (proposed: as verify's).
-    Returns the accepted count [B] and the argmax at every position [B, k+1]."""
-    chosen = logits.argmax(-1)
+def accepted(chosen: Tensor, proposals: Tensor, proposed: Tensor | None = None) -> Tensor:
+    """Verification of proposals [B, k] against the tokens the target chose at each of k+1
+    positions [B, k+1]: each is accepted where it is the target's and the ones before it
+    were (proposed [1, k]: which of the k are proposals, the first ones; the rest stale).
+    Returns the accepted count [B]."""
     right = proposals == chosen[:, : proposals.shape[1]]
-    return (right if proposed is None else right & proposed).long().cumprod(1).sum(1), chosen
-
-
-def verify(logits: Tensor, proposals: Tensor, temperature: Tensor, draft_probs: Tensor, u: Tensor,
-           proposed: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """Rejection sampling of proposals [B, k] against the target's logits [B, k+1, V]; the
-    draft's distributions draft_probs [B, k, V]; uniforms u [B, 2k+1]; proposed [1, k]:
-    which of the k are proposals (the first ones; None: all), the rest stale. Returns the
-    accepted count [B] and the token chosen at every position [B, k+1], of which index
-    `accepted` is the one kept. Rows at temperature 0 accept the proposals equal to the argmax."""
-    k = proposals.shape[1]
-    greedy_accepted, greedy_chosen = greedy(logits, proposals, proposed)
-    p = probabilities(logits, temperature)
-    index = proposals[:, :, None]
-    right = u[:, :k] * draft_probs.gather(2, index)[:, :, 0] < p[:, :k].gather(2, index)[:, :, 0]
-    corrected = (p[:, :k] - draft_probs).clamp(min=0)
-    if proposed is not None:
-        right = right & proposed
-        corrected = torch.where(proposed[:, :, None], corrected, p[:, :k])  # past the proposals: the target's own
-    accepted = right.long().cumprod(1).sum(1)
-    residual = torch.cat([corrected, p[:, k:]], 1)
-    # p == q exactly leaves no residual mass; then the target's own distribution is exact.
-    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p)
-    chosen = draw(residual, u[:, k:])
-    sampled = temperature > 0
-    return torch.where(sampled, accepted, greedy_accepted), torch.where(sampled[:, None], chosen, greedy_chosen)
+    return (right if proposed is None else right & proposed).long().cumprod(1).sum(1)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from asr import hints
+from asr import hints, sampling
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
 from asr.rules import DecodingRules
@@ -86,6 +86,7 @@ class Window:
     # where already computed (language detection): taken over instead of computed again.
     cross: tuple[list[Tensor], list[Tensor]] | None = None
     language: str | None = None  # the draft's acceptance is kept per language (asr/draft_length.py)
+    seed: int = 0  # at temperature > 0, what the row's draws follow (asr/sampling.py)
 
 
 @dataclass
@@ -102,6 +103,7 @@ class State:
     live: Tensor  # [R] bool: a row being decoded
     eot: Tensor  # [R] bool: ended on end-of-text
     temperature: Tensor  # [R] float32
+    seed: Tensor  # [R] each row's sampling seed, below 2**32
     sum_logprob: Tensor  # [R] float64
     no_speech: Tensor  # [R] float32
     sot: Tensor  # [R] index of <|startoftranscript|>
@@ -112,16 +114,14 @@ class State:
     prefill_row: Tensor  # [1] the row a captured prefill reads
     step: Tensor  # [1] the draft step under way: a captured draft step reads (and advances) it
     k: Tensor  # [1] the proposals a captured verification checks
-    noise: Tensor  # [R, 3 * max_draft + 1] uniforms in (0, 1] for sampling
     out: Tensor  # [5, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text
     target: KVCache
     draft: KVCache | None
-    draft_probs: Tensor | None = None  # [R, max_draft, V] the draft's distributions, when sampling
     graphs: dict = field(default_factory=dict)
 
     # The per-row tensors a row's move carries over.
-    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "eot", "temperature", "sum_logprob",
-               "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
+    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "eot", "temperature", "seed",
+               "sum_logprob", "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
 
     def changed(self) -> list[Tensor]:
         """What a step may change besides the caches: put back after a capture's warm-up."""
@@ -170,10 +170,10 @@ class States:
         # An empty slot is a row of one token: its (unused) steps then index nothing out of range.
         return State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), limit=zeros(R),
                      draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
-                     temperature=zeros(R, dtype=torch.float32), sum_logprob=zeros(R, dtype=torch.float64),
+                     temperature=zeros(R, dtype=torch.float32), seed=zeros(R), sum_logprob=zeros(R, dtype=torch.float64),
                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), step=zeros(1), k=zeros(1),
-                     noise=zeros(R, 3 * e.max_draft_tokens + 1, dtype=torch.float32), out=zeros(5, R),
+                     out=zeros(5, R),
                      target=target, draft=draft)
 
     def rows_for(self, rows: int) -> int:
@@ -303,6 +303,7 @@ class Slots:
             "tokens": tokens, "length": lengths, "sample_begin": lengths, "draft_cached": lengths - 1,
             "limit": lengths + torch.tensor([w.max_new_tokens for w in windows]), "live": torch.ones(n, dtype=torch.bool),
             "eot": torch.zeros(n, dtype=torch.bool), "temperature": torch.tensor([w.temperature for w in windows]),
+            "seed": torch.tensor([w.seed & sampling.MASK for w in windows]),
             "sum_logprob": torch.zeros(n, dtype=torch.float64), "sot": torch.tensor([w.sot_index for w in windows]),
             "hint": hint, "hint_length": torch.tensor([min(len(w.hint), C) for w in windows]),
             "hint_shift": torch.zeros(n, dtype=torch.long), "hint_on": torch.tensor([bool(w.hint) for w in windows]),
@@ -371,8 +372,8 @@ class Slots:
             target = old.target.select(index)
             draft = None if old.draft is None else old.draft.select(index, cross_from=target)
             picked = {name: getattr(old, name).index_select(0, index) for name in State.PER_ROW}
-            new = replace(old, key=(rows, *old.key[1:]), target=target, draft=draft, noise=old.noise[:rows],
-                          out=old.out[:, :rows], draft_probs=None, graphs={}, **picked)
+            new = replace(old, key=(rows, *old.key[1:]), target=target, draft=draft, out=old.out[:, :rows], graphs={},
+                          **picked)
         else:
             new = e.states.get(rows, *old.key[1:])
             for name in State.PER_ROW:

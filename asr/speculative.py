@@ -12,8 +12,9 @@ padded to a power of two) and run as CUDA graphs (asr/cudagraphs.py). On a CPU t
 eagerly in shapes fitted to the data: attention over the longest row, finished rows dropped,
 drafting stopped once every row has proposed end-of-text.
 
-Greedy output equals the target's alone; at temperature > 0, rejection sampling keeps the target's
-distribution (asr/sampling.py). Hints (asr/hints.py) replace the draft's proposals."""
+Greedy output equals the target's alone; at temperature > 0 too, for the same row seeds: the
+draft draws a position at the uniform the target verifies it with (asr/sampling.py). Hints
+(asr/hints.py) replace the draft's proposals."""
 
 from __future__ import annotations
 
@@ -85,23 +86,24 @@ class SpeculativeDecoder:
         return self._draft_lengths.setdefault(fixed, DraftLength(fixed, maximum=self.max_draft_tokens))
 
     def batch(self, rules: DecodingRules, *, rows: int = 1, no_speech_token: int | None = None,
-              draft_length: DraftLength | None = None, generator: torch.Generator | None = None) -> "Batch":
+              draft_length: DraftLength | None = None) -> "Batch":
         """An empty batch for `rows` rows at once (it grows if given more; fitted shapes hold
         only the rows given: Slots._rows_for); draft_length: by default the engine's adaptive one."""
-        return Batch(self, rules, rows, no_speech_token, draft_length or self.draft_length(), generator)
+        return Batch(self, rules, rows, no_speech_token, draft_length or self.draft_length())
 
     @torch.inference_mode()
     def decode(self, target_encoder_output: Tensor, prompts: list[list[int]], rules: DecodingRules, *,
                sot_index: list[int] | None = None, no_speech_token: int | None = None,
                draft_encoder_output: Tensor | None = None, max_new_tokens: int = 224, temperature: float = 0.0,
-               draft_length: DraftLength | None = None, generator: torch.Generator | None = None,
-               hints: list[list[int]] | None = None) -> list[Sequence]:
-        """Decodes these rows together until all finish: target_encoder_output [B, frames, width]; the rest as Window's."""
-        batch = self.batch(rules, rows=len(prompts), no_speech_token=no_speech_token, draft_length=draft_length,
-                           generator=generator)
+               draft_length: DraftLength | None = None, hints: list[list[int]] | None = None,
+               seeds: list[int] | None = None) -> list[Sequence]:
+        """Decodes these rows together until all finish: target_encoder_output [B, frames, width]; the rest as
+        Window's (seeds: by default each row's index)."""
+        batch = self.batch(rules, rows=len(prompts), no_speech_token=no_speech_token, draft_length=draft_length)
         windows = [Window(target_encoder_output[b], prompt, (sot_index or [0] * len(prompts))[b], max_new_tokens,
                           temperature, (hints or [[]] * len(prompts))[b],
-                          None if draft_encoder_output is None else draft_encoder_output[b])
+                          None if draft_encoder_output is None else draft_encoder_output[b],
+                          seed=b if seeds is None else seeds[b])
                    for b, prompt in enumerate(prompts)]
         order = {tag: i for i, tag in enumerate(batch.add(windows))}
         results: list[Sequence | None] = [None] * len(prompts)
@@ -133,9 +135,9 @@ class Batch(Slots):
     runs one round for every live row and returns the rows that finished, freeing their slots."""
 
     def __init__(self, engine: SpeculativeDecoder, rules: DecodingRules, rows: int, no_speech_token: int | None,
-                 draft_length: DraftLength, generator: torch.Generator | None):
+                 draft_length: DraftLength):
         super().__init__(engine, rules, rows, no_speech_token)
-        self.draft_length, self.generator = draft_length, generator
+        self.draft_length = draft_length
         self.use_draft = engine.draft is not None and draft_length.maximum > 0
         if self.use_draft and draft_length.maximum > engine.max_draft_tokens:
             raise ValueError(f"this engine proposes at most {engine.max_draft_tokens} tokens a round, not {draft_length.maximum}")
@@ -148,31 +150,27 @@ class Batch(Slots):
         if not rows:
             return []
         sample = any(row.temperature > 0 for row in rows)
-        if sample:
-            s.noise.uniform_(generator=self.generator).neg_().add_(1)  # (0, 1]
-            self._draft_probs()
         started = device_clock(e.device)  # not work queued before: the round's own only (on a GPU)
         left = hints.follow_round(self) if any(row.hinted for row in rows) else None
         if left is None:
-            k = self._draft_k(sample, [row.language for row in rows], explore=True)
+            k = self._draft_k([row.language for row in rows], explore=True)
             k, representative = self._propose(k, max(row.gap for row in rows), sample, rows) if k else (0, True)
-            draft_probs, noise = (s.draft_probs, s.noise[:, e.max_draft_tokens:]) if sample else (None, None)
             hinted = None
         else:
             # Rows not following a hint (an upload's beside a stream's) draft meanwhile, as measured.
             drafting = [row.language for row, n in zip(self.slots, left) if row is not None and not n]
-            k = self._draft_k(sample, drafting, explore=False)
+            k = self._draft_k(drafting, explore=False)
             k = self._propose(k, max(row.gap for row in rows), sample, rows)[0] if k else 0
-            hinted = hints.propose(self, rows, sample, left, k)
-            k, representative, draft_probs, noise = hinted.k, False, hinted.probs, hinted.noise
-        # Fixed shapes: verify_width positions, k read from the state (wider: see hints.propose).
-        width = e.verify_width if e.verify_width and k <= e.max_draft_tokens else k + 1
+            hinted = hints.propose(self, rows, left, k)
+            k, representative = hinted.k, False
+        width = e.verify_width or k + 1  # fixed shapes: verify_width positions, k read from the state
         if e.verify_width:
             s.k.fill_(k)
-        representative &= self._run_verify(width, sample, draft_probs, noise, rows)
+        representative &= self._run_verify(width, sample, rows)
         out = s.out.tolist()  # the round's one read on the host
         seconds = time.perf_counter() - started
-        measured = self.use_draft and not sample and hinted is None  # a round the adaptive length chose
+        # A greedy round the adaptive length chose: sampled rows accept at rates of their own.
+        measured = self.use_draft and not sample and hinted is None
         if measured and representative:
             self.draft_length.update(k, seconds, len(self.slots),
                                      [(row.language, accepted) for row, accepted in zip(self.slots, out[1]) if row is not None])
@@ -182,26 +180,15 @@ class Batch(Slots):
         done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
         return self._finish(done, out[4]) if done else []
 
-    def _draft_k(self, sample: bool, languages: list[str | None], explore: bool) -> int:
+    def _draft_k(self, languages: list[str | None], explore: bool) -> int:
         """The draft's proposals a row this round, for rows drafting in these languages: none
-        without a draft; where rows sample, the initial k (which uniform decides which token
-        depends on k: a k chosen from measured times would make one seed give other
-        transcripts from run to run); else the adaptive length's (explore: its next round,
-        which may go the other way; else what it measured so far)."""
+        without a draft; else the adaptive length's (explore: its next round, which may go
+        the other way; else what it measured so far)."""
         if not self.use_draft or not languages:
             return 0
-        if sample:
-            return self.draft_length.initial
         if explore:
             return self.draft_length.next_round(len(self.slots), languages)
         return self.draft_length.current(len(self.slots), languages)
-
-    def _draft_probs(self) -> Tensor:
-        """The state's buffer of the draft's distributions, made at the first sampled round."""
-        e, s = self.engine, self.state
-        if s.draft_probs is None:
-            s.draft_probs = torch.zeros(len(self.slots), e.max_draft_tokens, e.target.vocab_size, device=e.device)
-        return s.draft_probs
 
     def warm_up(self, frames: int, draft_frames: int | None) -> None:
         """SpeculativeDecoder.warm_up, over a row of zeros (the caller closes the batch)."""
@@ -209,8 +196,7 @@ class Batch(Slots):
         zeros = lambda runner, n: torch.zeros(n, runner.cross_attention_width, dtype=e.dtype, device=e.device)  # noqa: E731
         own = None if draft_frames is None else zeros(e.draft, draft_frames)
         self.add([Window(zeros(e.target, frames), [self.rules.eot], max_new_tokens=1, draft_encoded=own)])
-        s, draft_probs = self.state, self._draft_probs()
-        s.noise.fill_(0.5)
+        s = self.state
         for _ in range(2):  # a first use, then a capture
             for width in sorted({prefill_width(n, C) for n in range(1, e.max_positions)}):
                 self._run_prefill(0, width)
@@ -219,8 +205,7 @@ class Batch(Slots):
                     for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}):
                         s.step.zero_()
                         self._run_draft_step(width, sample, [], 0)
-                noise = s.noise[:, e.max_draft_tokens:] if sample else None
-                self._run_verify(e.verify_width, sample, draft_probs if sample else None, noise, [])
+                self._run_verify(e.verify_width, sample, [])
 
     def _window(self, rows: list[Row], extra: int) -> int | None:
         """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""
@@ -271,32 +256,26 @@ class Batch(Slots):
             logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window,
                                      by_lengths=e.lengths_attention)[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
-        if sample:
-            u = s.noise.gather(1, s.step.expand(len(position))[:, None])[:, 0]
-            proposal, probs = sampling.choose(logits, s.temperature, u)
-            s.draft_probs.index_copy_(1, s.step, probs[:, None])
-        else:
-            proposal = logits.argmax(-1)
+        # Sampling, at the uniform the target verifies this position with: where the two agree, the same token.
+        proposal = sampling.choose(logits, s.temperature, s.seed, position) if sample else logits.argmax(-1)
         s.tokens.scatter_(1, position[:, None], proposal[:, None])
         s.step.add_(1)
         s.draft_cached.copy_(position)  # it has cached every token before the one it just proposed
         return proposal
 
-    def _run_verify(self, width: int, sample: bool, draft_probs: Tensor | None, noise: Tensor | None,
-                    rows: list[Row]) -> bool:
-        """_verify as a step, captured at the verification width alone (any other is fitted
-        shapes, or sampled rows' long hints); returns whether its time is representative."""
+    def _run_verify(self, width: int, sample: bool, rows: list[Row]) -> bool:
+        """_verify as a step; returns whether its time is representative."""
         e, s = self.engine, self.state
         step, window = e.compiled(Batch._verify), self._window(rows, width - 1)
-        return e.graphs.run(s.graphs, ("verify", width, sample, self.rules), lambda: step(self, width, draft_probs, noise, window),
-                            s.changed(), capture=width == e.verify_width)
+        return e.graphs.run(s.graphs, ("verify", width, sample, self.rules), lambda: step(self, width, sample, window),
+                            s.changed())
 
-    def _verify(self, width: int, draft_probs: Tensor | None, noise: Tensor | None, window: int | None) -> None:
+    def _verify(self, width: int, sample: bool, window: int | None) -> None:
         """The target's pass over `width` positions, the pending token and the proposals
         after it (k = width - 1, or in fixed shapes the state's k, the rest of the width being
         stale tokens whose results go unused): each live row keeps its longest agreeing
         prefix plus the target's own next token, cut at end-of-text and at its limit.
-        window: as the pass's."""
+        window: as the pass's. sample: rows at temperature > 0 choose by their noise (asr/sampling.py)."""
         e, s, rules = self.engine, self.state, self.rules
         k = width - 1
         steps = torch.arange(width, device=e.device)
@@ -310,11 +289,12 @@ class Batch(Slots):
         rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])
         proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
-        if noise is not None:
-            accepted, chosen = sampling.verify(logits, proposals, s.temperature, draft_probs[:, :k], noise[:, : 2 * k + 1],
-                                               proposed)
+        if sample:
+            chosen = sampling.choose(logits.view(n * width, vocab), s.temperature.repeat_interleave(width),
+                                     s.seed.repeat_interleave(width), positions.reshape(-1)).view(n, width)
         else:
-            accepted, chosen = sampling.greedy(logits, proposals, proposed)
+            chosen = logits.argmax(-1)
+        accepted = sampling.accepted(chosen, proposals, proposed)
         s.tokens.scatter_(1, (s.length + accepted)[:, None], chosen.gather(1, accepted[:, None]))
 
         # Keep accepted + 1 tokens, cut after the first end-of-text and at the length limit.

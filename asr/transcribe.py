@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asr import hints, vad
+from asr import hints, sampling, vad
 from asr.audio import SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, time_within, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
@@ -60,7 +60,7 @@ class TranscribeOptions:
     speculative: bool = True
     num_draft_tokens: int | None = None  # None: adaptive
     max_draft_tokens: int = 8
-    seed: int = 0
+    seed: int = 0  # a sampled window's draws follow it, its seek and its attempt (asr/sampling.py)
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
     lengths_attention: bool = False  # on CUDA, attention by row lengths (SpeculativeDecoder's)
@@ -623,10 +623,9 @@ class _Decoding:
 
     def __init__(self, owner: Transcriber, rows: int, encoder_frames: int | None = None):
         self.owner = owner
-        generator = torch.Generator(device=owner.models.target.device).manual_seed(owner.options.seed)
         self.batch = owner.engine.batch(
             owner.rules(timestamps=not owner.options.without_timestamps), rows=rows,
-            no_speech_token=owner.vocab.no_speech, draft_length=owner._draft_length, generator=generator)
+            no_speech_token=owner.vocab.no_speech, draft_length=owner._draft_length)
         self.encoder_frames = encoder_frames
         self.jobs: dict[int, _Job] = {}  # by the batch's row tag
         self.waiting: list[_Job] = []  # recordings whose next window is still to be encoded
@@ -714,8 +713,10 @@ class _Decoding:
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
             # would sample, and a loop is then verified in a few passes instead of one per token.
             hint = job.failed[-1].tokens if job.failed else job.hint
+            # A sampled window's draws follow its own seed, whatever is batched beside it.
+            seed = sampling.seed_of(t.options.seed, job.seek, job.attempt)
             windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known,
-                                  job.language))
+                                  job.language, seed))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 

@@ -99,8 +99,6 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
     prompt = [SOT, 50259, 50359] + ([] if timestamps else [NO_TIMESTAMPS])
     batch.add([Window(encoded, prompt, max_new_tokens=20, temperature=t) for t in (0.0, 0.0, 0.7)])  # one slot free
     state = batch.state
-    state.draft_probs = torch.empty(4, 8, target.vocab_size, device=META)
-    noise = state.noise[:, 8:]
     with capture_guard():
         batch._prefill(state.prefill_row, 8)
         for width in (1, 2, 16, engine.capacity):
@@ -108,6 +106,6 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
                 state.step.zero_()
                 batch._draft_step(width, sample, None)
         state.k.fill_(3)
-        batch._verify(engine.verify_width, None, None, None)
-        batch._verify(engine.verify_width, state.draft_probs, noise, None)
+        for sample in (False, True):
+            batch._verify(engine.verify_width, sample, None)
     assert state.tokens.shape == (4, engine.capacity) and state.out.shape == (5, 4)

@@ -1,6 +1,7 @@
-"""At temperature > 0, rejection sampling keeps the target's distribution: samples drawn
+"""At temperature > 0 speculative decoding keeps the target's distribution: samples drawn
 through a disagreeing draft pass a chi-square test against the target's exact
-probabilities, and fail it against the draft's."""
+probabilities, and fail it against the draft's. And it keeps target-only's very draws: with
+the same seeds, the same tokens."""
 
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ def chi_square_p(counts: Counter, probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
-def test_rejection_sampling_keeps_the_target_distribution(fixed: bool):
+def test_sampling_keeps_the_target_distribution(fixed: bool):
     """In fixed shapes (a GPU's), a verification checks k proposals among a fixed width of
     positions, the rest stale: sampling must ignore those."""
     target = tiny_target(7, dtype=torch.float32)
@@ -61,11 +62,11 @@ def test_rejection_sampling_keeps_the_target_distribution(fixed: bool):
     rows = 250
     # Fixed shapes verify max_draft_tokens + 1 = 4 positions: k = 2 proposals and one stale (9 was a slower test).
     decoder = SpeculativeDecoder(runner(target), runner(draft), fixed_shapes=fixed, max_draft_tokens=3)
-    generator = torch.Generator().manual_seed(0)
     samples, proposed, accepted = [], 0, 0
-    for _ in range(6):
+    for run in range(6):
         result = decoder.decode(encoded.expand(rows, -1, -1), [PROMPT] * rows, RULES, max_new_tokens=3,
-                                temperature=TEMPERATURE, draft_length=DraftLength(fixed=2), generator=generator)
+                                temperature=TEMPERATURE, draft_length=DraftLength(fixed=2),
+                                seeds=[run * rows + row for row in range(rows)])
         samples += [tuple(s.tokens) for s in result]
         proposed += sum(s.stats.draft_proposed for s in result)
         accepted += sum(s.stats.draft_accepted for s in result)
@@ -86,8 +87,7 @@ def test_rejection_sampling_keeps_the_target_distribution(fixed: bool):
 @pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
 def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
     """A hint's proposals (a retry at a higher temperature proposes the failed attempt) are
-    a draft with all its mass on each: accepted with the target's probability, else drawn
-    from the rest. Also when no proposal fits before a row's limit (max_new_tokens=1: the
+    accepted where the target draws them. Also when no proposal fits before a row's limit (max_new_tokens=1: the
     round verifies k = 0 proposals and must still sample). In fixed shapes the proposals go
     through the draft's tensors, as a captured verification reads them. Half the rows have
     no hint and draft meanwhile, with the draft's own distributions, in the same rounds."""
@@ -99,14 +99,14 @@ def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
     hint = [int(p_target.argmax()), *p_target.topk(3).indices[1:].tolist()]  # accepted sometimes, rejected sometimes
     decoder = SpeculativeDecoder(runner(target), runner(decoder_only_draft(target, noise=0.05, seed=7)), fixed_shapes=fixed,
                                  max_draft_tokens=2)  # fixed shapes verify 3 positions, not 9: a faster test
-    generator = torch.Generator().manual_seed(0)
     rows = 250
     for max_new in (3, 1):
         samples, hint_proposed, hint_accepted, draft_proposed = ([], []), 0, 0, 0
-        for _ in range(4):
+        for run in range(4):
             result = decoder.decode(encoded.expand(rows, -1, -1), [PROMPT] * rows, RULES, max_new_tokens=max_new,
-                                    temperature=TEMPERATURE, draft_length=DraftLength(fixed=2), generator=generator,
-                                    hints=[hint if row % 2 else [] for row in range(rows)])
+                                    temperature=TEMPERATURE, draft_length=DraftLength(fixed=2),
+                                    hints=[hint if row % 2 else [] for row in range(rows)],
+                                    seeds=[(max_new * 4 + run) * rows + row for row in range(rows)])
             for row, s in enumerate(result):
                 samples[row % 2].append(s.tokens[0])
             hint_proposed += sum(s.stats.hint_proposed for s in result)
@@ -117,3 +117,37 @@ def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
             assert draft_proposed >= 2 * rows, "the rows without a hint draft in the hinted rounds"
         for hinted in (0, 1):
             assert chi_square_p(Counter(samples[hinted]), p_target) > 1e-3, f"max_new_tokens={max_new}, hinted={hinted}"
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["fitted-shapes", "fixed-shapes"])
+def test_sampled_tokens_are_target_onlys_with_the_same_seeds(fixed: bool):
+    """A row's draws follow its seed and nothing else: speculative decoding at any k, rows
+    following hints, and a row decoded alone give target-only's tokens for the same seeds
+    (float64, so that no rounding tells the pass widths apart). Before, rejection sampling
+    kept only the target's distribution: which token came out depended on the draft's k
+    and on the rows batched beside it."""
+    target = tiny_target(7)
+    draft = decoder_only_draft(target, noise=0.05, seed=7)
+    features = torch.randn(4, 80, 60, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+    rows, temperature = 8, 1.0
+    encoded = encoded[[row % 4 for row in range(rows)]]
+    seeds = [1000 + row for row in range(rows)]
+    decode = dict(max_new_tokens=20, temperature=temperature, seeds=seeds)
+    plain = SpeculativeDecoder(runner(target), fixed_shapes=fixed).decode(encoded, [PROMPT] * rows, RULES, **decode)
+    expected = [s.tokens for s in plain]
+    assert expected[0] != expected[4], "rows of the same audio with other seeds draw otherwise"
+    speculative = SpeculativeDecoder(runner(target), runner(draft), fixed_shapes=fixed, max_draft_tokens=4)
+    for k in (1, 4):
+        result = speculative.decode(encoded, [PROMPT] * rows, RULES, draft_length=DraftLength(fixed=k), **decode)
+        assert [s.tokens for s in result] == expected, k
+        accepted, proposed = (sum(getattr(s.stats, f"draft_{n}") for s in result) for n in ("accepted", "proposed"))
+        assert 0 < accepted < proposed
+    # Hints that the target follows for a while, then leaves (a retry proposing the failed attempt).
+    hints = [tokens[:6] + [EOT - 1 - row] * 6 for row, tokens in enumerate(expected)]
+    result = speculative.decode(encoded, [PROMPT] * rows, RULES, draft_length=DraftLength(fixed=2), hints=hints, **decode)
+    assert [s.tokens for s in result] == expected
+    assert sum(s.stats.hint_accepted for s in result) >= 5 * rows
+    alone = speculative.decode(encoded[5:6], [PROMPT], RULES, max_new_tokens=20, temperature=temperature, seeds=seeds[5:6])
+    assert alone[0].tokens == expected[5]

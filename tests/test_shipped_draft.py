@@ -48,3 +48,24 @@ def test_shipped_draft_keeps_transcripts_identical(embedded):
         proposed += fast[name].info.stats.draft_proposed
         accepted += fast[name].info.stats.draft_accepted
     assert accepted / proposed > 0.7  # a real draft, on real speech it never trained on (0.84 here)
+
+
+def test_sampled_transcripts_follow_the_seed_alone(embedded):
+    """At temperature 1 from the first token (Whisper's last fallback), a recording's
+    transcript is target-only's for the same seed, whether decoded alone or batched beside
+    other recordings, speculatively or not; another seed draws otherwise. Before, the draws
+    came from one generator per batch, used at a rate that depended on the draft's k: the
+    speculative and target-only texts differed, and so did a recording's alone and batched."""
+    clips = [c for c in read_manifest(DEV / "manifest.tsv") if c.duration <= 30][:3]
+    audio = [AudioInput(str(c.path), load_audio(c.path)) for c in clips]
+    sampled = dict(temperatures=(1.0,), language="en")
+
+    def texts(speculative: bool, batch: list[AudioInput], seed: int = 0) -> dict[str, list[list[int]]]:
+        options = TranscribeOptions(speculative=speculative, num_draft_tokens=3 if speculative else None, seed=seed, **sampled)
+        return {t.source: [s.tokens for s in t.segments]
+                for t in Transcriber(embedded, options, batch_size=len(batch)).transcribe_many(batch)}
+
+    plain = texts(False, audio)
+    assert texts(True, audio) == plain
+    assert texts(True, audio[1:2]) == {audio[1].name: plain[audio[1].name]}
+    assert texts(False, audio[1:2], seed=1) != {audio[1].name: plain[audio[1].name]}
