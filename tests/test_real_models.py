@@ -264,10 +264,11 @@ def test_a_last_window_too_short_to_time_words_in_adds_no_segment(base_pair, fas
 
 
 def test_one_seed_gives_one_transcript_whatever_the_adaptive_draft_length_measured(base_pair, monkeypatch):
-    """Sampled, which uniform decides which token depends on the draft's k a round; the
-    adaptive length chose k from measured times, so `--seed 0` gave other text from run to
-    run (three runs of the Spanish clip: two texts, at two fallback temperatures). Here two
-    runs whose measurements would choose k = 1 and k = 8."""
+    """Sampled, which uniform decided which token depended on the draft's k a round, and
+    the adaptive length chose k from measured times, so `--seed 0` gave other text from run
+    to run (three runs of the Spanish clip: two texts, at two fallback temperatures). Now a
+    position's noise is the seed's alone (asr/sampling.py). Here two runs whose
+    measurements would choose k = 1 and k = 8."""
     audio = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
     options = TranscribeOptions(language="es", temperatures=(1.0,), seed=0)
     texts = []
@@ -287,10 +288,7 @@ def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
     attempt, faster-whisper's choice (Whisper's was the last, at temperature 1.0: sampled
     nonsense), and counts as decoded at the last temperature, as faster-whisper's does."""
     spanish = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
-    # No drafting: the samples drawn depend on how many tokens each round proposes, which the
-    # adaptive length chooses from the machine's timings (a sampled retry passed the
-    # thresholds on some runs); with a draft proposing 4 a round, one passes on every run.
-    options = dict(language="es", task="translate", num_draft_tokens=0)
+    options = dict(language="es", task="translate")
     greedy = Transcriber(base_pair, TranscribeOptions(**options, temperatures=(0.0,))).transcribe(spanish)
     fallback = Transcriber(base_pair, TranscribeOptions(**options)).transcribe(spanish)
     assert greedy.segments[0].avg_logprob < -1.0 and greedy.text.startswith("The sand is white")

@@ -88,9 +88,8 @@ def test_sampling_keeps_the_target_distribution(fixed: bool):
 def test_hinted_rounds_keep_the_target_distribution(fixed: bool):
     """A hint's proposals (a retry at a higher temperature proposes the failed attempt) are
     accepted where the target draws them. Also when no proposal fits before a row's limit (max_new_tokens=1: the
-    round verifies k = 0 proposals and must still sample). In fixed shapes the proposals go
-    through the draft's tensors, as a captured verification reads them. Half the rows have
-    no hint and draft meanwhile, with the draft's own distributions, in the same rounds."""
+    round verifies k = 0 proposals and must still sample). Half the rows have no hint and
+    draft meanwhile, in the same rounds."""
     target = tiny_target(7, dtype=torch.float32)
     features = torch.randn(1, 80, 60, generator=torch.Generator().manual_seed(7))
     with torch.inference_mode():
