@@ -15,9 +15,9 @@ if TYPE_CHECKING:
     from asr.speculative import Batch
 
 HINT_REALIGN = 3  # a row's last kept tokens that, found in its hint, resume the hint there
-# A round's hint proposals a row, at most this over its rows (but max_draft_tokens a row at
-# least): each position verified is a vocabulary-wide row in several float32 buffers, and 16
-# rows following 224-token hints took gigabytes.
+# In fitted shapes, a round's hint proposals a row, at most this over its rows (but
+# max_draft_tokens a row at least): each position verified is a vocabulary-wide row in several
+# float32 buffers, and 16 rows following 224-token hints took gigabytes.
 HINT_POSITIONS = 1024
 
 

@@ -7,9 +7,11 @@ generator. So:
   proposals equal to the target's own draws: speculative decoding keeps exactly the tokens
   that target-only decoding draws with that seed, and these follow the target's distribution;
 - a draw moves only at a near-tie of p / E, as a greedy token at a near-tie of its logits:
-  logits that differ in rounding (passes of other widths) draw the same tokens. (The
-  inverse of the cumulative distribution did not: a uniform in its tail, where thousands
-  of tokens of tiny probability lie side by side, moved to a neighbour with any rounding.)
+  float32 logits that differ in rounding (passes of other widths, on a CPU) draw the same
+  tokens. (The inverse of the cumulative distribution did not: a uniform in its tail, where
+  thousands of tokens of tiny probability lie side by side, moved with any rounding.) In
+  float16 a rounding step is coarser (1/64 at 16), which is one reason a GPU's passes all
+  have one width;
 - a row's draws do not depend on the rows beside it, on the draft's k, or on a hint;
 - a step reads no generator: it can be captured as a CUDA graph.
 
@@ -58,10 +60,12 @@ def exponentials(keys: Tensor, ids: Tensor) -> Tensor:
 def choose(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """A token per row of logits [N, V]: drawn from softmax(logits / temperature) with the
     row's noise at its position (seeds, positions [N]), or the argmax at temperature 0."""
-    probs = torch.softmax(logits.float() / temperature.clamp(min=MIN_TEMPERATURE)[:, None], -1)
-    n, vocab = probs.shape
+    n, vocab = logits.shape
     blocks = -(-vocab // BLOCK)
-    probs = torch.nn.functional.pad(probs, (0, blocks * BLOCK - vocab)).view(n, blocks, BLOCK)
+    # Padded to whole blocks with tokens of probability 0, in one float32 buffer.
+    scaled = torch.full((n, blocks * BLOCK), float("-inf"), device=logits.device)
+    scaled[:, :vocab].copy_(logits).div_(temperature.clamp(min=MIN_TEMPERATURE)[:, None])
+    probs = torch.softmax(scaled, -1).view(n, blocks, BLOCK)
     keys = mix(seeds ^ mix(positions & MASK))
     # Ids past the vocabulary name the blocks: a block's noise is no token's.
     block_ids = torch.arange(blocks, device=probs.device).add_(blocks * BLOCK).expand(n, -1)

@@ -98,7 +98,7 @@ class SpeculativeDecoder:
                draft_length: DraftLength | None = None, hints: list[list[int]] | None = None,
                seeds: list[int] | None = None) -> list[Sequence]:
         """Decodes these rows together until all finish: target_encoder_output [B, frames, width]; the rest as
-        Window's (seeds: by default each row's index)."""
+        Window's (seeds: by default each row's index, so a call made again draws the same samples)."""
         batch = self.batch(rules, rows=len(prompts), no_speech_token=no_speech_token, draft_length=draft_length)
         windows = [Window(target_encoder_output[b], prompt, (sot_index or [0] * len(prompts))[b], max_new_tokens,
                           temperature, (hints or [[]] * len(prompts))[b],

