@@ -72,7 +72,7 @@ def choose(logits: Tensor, temperature: Tensor, seeds: Tensor, positions: Tensor
     block = (probs.sum(-1) / exponentials(keys, block_ids)).argmax(-1, keepdim=True)  # [N, 1]
     token_ids = block * BLOCK + torch.arange(BLOCK, device=probs.device)
     inside = probs.gather(1, block[:, :, None].expand(-1, -1, BLOCK))[:, 0]
-    drawn = token_ids.gather(1, (inside / exponentials(keys, token_ids)).argmax(-1, keepdim=True))[:, 0]
+    drawn = block[:, 0] * BLOCK + (inside / exponentials(keys, token_ids)).argmax(-1)
     return torch.where(temperature > 0, drawn, logits.argmax(-1))
 
 
