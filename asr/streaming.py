@@ -9,7 +9,8 @@ before the end of the last segment whose words are all committed (never the hypo
 last segment).
 
 A buffer in which nothing has been heard yet (silence, room noise) keeps only its last
-few seconds, so that speech starts near the buffer's start.
+few seconds, so that speech starts near the buffer's start; one that no microphone could
+have picked up (digital silence, a muted microphone) is not decoded at all.
 
 Audio that does not fit in the 30 s buffer waits (a long chunk, a slow machine falling
 behind, a buffer whose words never agreed). A full buffer with audio waiting is decoded as
@@ -66,6 +67,9 @@ PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a 
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
 UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
 SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's loudest
+# A buffer whose loudest quarter second is quieter than this (in dB of a full-scale signal's
+# power) holds nothing a microphone picked up: its own noise is louder (-60 to -50 dBFS).
+INAUDIBLE_DBFS = -70
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
@@ -233,29 +237,21 @@ class StreamingTranscriber:
                 break  # nothing new to hear (nor words a last decode would keep)
             # else new audio, or a full buffer decoded already that audio waits behind: it
             # is decoded again as a backlog's (_agree), which cuts it and makes room
-            prompted = bool(self._context) and not self._unprompted
-            window = self._transcribe(self._context if prompted else [])
-            # A window judged silent is not decoded again: without the prompt, Whisper fills
-            # noise with a loop of its own ("I'm going to go to the next room." 14 times).
-            if prompted and not window.silent and self._hallucinated(window):
-                # Until the buffer is cut: the same prompt before the same start failed again
-                # in every update, each a decode to the token limit (5 s on a CPU, per 0.5 s chunk).
-                window, prompted, self._unprompted = self._transcribe([]), False, True
-            elif prompted and self._stops_short(window):
-                retry = self._transcribe([])
-                if (self._heard_until(retry) or 0.0) > self._heard_until(window):
-                    window, prompted = retry, False
-            window = self._judged(window)
-            # decoded (a decode that raised is done again at the next call)
-            self._decoded_before, self._decoded_until = self._decoded_until, until
-            stats.append(window.info.stats)
-            decoded_seconds += len(self._buffer) / SAMPLE_RATE
-            shown = self._tentative
-            committed += self._agree(window, prompted, final)
-            if final and window.silent and not self._tentative:
-                # The last words shown (grey) are not lost to a final decode judged silent
-                # (a short last phrase, then a long silence before the stop).
-                self._tentative = shown
+            if self._inaudible():
+                self._decoded_before, self._decoded_until = self._decoded_until, until
+                self._cut_unheard()  # as after a decode judged silent, without its cost
+            else:
+                window, prompted = self._hypothesis()
+                # decoded (a decode that raised is done again at the next call)
+                self._decoded_before, self._decoded_until = self._decoded_until, until
+                stats.append(window.info.stats)
+                decoded_seconds += len(self._buffer) / SAMPLE_RATE
+                shown = self._tentative
+                committed += self._agree(window, prompted, final)
+                if final and window.silent and not self._tentative:
+                    # The last words shown (grey) are not lost to a final decode judged silent
+                    # (a short last phrase, then a long silence before the stop).
+                    self._tentative = shown
             if not (final and len(self._waiting)):
                 break
         if final:
@@ -281,6 +277,31 @@ class StreamingTranscriber:
             now=now,
             final=final,
         )
+
+    def _hypothesis(self) -> tuple[WindowResult, bool]:
+        """The buffer decoded (with the prompt unless it failed on this buffer), judged; and
+        whether the prompt conditioned it."""
+        prompted = bool(self._context) and not self._unprompted
+        window = self._transcribe(self._context if prompted else [])
+        # A window judged silent is not decoded again: without the prompt, Whisper fills
+        # noise with a loop of its own ("I'm going to go to the next room." 14 times).
+        if prompted and not window.silent and self._hallucinated(window):
+            # Until the buffer is cut: the same prompt before the same start failed again
+            # in every update, each a decode to the token limit (5 s on a CPU, per 0.5 s chunk).
+            window, prompted, self._unprompted = self._transcribe([]), False, True
+        elif prompted and self._stops_short(window):
+            retry = self._transcribe([])
+            if (self._heard_until(retry) or 0.0) > self._heard_until(window):
+                window, prompted = retry, False
+        return self._judged(window), prompted
+
+    def _inaudible(self) -> bool:
+        """Whether nothing has been heard in the buffer and nothing in it is loud enough for a
+        microphone to have picked it up (digital silence, a muted microphone): Whisper hears
+        quiet audio at any level (its features are log-scaled to the window's loudest), so
+        such a buffer would cost a window's decode, to be judged silent at best."""
+        return (not self._in_buffer and not self._tentative and len(self._buffer) > 0
+                and _quarter_powers(self._buffer).max() < 10 ** (INAUDIBLE_DBFS / 10))
 
     def _fill(self) -> None:
         """Moves waiting audio into the buffer, up to one window."""
@@ -333,9 +354,7 @@ class StreamingTranscriber:
         heard = self._heard_until(window)
         if window.silent or heard is None or len(self._buffer) / SAMPLE_RATE - heard < UNHEARD_SECONDS:
             return False
-        quarter = SAMPLE_RATE // 4
-        quarters = len(self._buffer) // quarter
-        power = (self._buffer[: quarters * quarter].reshape(quarters, quarter).astype(np.float64) ** 2).mean(1)
+        power = _quarter_powers(self._buffer)
         after = power[math.ceil(heard * 4) :]
         return len(after) > 0 and after.max() > power.max() * 10 ** (-SPEECH_DB / 10)
 
@@ -568,6 +587,12 @@ class StreamingTranscriber:
         self._buffer = self._buffer[samples:]
         self._buffer_start += samples
         self._unprompted = False
+
+
+def _quarter_powers(samples: np.ndarray) -> np.ndarray:
+    """The mean power of each quarter second of samples (a shorter last piece is one too)."""
+    starts = np.arange(0, len(samples), SAMPLE_RATE // 4)
+    return np.add.reduceat(samples.astype(np.float64) ** 2, starts) / np.diff(np.append(starts, len(samples)))
 
 
 def _before_repeats(keys: list[str], before: list[str]) -> int:

@@ -410,6 +410,26 @@ def test_silence_and_room_noise_before_speech_commit_nothing_and_lose_no_speech(
         heard = normalize(updates[-1].committed_text)
         assert normalized_wer([said], [heard]) < 0.1, (lead, heard)
         assert_append_only(updates)
+        # Digital silence costs no decode; room noise is decoded (a microphone picks up speech as quiet).
+        silent = [u for u in updates if u.audio_seconds <= lead]
+        assert sum(u.buffer_seconds > 0 for u in silent) == (0 if level == 0 else len(silent))
+
+
+def test_speech_at_a_microphones_noise_level_is_decoded(transcriber):
+    """A microphone's gain set very low: JFK with its loudest quarter second at -60 dBFS
+    (where a quiet room's noise is) is heard as at full level, but for a letter ("America,"):
+    Whisper's features are scaled to the window's loudest. It is not taken for silence that
+    need not be decoded."""
+    samples = load_audio(JFK)
+    loudest = np.sqrt(max((samples[i : i + SAMPLE_RATE // 4].astype(np.float64) ** 2).mean()
+                          for i in range(0, len(samples), SAMPLE_RATE // 4)))
+    quiet = (samples * 10 ** (-60 / 20) / loudest).astype(np.float32)
+    texts = []
+    for audio in (samples, quiet):
+        stream = StreamingTranscriber(transcriber)
+        stream.insert_audio(audio)
+        texts.append(stream.process().tentative_text)
+    assert texts[0].startswith("And so my fellow Americans") and normalized_wer([texts[0]], [texts[1]]) < 0.1, texts
 
 
 def test_a_finished_stream_takes_no_more_audio(transcriber):
