@@ -577,7 +577,9 @@ def test_cli_cuts_silences_with_vad_and_says_what_it_needs(tmp_path: Path, capsy
 
 def test_cli_transcribes_with_compiled_steps(tmp_path: Path):
     """--compile (torch.compile of the engine's steps, meant for a GPU) reaches the engine
-    and gives the same transcript, the int8 draft's passes included."""
+    and gives the same transcript. Target-only: compiling the draft's steps too doubled this
+    test (57 s, Inductor compiling from cold); tests/test_gpu_paths.py compiles them on the
+    tiny models."""
     from torch._dynamo.utils import counters
 
     clip = str(SAMPLES / "1089-134691-0001.flac")
@@ -585,11 +587,11 @@ def test_cli_transcribes_with_compiled_steps(tmp_path: Path):
     for name, extra in (("eager", []), ("compiled", ["--compile"])):
         before = counters["stats"]["unique_graphs"]
         assert main(["transcribe", clip, "--out-dir", str(tmp_path / name), "--formats", "json", "--language", "en",
-                     "--num-draft-tokens", "3", *extra]) == 0
+                     "--no-speculation", *extra]) == 0
         compiled_graphs.append(counters["stats"]["unique_graphs"] - before)
     assert compiled_graphs[0] == 0 and compiled_graphs[1] > 0
     eager, compiled = (json.loads((tmp_path / name / "1089-134691-0001.json").read_text()) for name in ("eager", "compiled"))
-    assert compiled["text"] == eager["text"] and compiled["stats"]["draft_tokens_accepted"] > 0
+    assert compiled["text"] == eager["text"] != ""
 
 
 def test_a_gpu_too_small_for_the_models_is_said_in_a_line(tmp_path: Path, capsys, monkeypatch):

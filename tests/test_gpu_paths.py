@@ -368,19 +368,20 @@ def test_the_longest_draft_keeps_its_proposals_in_fixed_shapes(pair, maximum: in
     assert all(s.stats.draft_accepted == s.stats.draft_proposed > 0 for s in fixed)
 
 
-@pytest.mark.parametrize("mode", ["default", "max-autotune-no-cudagraphs"])
-def test_compiled_steps_give_the_same_tokens(pair, mode: str):
+def test_compiled_steps_give_the_same_tokens(pair):
     """The engine's steps compiled whole by torch.compile (for a GPU, inside its graphs;
-    here Inductor's CPU code), in its default mode and with max-autotune, in fixed shapes:
-    rounds without drafting and with k = 3 give the eager engine's tokens, and Dynamo
-    takes each step (the pass, the rules, the choice, the bookkeeping) as one graph."""
+    here Inductor's CPU code), in fixed shapes: rounds without drafting and with k = 3 give
+    the eager engine's tokens, and Dynamo takes each step (the pass, the rules, the choice,
+    the bookkeeping) as one graph. (max-autotune-no-cudagraphs, whose autotuning is of GPU
+    kernels, compiles these steps on a CPU as the default mode does, in 40 s more of a test
+    run: scripts/gpu_check.py's `autotune` part runs it on a GPU.)"""
     from torch._dynamo.utils import counters
 
     target, encoded, draft = pair[:3]
     rules, prompt = rules_for(True), prompt_for(True)
     options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
     fitted = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
-    compiled = engine(target, draft, compile=mode)
+    compiled = engine(target, draft, compile="default")
     assert compiled.compiled(Batch._verify) is compiled.compiled(Batch._verify) is not Batch._verify
     graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
     for k in (0, 3):
