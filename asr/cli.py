@@ -161,6 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: Whisper's whole 30 s window)")
     s.add_argument("--language", help="e.g. en, de (default: detect)")
     s.add_argument("--prompt", default="", help="text said before the stream (names and spellings to expect)")
+    s.add_argument("--word-timestamps", action="store_true",
+                   help="time each word from the target's cross-attention, as `transcribe --word-timestamps` "
+                        "(one more target pass per update; default: a segment's time shared among its words)")
     add_model_arguments(s)
     s.add_argument("--no-speculation", action="store_true", help="decode with the target alone (no draft model)")
 
@@ -399,7 +402,8 @@ def stream_command(args: argparse.Namespace) -> int:
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
                          device=device, dtype=dtype, encoder_dtype=encoder_dtype)
         transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
-                                                          initial_prompt=args.prompt, **engine_options(args)))
+                                                          initial_prompt=args.prompt,
+                                                          word_timestamps=args.word_timestamps, **engine_options(args)))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds,
                                       encoder_padding_seconds=args.encoder_padding_seconds,

@@ -38,8 +38,14 @@ hypothesis, and so are copies of the prompt (from those decoded with it), lest t
 hypotheses agree on them; but for the last decode and a backlog's, which no later one
 corrects, where what passes Whisper's compression test is speech that repeats itself.
 
-Word times are approximate: Whisper gives segment timestamps, and a segment's duration is
-shared among its words in proportion to their characters.
+Words are timed as offline with the transcriber's word_timestamps (the target's
+cross-attention, one more pass per update); otherwise roughly: Whisper gives segment
+timestamps, and a segment's duration is shared among its words in proportion to their
+characters (words after a pause are then timed from the pause's start).
+
+The last decode (finish()) commits its whole hypothesis. Where Whisper ends that hypothesis
+on a timestamp with speech after it (offline, the next window would start there), the buffer
+is cut after its words and the rest decoded too.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ import numpy as np
 
 from asr.audio import SAMPLE_RATE, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
-from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio
+from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio, text_runs
 from asr.words import cut_unspaced
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
@@ -66,6 +72,9 @@ TOKENS_PER_SECOND = 15  # a buffer's hypothesis stops at 20 tokens + this many p
 PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
 UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
+# Half a second of speech from this long after a last hypothesis's closing timestamp: Whisper
+# left it to a next window, and the rest of the buffer is decoded (_unheard_tail).
+TAIL_SECONDS = 0.25
 SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's loudest
 # A buffer whose loudest quarter second is quieter than this (in dB of a full-scale signal's
 # power) holds nothing a microphone picked up: its own noise is louder (-60 to -50 dBFS).
@@ -171,6 +180,7 @@ class StreamingTranscriber:
         self._tentative: list[Word] = []
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._held_back = False  # whether its new words were cut where they loop or copy (_agree)
+        self._tail = False  # the last hypothesis left a tail of speech to a next window (_agree): a last decode cuts it
         self._unprompted = False  # the prompt made Whisper loop or echo it on this buffer's start: decode without it
         self._last_end = 0.0  # the audio-time clock when the last call ended
         prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
@@ -230,11 +240,13 @@ class StreamingTranscriber:
         start_clock = max(self._last_end, self.audio_seconds)
         committed: list[Word] = []
         stats, decoded_seconds = [], 0.0
+        tail = False  # a last decode cut the buffer before speech it left to a next window (_agree)
         while True:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
-            if until == self._decoded_until and not len(self._waiting) and not (final and self._held_back):
-                break  # nothing new to hear (nor words a last decode would keep)
+            if (until == self._decoded_until and not len(self._waiting) and not tail
+                    and not (final and (self._held_back or self._tail))):
+                break  # nothing new to hear (nor words a last decode would keep, nor a tail it would cut)
             # else new audio, or a full buffer decoded already that audio waits behind: it
             # is decoded again as a backlog's (_agree), which cuts it and makes room
             if self._inaudible():
@@ -247,12 +259,16 @@ class StreamingTranscriber:
                 stats.append(window.info.stats)
                 decoded_seconds += len(self._buffer) / SAMPLE_RATE
                 shown = self._tentative
-                committed += self._agree(window, prompted, final)
+                committed += self._agree(window, prompted, final, cut_tail=final and not tail)
                 if final and window.silent and not self._tentative:
                     # The last words shown (grey) are not lost to a final decode judged silent
                     # (a short last phrase, then a long silence before the stop).
                     self._tentative = shown
-            if not (final and len(self._waiting)):
+            if final and self._tail and not tail:
+                # _agree cut it; the tail is decoded once (past its own last timestamp, noise
+                # at the end of JFK was heard as "What country?")
+                tail = True
+            elif not (final and len(self._waiting)):
                 break
         if final:
             committed += self._commit(self._tentative)
@@ -352,11 +368,25 @@ class StreamingTranscriber:
         every update, and at the end for good. Such a buffer is decoded again without the
         prompt, and the hypothesis that hears further is kept."""
         heard = self._heard_until(window)
-        if window.silent or heard is None or len(self._buffer) / SAMPLE_RATE - heard < UNHEARD_SECONDS:
-            return False
+        return (not window.silent and heard is not None and len(self._buffer) / SAMPLE_RATE - heard >= UNHEARD_SECONDS
+                and self._speech_after(heard))
+
+    def _unheard_tail(self, window: WindowResult) -> bool:
+        """Whether a hypothesis ends on a closing timestamp, a second or more into the buffer,
+        with half a second of speech from TAIL_SECONDS after it: Whisper leaves that speech to
+        the next window (offline, the next window starts at that timestamp). A stream's last
+        decode ended so, and JFK's last words were lost ("... ask what you can"). A shorter
+        sound is the last word fading: the sonnet's "thee", decoded again as "nd the."."""
+        heard = self._heard_until(window)
+        return (not window.silent and heard is not None and heard >= 1.0
+                and window.tokens[-1] >= self._vocab.timestamp_begin and self._speech_after(heard + TAIL_SECONDS, 2))
+
+    def _speech_after(self, seconds: float, quarters: int = 1) -> bool:
+        """Whether the buffer holds speech after `seconds` into it: `quarters` quarter seconds
+        in a row within SPEECH_DB of its loudest."""
         power = _quarter_powers(self._buffer)
-        after = power[math.ceil(heard * 4) :]
-        return len(after) > 0 and after.max() > power.max() * 10 ** (-SPEECH_DB / 10)
+        loud = power[math.ceil(seconds * 4) :] > power.max() * 10 ** (-SPEECH_DB / 10)
+        return any(loud[i : i + quarters].all() for i in range(len(loud) - quarters + 1))
 
     def _heard_until(self, window: WindowResult) -> float | None:
         """The hypothesis's last timestamp, in seconds into the buffer (None without timestamps)."""
@@ -369,7 +399,7 @@ class StreamingTranscriber:
         seconds = math.ceil(samples / SAMPLE_RATE + self.encoder_padding_seconds)
         return min(seconds, WINDOW_SECONDS) * FRAMES_PER_SECOND
 
-    def _agree(self, window: WindowResult, prompted: bool, final: bool) -> list[Word]:
+    def _agree(self, window: WindowResult, prompted: bool, final: bool, cut_tail: bool = False) -> list[Word]:
         """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
         then trims the buffer if it is long. A full buffer with audio waiting is committed
         and cut as offline (_closed_words, _cut_closed). Returns the words committed.
@@ -378,7 +408,7 @@ class StreamingTranscriber:
         the window was decoded with it), lest two hypotheses agree on a hallucination; in a
         last decode, or one of a backlog, no later one could set that right, so words that
         pass Whisper's own test are kept: speech that repeats itself ("No, no, no, no.")."""
-        segments = [] if window.silent else self._split_at_committed(self._segments(window.tokens))
+        segments = [] if window.silent else self._split_at_committed(self._segments(window))
         words = [w for s in segments for w in s.words]
         unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
@@ -406,7 +436,15 @@ class StreamingTranscriber:
         # buffer): they stay as they were, or the next hypothesis would commit them again
         self._tentative = fresh[agreed:]
         self._hint = window.tokens
-        if unheard:
+        self._tail = (not backlog and not self._held_back and len(self._in_buffer) + len(self._tentative) == len(words)
+                      and self._unheard_tail(window))
+        if cut_tail and self._tail:
+            # As offline, where the next window would start at the hypothesis's last timestamp:
+            # its words are committed and the buffer cut after them, for the tail to be decoded.
+            committed += self._commit(self._tentative)
+            self._in_buffer, self._tentative = self._in_buffer + self._tentative, []
+            self._cut_at(*self._committed_segment(segments))
+        elif unheard:
             self._cut_unheard()
         elif backlog:
             self._cut_closed(segments)
@@ -436,8 +474,8 @@ class StreamingTranscriber:
 
     def _cut_unheard(self) -> None:
         """A buffer in which nothing has been heard (silence, room noise) keeps the last
-        UNHEARD_KEEP_SECONDS of what the decode before this one heard, and all after. Cut only at a committed segment, such a buffer grew to a full
-        window, whose backlog cut dropped it whole with the first words of speech at its end;
+        UNHEARD_KEEP_SECONDS of what the decode before this one heard, and all after. Cut only
+        at a committed segment, such a buffer grew to a full window, whose backlog cut dropped it whole with the first words of speech at its end;
         and seconds of silence before speech set Whisper timing it from the buffer's start
         and stopping a sentence short, at every update."""
         # Only audio decoded twice, lest a call that took long (behind uploads) drop audio heard once.
@@ -459,22 +497,17 @@ class StreamingTranscriber:
             self._committed.append(Word(word.text, start, end))
         return self._committed[len(self._committed) - len(words) :]
 
-    def _segments(self, tokens: list[int]) -> list[_Segment]:
-        """Cuts a hypothesis at its timestamps into segments of timed words; text after the
-        last timestamp runs to the end of the buffer."""
-        ts_begin, offset = self._vocab.timestamp_begin, self._buffer_start / SAMPLE_RATE
-        duration = len(self._buffer) / SAMPLE_RATE
-        segments, text, start = [], [], 0.0
-        for i, token in enumerate(tokens + [None]):  # None: the end of the hypothesis
-            if token is not None and token < ts_begin:
-                text.append(token)
-                continue
-            closing = None if token is None else token - ts_begin
-            end = duration if closing is None else min(closing * TIMESTAMP_SECONDS, duration)
-            if text:
-                words = _timed_words(self._vocab.decode(text), offset + start, offset + max(end, start))
-                segments.append(_Segment(words, i + (token is not None), closing))
-            text, start = [], end
+    def _segments(self, window: WindowResult) -> list[_Segment]:
+        """Cuts a hypothesis at its timestamps into segments of timed words (text_runs): timed
+        by the target's cross-attention where the window was decoded with word timestamps,
+        else by sharing each segment's time among its words."""
+        offset = self._buffer_start / SAMPLE_RATE
+        runs = text_runs(window.tokens, self._vocab.timestamp_begin, len(self._buffer) / SAMPLE_RATE)
+        segments = []
+        for run, timed in zip(runs, window.words or [None] * len(runs)):
+            words = (_timed_words(self._vocab.decode(run.tokens), offset + run.start, offset + run.end) if not timed
+                     else [Word(w.text, offset + w.start, offset + w.end) for w in timed])
+            segments.append(_Segment(words, run.end_token, run.closing))
         return [s for s in segments if s.words]
 
     def _already_committed(self, words: list[Word]) -> int:

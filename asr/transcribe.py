@@ -129,6 +129,36 @@ class WindowResult:
     silent: bool  # judged to hold no speech (transcribe would skip the window)
     info: TranscriptionInfo  # this window's stats and timings
     no_speech_prob: float = 0.0  # Whisper's probability that the window holds no speech
+    # With word_timestamps (and not silent): the words of each of text_runs(tokens), timed by
+    # the target's cross-attention (asr/words.py), in seconds into the window.
+    words: list[list[Word]] | None = None
+
+
+@dataclass(frozen=True)
+class TextRun:
+    """Text tokens between two timestamps of a window's tokens (text_runs)."""
+
+    start: float  # the timestamp before them, in seconds into the window (none: 0)
+    end: float  # the one after them (none: the window's duration)
+    tokens: list[int]
+    end_token: int  # the window's tokens up to here make this run and those before it
+    closing: int | None  # the closing timestamp, in 20 ms steps (None: the run is open)
+
+
+def text_runs(tokens: list[int], timestamp_begin: int, duration: float) -> list[TextRun]:
+    """A window's tokens cut at every timestamp, as a stream cuts its hypotheses (empty runs
+    left out); text after the last timestamp runs to the window's duration."""
+    runs, text, start = [], [], 0.0
+    for i, token in enumerate(tokens + [None]):  # None: the end of the tokens
+        if token is not None and token < timestamp_begin:
+            text.append(token)
+            continue
+        closing = None if token is None else token - timestamp_begin
+        end = duration if closing is None else min(closing * TIMESTAMP_SECONDS, duration)
+        if text:
+            runs.append(TextRun(start, max(end, start), text, i + (token is not None), closing))
+        text, start = [], end
+    return runs
 
 
 class Cancelled(Exception):
@@ -551,6 +581,20 @@ class Transcriber:
             and not (options.log_prob_threshold is not None and sequence.avg_logprob > options.log_prob_threshold)
         )
 
+    def _align(self, job: _Job, texts: list[list[int]], times: list[tuple[float, float]], frames: int, offset: float,
+               last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]]]:
+        """asr.words.align over the job's current window."""
+        sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
+        # Words are split as the output's language writes them: English when translating.
+        written = "en" if self.options.task == "translate" else job.language
+        return align(self.models.target, job.encoded, sot_sequence, texts, times, frames, offset, written, job.duration,
+                     last_speech)
+
+    def _window_words(self, job: _Job, tokens: list[int]) -> list[list[Word]]:
+        """The words of each of a window's text runs (a stream's buffer), timed."""
+        runs = text_runs(tokens, self.vocab.timestamp_begin, job.duration)
+        return self._align(job, [r.tokens for r in runs], [(r.start, r.end) for r in runs], job.frames, 0.0, 0.0)[0]
+
     def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
         """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
         and move the seek to the end of the last complete segment. The job changes only
@@ -593,12 +637,8 @@ class Transcriber:
         if self.options.word_timestamps:
             # As Whisper (and faster-whisper): segments take their words' times, and unless the
             # window ended on a lone timestamp the next one starts where its last word ended.
-            sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
-            # Words are split as the output's language writes them: English when translating.
-            written = "en" if self.options.task == "translate" else job.language
-            words, times = align(self.models.target, job.encoded, sot_sequence, texts,
-                                 [(start, end) for start, end, _ in pieces], segment_frames, offset, written,
-                                 job.duration, job.last_speech)
+            words, times = self._align(job, texts, [(start, end) for start, end, _ in pieces], segment_frames, offset,
+                                       job.last_speech)
             pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
             job.last_speech = speech_end(words, times, job.last_speech)
             if not single_ending and job.last_speech > offset:
@@ -757,8 +797,10 @@ class _Decoding:
             job.info.windows += 1
             temperature = temperatures[job.attempt]
             if job.window_only:
-                job.result = WindowResult(sequence.tokens, job.info.language, temperature, t._silent(sequence), job.info,
-                                          sequence.no_speech_prob)
+                silent = t._silent(sequence)
+                words = t._window_words(job, sequence.tokens) if t.options.word_timestamps and not silent else None
+                job.result = WindowResult(sequence.tokens, job.info.language, temperature, silent, job.info,
+                                          sequence.no_speech_prob, words)
             else:
                 t._advance(job, sequence, temperature)
                 job.report()

@@ -432,6 +432,26 @@ def test_speech_at_a_microphones_noise_level_is_decoded(transcriber):
     assert texts[0].startswith("And so my fellow Americans") and normalized_wer([texts[0]], [texts[1]]) < 0.1, texts
 
 
+def test_speech_after_room_noise_is_committed_to_its_last_word_and_timed_as_offline(transcriber):
+    """JFK after 4 s of room noise. The last hypothesis closed its last segment at "ask what
+    you can" with 1.6 s of speech after it (offline, Whisper's next window starts there), and
+    the last decode, with no new audio, kept it: "do for your country" was lost. And each
+    segment's time shared among its words timed "And" at 0.0 s. With word timestamps, the
+    words are timed by cross-attention, as offline."""
+    noise = np.random.default_rng(1).normal(0, 0.003, 4 * SAMPLE_RATE).astype(np.float32)
+    samples = np.concatenate([noise, load_audio(JFK)])
+    options = replace(transcriber.options, word_timestamps=True)
+    offline = Transcriber(transcriber.models, options).transcribe(samples)
+    stream = StreamingTranscriber(Transcriber(transcriber.models, options), timer=keeping_up())
+    updates = list(feed_recording(stream, samples, 1.0))
+    assert_append_only(updates)
+    assert normalize(updates[-1].committed_text).endswith("ask what you can do for your country")
+    words, expected = [w for u in updates for w in u.committed], [w for s in offline.segments for w in s.words]
+    assert len(words) == len(expected) and words[0].start > 3.5
+    assert max(abs(a.start - b.start) for a, b in zip(words, expected)) < 0.15
+    assert max(abs(a.end - b.end) for a, b in zip(words, expected)) < 0.15
+
+
 def test_a_finished_stream_takes_no_more_audio(transcriber):
     """finish() commits everything, so audio after it could only be decoded against words
     no longer in the buffer (it used to commit them a second time): a clear error instead;
@@ -459,3 +479,8 @@ def test_cli_json_lines(capsys):
     assert summary["committed_text"] == updates[-1]["committed_text"] and "cutter" in summary["committed_text"].lower()
     assert summary["target_passes"] == sum(u["target_passes"] for u in updates)
     assert updates[-1]["final"] and abs(summary["audio_seconds"] - 2.1) < 0.1
+    # --word-timestamps: each word timed by cross-attention, within the clip
+    assert main(["stream", str(clip), "--json", "--language", "en", "--word-timestamps"]) == 0
+    words = [w for line in capsys.readouterr().out.splitlines()[:-1] for w in json.loads(line)["committed"]]
+    assert "cutter" in "".join(w["text"] for w in words).lower()
+    assert all(0 <= w["start"] <= w["end"] <= 2.2 for w in words) and words[0]["start"] < words[-1]["start"]
