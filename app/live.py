@@ -86,6 +86,14 @@ class LiveSession:
         end = self._stopped if self._stopped is not None else time.monotonic()
         return end - self._started
 
+    def waiting_seconds(self) -> float:
+        """Audio received that no decode has read yet: it grows where decoding is slower
+        than speech (chunks Gradio dropped are not counted: recorded_seconds)."""
+        with self._wake:
+            pending = self._pending_samples
+        decoded = self.updates[-1].audio_seconds if self.updates else 0.0
+        return pending / SAMPLE_RATE + self._streamer.audio_seconds - decoded
+
     @property
     def last(self) -> StreamUpdate | None:
         return self.updates[-1] if self.updates else None

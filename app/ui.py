@@ -22,8 +22,8 @@ import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
-from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, progress_figures,
-                       segments_html, server_figures, stopped_html, transcript_html, upload_figures, warnings_html)
+from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status,
+                       progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures, warnings_html)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
@@ -349,8 +349,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
             return gr.skip(), gr.skip(), live
         live.shown, update = shown, live.updates[shown - 1]
         recorded = live.recorded_seconds()
-        status = ("recording" if not update.final else "finished" if recorded <= LIVE_TIME_LIMIT_S else
-                  f"stopped at the {LIVE_TIME_LIMIT_S // 60}-minute limit: press Stop, then Record to go on")
+        status = live_status(update.final, recorded, live.waiting_seconds(), LIVE_TIME_LIMIT_S)
         return (live_html(update.committed_text, update.tentative_text, listening=not update.final),
                 figures_html(live_figures(live.summary(), recorded, status)), live)
 

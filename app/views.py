@@ -136,6 +136,21 @@ def stopped_html(message: str, committed: str, tentative: str) -> str:
     return error_html(message) + kept
 
 
+BEHIND_SECONDS = 5.0  # this much audio waiting for a decode: the page says the transcript falls behind
+
+
+def live_status(final: bool, recorded_seconds: float, waiting_seconds: float, limit_seconds: int) -> str:
+    """The live recording's state in words: recording (and how far behind its transcript
+    is, where the server decodes slower than speech), finished, or stopped at the limit."""
+    if final:
+        return ("finished" if recorded_seconds <= limit_seconds else
+                f"stopped at the {limit_seconds // 60}-minute limit: press Stop, then Record to go on")
+    if waiting_seconds > BEHIND_SECONDS:
+        return (f"recording · the transcript is {waiting_seconds:.0f} s behind: this server decodes more slowly "
+                "than you speak")
+    return "recording"
+
+
 def live_figures(summary: StreamSummary, recorded_seconds: float, status: str) -> list[Figure]:
     """status: the recording's, in words (recording, finished, why it stopped)."""
     if summary.median_commit_latency is None:

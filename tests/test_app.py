@@ -28,7 +28,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import transcribe_upload
-from app.views import clock, live_html, stopped_html
+from app.views import BEHIND_SECONDS, clock, live_html, live_status, stopped_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
@@ -283,6 +283,31 @@ def test_a_live_session_whose_decode_fails_once_goes_on(engine: Engine, monkeypa
         live.feed(*chunk)
     live.finish()
     assert failures and live.error is None and EXPECTED in words(live.last.committed_text)
+
+
+def test_a_live_session_on_a_server_too_slow_for_it_says_how_far_behind_it_is(engine: Engine,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Decodes that take longer than the audio they read (a busy or slow server): the audio
+    waiting for the next decode grows, and the page's status says how far behind the
+    transcript is; once Stop has decoded it all, nothing waits."""
+    process = StreamingTranscriber.process
+
+    def slow(self: StreamingTranscriber):
+        time.sleep(3.5)  # a decode reads what arrived during the one before: about 4 s behind, then 8
+        return process(self)
+
+    monkeypatch.setattr(StreamingTranscriber, "process", slow)
+    live = LiveSession(engine, Settings(language="en"))
+    waiting = []
+    for chunk in browser_chunks():  # in real time
+        live.feed(*chunk)
+        time.sleep(0.1)
+        waiting.append(live.waiting_seconds() if live.updates else 0.0)
+    assert max(waiting) > BEHIND_SECONDS
+    assert "6 s behind" in live_status(False, 11.0, 6.2, 900) and live_status(False, 11.0, 1.5, 900) == "recording"
+    live.finish()
+    assert live.waiting_seconds() == 0.0 and EXPECTED in words(live.last.committed_text)
+    assert live_status(True, 11.0, 0.0, 900) == "finished"
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
