@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 import traceback
+from dataclasses import replace
 
 import numpy as np
 import soxr
@@ -30,7 +31,9 @@ class LiveSession:
 
     def __init__(self, engine: Engine, settings: Settings):
         self._engine = engine
-        self._streamer = StreamingTranscriber(engine.transcriber(settings), clock=self._stream_clock)
+        # Word timestamps are the uploads' (the page shows no live word times: a pass an update for nothing).
+        self._streamer = StreamingTranscriber(engine.transcriber(replace(settings, word_timestamps=False)),
+                                              clock=self._stream_clock)
         self._started: float | None = None  # wall time of the stream's first sample
         self._stopped: float | None = None  # wall time of Stop
         self._resampler: soxr.ResampleStream | None = None

@@ -50,7 +50,9 @@ is cut after its words and the rest decoded too.
 
 from __future__ import annotations
 
+import bisect
 import difflib
+import itertools
 import math
 import re
 import time
@@ -62,6 +64,7 @@ import numpy as np
 from asr.audio import SAMPLE_RATE, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio, text_runs
+from asr.words import Word as TimedWord
 from asr.words import cut_unspaced
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
@@ -316,8 +319,8 @@ class StreamingTranscriber:
         microphone to have picked it up (digital silence, a muted microphone): Whisper hears
         quiet audio at any level (its features are log-scaled to the window's loudest), so
         such a buffer would cost a window's decode, to be judged silent at best."""
-        return (not self._in_buffer and not self._tentative and len(self._buffer) > 0
-                and _quarter_powers(self._buffer).max() < 10 ** (INAUDIBLE_DBFS / 10))
+        power = _quarter_powers(self._buffer)
+        return not self._in_buffer and not self._tentative and len(power) > 0 and power.max() < 10 ** (INAUDIBLE_DBFS / 10)
 
     def _fill(self) -> None:
         """Moves waiting audio into the buffer, up to one window."""
@@ -371,20 +374,21 @@ class StreamingTranscriber:
         return (not window.silent and heard is not None and len(self._buffer) / SAMPLE_RATE - heard >= UNHEARD_SECONDS
                 and self._speech_after(heard))
 
-    def _unheard_tail(self, window: WindowResult) -> bool:
-        """Whether a hypothesis ends on a closing timestamp, a second or more into the buffer,
-        with half a second of speech from TAIL_SECONDS after it: Whisper leaves that speech to
-        the next window (offline, the next window starts at that timestamp). A stream's last
+    def _unheard_tail(self, segments: list[_Segment]) -> bool:
+        """Whether a hypothesis's last segment closes a second or more into the buffer, with
+        half a second of speech from TAIL_SECONDS after it: Whisper leaves that speech to the
+        next window (offline, the next window starts at that timestamp). A stream's last
         decode ended so, and JFK's last words were lost ("... ask what you can"). A shorter
         sound is the last word fading: the sonnet's "thee", decoded again as "nd the."."""
-        heard = self._heard_until(window)
-        return (not window.silent and heard is not None and heard >= 1.0
-                and window.tokens[-1] >= self._vocab.timestamp_begin and self._speech_after(heard + TAIL_SECONDS, 2))
+        heard = segments[-1].end_timestamp * TIMESTAMP_SECONDS if segments and segments[-1].end_timestamp else 0.0
+        return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 2)
 
     def _speech_after(self, seconds: float, quarters: int = 1) -> bool:
         """Whether the buffer holds speech after `seconds` into it: `quarters` quarter seconds
         in a row within SPEECH_DB of its loudest."""
         power = _quarter_powers(self._buffer)
+        if not len(power):
+            return False
         loud = power[math.ceil(seconds * 4) :] > power.max() * 10 ** (-SPEECH_DB / 10)
         return any(loud[i : i + quarters].all() for i in range(len(loud) - quarters + 1))
 
@@ -437,7 +441,7 @@ class StreamingTranscriber:
         self._tentative = fresh[agreed:]
         self._hint = window.tokens
         self._tail = (not backlog and not self._held_back and len(self._in_buffer) + len(self._tentative) == len(words)
-                      and self._unheard_tail(window))
+                      and self._unheard_tail(segments))
         if cut_tail and self._tail:
             # As offline, where the next window would start at the hypothesis's last timestamp:
             # its words are committed and the buffer cut after them, for the tail to be decoded.
@@ -503,10 +507,11 @@ class StreamingTranscriber:
         else by sharing each segment's time among its words."""
         offset = self._buffer_start / SAMPLE_RATE
         runs = text_runs(window.tokens, self._vocab.timestamp_begin, len(self._buffer) / SAMPLE_RATE)
+        texts = [self._vocab.decode(run.tokens) for run in runs]
+        aligned = _aligned_words(texts, window.words, offset) if window.words else None
         segments = []
-        for run, timed in zip(runs, window.words or [None] * len(runs)):
-            words = (_timed_words(self._vocab.decode(run.tokens), offset + run.start, offset + run.end) if not timed
-                     else [Word(w.text, offset + w.start, offset + w.end) for w in timed])
+        for i, (run, text) in enumerate(zip(runs, texts)):
+            words = aligned[i] if aligned else _timed_words(text, offset + run.start, offset + run.end)
             segments.append(_Segment(words, run.end_token, run.closing))
         return [s for s in segments if s.words]
 
@@ -623,9 +628,10 @@ class StreamingTranscriber:
 
 
 def _quarter_powers(samples: np.ndarray) -> np.ndarray:
-    """The mean power of each quarter second of samples (a shorter last piece is one too)."""
-    starts = np.arange(0, len(samples), SAMPLE_RATE // 4)
-    return np.add.reduceat(samples.astype(np.float64) ** 2, starts) / np.diff(np.append(starts, len(samples)))
+    """The mean power of each whole quarter second of samples (a few samples' mean is noise)."""
+    quarter = SAMPLE_RATE // 4
+    quarters = len(samples) // quarter
+    return (samples[: quarters * quarter].reshape(quarters, quarter).astype(np.float64) ** 2).mean(1)
 
 
 def _before_repeats(keys: list[str], before: list[str]) -> int:
@@ -672,6 +678,27 @@ def _split_word(word: Word, chars: int) -> list[Word]:
         return [word]
     middle = word.start + (word.end - word.start) * len(head.strip()) / len(word.text.strip())
     return [Word(head, word.start, middle), Word(tail, middle, word.end)]
+
+
+def _aligned_words(texts: list[str], timed: list[TimedWord], offset: float) -> list[list[Word]] | None:
+    """The words of each text (_split), timed by the timed words (asr/words.py: the texts'
+    words, split and grouped otherwise) their first and last characters fall in; None where
+    the timed words do not spell the texts."""
+    if "".join(w.text for w in timed) != "".join(texts):
+        return None
+    ends = list(itertools.accumulate(len(w.text) for w in timed))
+    result, base = [], 0
+    for text in texts:
+        words, at = [], 0
+        for piece in _split(text):
+            at = text.index(piece, at)
+            first = bisect.bisect_right(ends, base + at + len(piece) - len(piece.lstrip()))
+            last = bisect.bisect_right(ends, base + at + len(piece) - 1)
+            words.append(Word(piece, offset + timed[first].start, offset + max(timed[last].end, timed[first].start)))
+            at += len(piece)
+        result.append(words)
+        base += len(text)
+    return result
 
 
 def _timed_words(text: str, start: float, end: float) -> list[Word]:

@@ -129,9 +129,9 @@ class WindowResult:
     silent: bool  # judged to hold no speech (transcribe would skip the window)
     info: TranscriptionInfo  # this window's stats and timings
     no_speech_prob: float = 0.0  # Whisper's probability that the window holds no speech
-    # With word_timestamps (and not silent): the words of each of text_runs(tokens), timed by
-    # the target's cross-attention (asr/words.py), in seconds into the window.
-    words: list[list[Word]] | None = None
+    # With word_timestamps (and not silent): the words of its text, timed by the target's
+    # cross-attention (asr/words.py), in seconds into the window.
+    words: list[Word] | None = None
 
 
 @dataclass(frozen=True)
@@ -590,10 +590,13 @@ class Transcriber:
         return align(self.models.target, job.encoded, sot_sequence, texts, times, frames, offset, written, job.duration,
                      last_speech)
 
-    def _window_words(self, job: _Job, tokens: list[int]) -> list[list[Word]]:
-        """The words of each of a window's text runs (a stream's buffer), timed."""
+    def _window_words(self, job: _Job, tokens: list[int]) -> list[Word]:
+        """The words of a window's text (a stream's buffer), timed. (Grouped by segment, as
+        offline, a word with punctuation joined across two segments' edge shifts the later
+        segments' words by one.)"""
         runs = text_runs(tokens, self.vocab.timestamp_begin, job.duration)
-        return self._align(job, [r.tokens for r in runs], [(r.start, r.end) for r in runs], job.frames, 0.0, 0.0)[0]
+        words = self._align(job, [r.tokens for r in runs], [(r.start, r.end) for r in runs], job.frames, 0.0, 0.0)[0]
+        return [word for segment in words for word in segment]
 
     def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
         """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,

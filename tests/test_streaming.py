@@ -452,6 +452,25 @@ def test_speech_after_room_noise_is_committed_to_its_last_word_and_timed_as_offl
     assert max(abs(a.end - b.end) for a, b in zip(words, expected)) < 0.15
 
 
+def test_aligned_words_are_the_streams_words_timed_wherever_the_alignment_cut_them():
+    """The alignment's words (asr/words.py) join punctuation to the word before, across a
+    segment's edge too, and split at it otherwise ("3.5"): grouped by segment, a later
+    segment's words shifted, one of them was timed twice. The stream keeps its own words,
+    each timed from the aligned words its first and last letters fall in."""
+    from asr.streaming import _aligned_words
+    from asr.words import Word as Timed
+
+    texts = [" Hello world", ". It is 3.5", " metres"]
+    timed = [Timed(" Hello", 0.0, 1.0, 1.0), Timed(" world.", 1.0, 2.0, 1.0), Timed(" It", 2.0, 2.5, 1.0),
+             Timed(" is", 2.5, 3.0, 1.0), Timed(" 3", 3.0, 3.4, 1.0), Timed(".5", 3.4, 4.0, 1.0), Timed(" metres", 4.0, 5.0, 1.0)]
+    words = _aligned_words(texts, timed, offset=10.0)
+    assert [[(w.text, w.start, w.end) for w in segment] for segment in words] == [
+        [(" Hello", 10.0, 11.0), (" world", 11.0, 12.0)],
+        [(".", 11.0, 12.0), (" It", 12.0, 12.5), (" is", 12.5, 13.0), (" 3.5", 13.0, 14.0)],
+        [(" metres", 14.0, 15.0)]]
+    assert _aligned_words([" Hello world!"], timed[:2], 0.0) is None  # not the same text: not timed by it
+
+
 def test_a_finished_stream_takes_no_more_audio(transcriber):
     """finish() commits everything, so audio after it could only be decoded against words
     no longer in the buffer (it used to commit them a second time): a clear error instead;
