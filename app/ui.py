@@ -23,7 +23,8 @@ import numpy as np
 from app.engine import AUTO, Engine, Settings, release_freed_memory
 from app.live import LiveSession
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status,
-                       progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures, warnings_html)
+                       progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures,
+                       warnings_html)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript

@@ -319,8 +319,10 @@ class StreamingTranscriber:
         microphone to have picked it up (digital silence, a muted microphone): Whisper hears
         quiet audio at any level (its features are log-scaled to the window's loudest), so
         such a buffer would cost a window's decode, to be judged silent at best."""
+        if self._in_buffer or self._tentative:
+            return False
         power = _quarter_powers(self._buffer)
-        return not self._in_buffer and not self._tentative and len(power) > 0 and power.max() < 10 ** (INAUDIBLE_DBFS / 10)
+        return len(power) > 0 and power.max() < 10 ** (INAUDIBLE_DBFS / 10)
 
     def _fill(self) -> None:
         """Moves waiting audio into the buffer, up to one window."""
@@ -479,9 +481,10 @@ class StreamingTranscriber:
     def _cut_unheard(self) -> None:
         """A buffer in which nothing has been heard (silence, room noise) keeps the last
         UNHEARD_KEEP_SECONDS of what the decode before this one heard, and all after. Cut only
-        at a committed segment, such a buffer grew to a full window, whose backlog cut dropped it whole with the first words of speech at its end;
-        and seconds of silence before speech set Whisper timing it from the buffer's start
-        and stopping a sentence short, at every update."""
+        at a committed segment, such a buffer grew to a full window, whose backlog cut dropped
+        it whole with the first words of speech at its end; and seconds of silence before
+        speech set Whisper timing it from the buffer's start and stopping a sentence short,
+        at every update."""
         # Only audio decoded twice, lest a call that took long (behind uploads) drop audio heard once.
         heard_twice = min(len(self._buffer), self._decoded_before - self._buffer_start)
         drop = heard_twice - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
