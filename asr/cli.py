@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import json
 import math
 import os
@@ -434,6 +435,10 @@ def describe_update(update: StreamUpdate) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # A transcript or file name the console's encoding lacks (Cyrillic on cp1252, any on a
+    # redirect under an ASCII locale) is escaped, not an error that ended a folder's run.
+    if isinstance(sys.stdout, io.TextIOWrapper):
+        sys.stdout.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     if getattr(args, "draft", None) and not getattr(args, "target", None):  # every command takes model arguments
         print("asr: --draft goes with --target (a preset names its own draft)", file=sys.stderr)

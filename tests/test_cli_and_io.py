@@ -648,3 +648,23 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
         with pytest.raises(SystemExit):
             main([command, str(SAMPLES), flag, value] if command != "app" else [command, flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_transcript_the_consoles_encoding_lacks_does_not_end_the_run(tmp_path: Path):
+    """Each file's line went to stdout under its strict encoding: on a cp1252 console (or an
+    ASCII one, here), a file named in another script stopped the whole run unnamed, with
+    exit 2, the files after it never transcribed."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "in"
+    source.mkdir()
+    (source / "réunion_会议.wav").symlink_to(DEV / "en_short" / "LJ002-0020.wav")
+    (source / "zz_second.wav").symlink_to(DEV / "en_short" / "LJ002-0035.wav")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONIOENCODING": "ascii"}
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "transcribe", str(source), "--out-dir", str(tmp_path / "out"),
+                           "--formats", "txt", "--language", "en", "--no-progress"],
+                          cwd=Path(__file__).resolve().parent.parent, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr.decode()
+    assert "r\\xe9union_\\u4f1a\\u8bae.wav (" in done.stdout.decode("ascii")
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.txt")) == ["réunion_会议.txt", "zz_second.txt"]
