@@ -17,6 +17,9 @@ FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to flo
 # without a Xing header, files joined with `cat`, or a damaged stretch lost the rest. FFmpeg
 # decodes every frame (as faster-whisper and the whisper command read MP3).
 FFMPEG_FORMATS = {"MP3"}
+# A file whose header states this much more audio than it holds was cut short (a copy or
+# download interrupted): its transcript would be of a part, and a folder run would skip it as done.
+TRUNCATED_SECONDS = 0.5
 
 
 class AudioError(ValueError):
@@ -41,6 +44,7 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
         raise AudioError(f"{path}: is a directory, not an audio file")
     if path.stat().st_size == 0:
         raise AudioError(f"{path}: empty file")
+    check_whole(path)
     if seconds is None:
         seconds = audio_seconds(path)
     if seconds is not None and seconds > MAX_SECONDS:  # before it fills memory
@@ -51,6 +55,8 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
             samples, rate = _read_ffmpeg(path, notices)
         else:
             samples, rate = _read_soundfile(path)
+            if not len(samples):  # a WAV whose recorder never wrote its data size (0): FFmpeg reads to the end
+                samples, rate = _read_ffmpeg(path, notices)
     except AudioError:
         raise
     except Exception as error:  # libsndfile lacks m4a/aac/video containers: FFmpeg (PyAV) reads those
@@ -65,6 +71,61 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
     if not allow_silence and float(np.abs(audio).max()) < 1e-6:
         raise AudioError(f"{path}: contains only digital silence, nothing to transcribe")
     return audio
+
+
+def check_whole(path: Path) -> None:
+    """AudioError where a WAV's or MP3's header states more audio than the file holds:
+    libsndfile and FFmpeg both read such a file to its end, silently."""
+    stated = _stated_and_held(path)
+    if stated is not None and stated[0] - stated[1] > TRUNCATED_SECONDS:
+        raise AudioError(f"{path}: truncated: its header states {stated[0]:.1f} s of audio, the file holds "
+                         f"{stated[1]:.1f} s (a copy or download cut short?)")
+
+
+def _stated_and_held(path: Path) -> tuple[float, float] | None:
+    """The seconds of audio a WAV's data chunk or an MP3's Xing/Info header states, and
+    those the file's size holds; None for other files and headers that state no length
+    (a WAV's size 0 or 0xFFFFFFFF, written before the recording's end was known)."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(10)
+        if head[:4] == b"RIFF":
+            head += file.read(4086)
+            if head[8:12] != b"WAVE":
+                return None
+            at, byte_rate = 12, 0
+            while at + 8 <= len(head):
+                chunk, length = head[at : at + 4], int.from_bytes(head[at + 4 : at + 8], "little")
+                if chunk == b"fmt ":
+                    byte_rate = int.from_bytes(head[at + 16 : at + 20], "little")
+                elif chunk == b"data":
+                    if not byte_rate or length in (0, 0xFFFFFFFF):
+                        return None
+                    return length / byte_rate, (size - at - 8) / byte_rate
+                at += 8 + length + (length & 1)
+            return None
+        at = 0
+        if head[:3] == b"ID3":  # a tag before the first frame, of syncsafe size (cover art: any size)
+            at = 10 + sum((b & 0x7F) << 7 * (3 - i) for i, b in enumerate(head[6:10])) + (10 if head[5] & 0x10 else 0)
+            file.seek(at)
+            frame = file.read(200)
+        else:
+            frame = head + file.read(190)
+    if len(frame) < 4 or frame[0] != 0xFF or frame[1] & 0xE6 != 0xE2:  # an MPEG layer III frame header
+        return None
+    version, rate_index = (frame[1] >> 3) & 3, (frame[2] >> 2) & 3
+    if version == 1 or rate_index == 3:
+        return None
+    rate = (44100, 48000, 32000)[rate_index] >> {3: 0, 2: 1, 0: 2}[version]
+    per_frame = 1152 if version == 3 else 576
+    tag = next((i for i in (frame.find(b"Xing"), frame.find(b"Info")) if 4 <= i <= 40), None)
+    if tag is None or int.from_bytes(frame[tag + 4 : tag + 8], "big") & 3 != 3:  # frames and bytes both stated
+        return None
+    frames, stream_bytes = (int.from_bytes(frame[tag + i : tag + i + 4], "big") for i in (8, 12))
+    if not stream_bytes or size >= stream_bytes:  # whole (encoders differ on counting the tag in)
+        return None
+    stated = frames * per_frame / rate
+    return stated, stated * (size - at) / stream_bytes
 
 
 def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
@@ -173,6 +234,7 @@ def stream_audio(path: str | Path, block_seconds: float = 30.0, notices: list[st
     path = Path(path)
     if not path.is_file() or path.stat().st_size == 0:
         load_audio(path)  # raises the error a whole read would
+    check_whole(path)
     seconds = 0.0
     for block in _blocks(path, block_seconds, notices):
         if not np.isfinite(block).all():
@@ -189,7 +251,7 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
         source = soundfile.SoundFile(str(path))
     except Exception:  # not for libsndfile: FFmpeg reads it
         source = None
-    if source is None or source.format in FFMPEG_FORMATS:
+    if source is None or source.format in FFMPEG_FORMATS or not source.frames:  # (a WAV's data size never written)
         if source is not None:
             source.close()
         yield from _ffmpeg_blocks(path, block_seconds, notices)

@@ -92,6 +92,35 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
         load_audio(garbage)
 
 
+def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Path):
+    """libsndfile and FFmpeg read a WAV or MP3 cut short (a copy or download interrupted) to
+    its end, silently: a folder run wrote the transcript of a part of it, exit 0, and skipped
+    it as done from then on. A WAV whose recorder never wrote its data size (0) is whole:
+    libsndfile read no samples of it, and said so."""
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")  # 11 s
+    soundfile.write(tmp_path / "whole.wav", jfk, SAMPLE_RATE, subtype="PCM_16")
+    wav = (tmp_path / "whole.wav").read_bytes()
+    mp3 = mp3_bytes(np.tile(jfk, 4), 64_000)  # with a Xing header, as encoders write them
+    (tmp_path / "half.wav").write_bytes(wav[: len(wav) // 2])
+    (tmp_path / "third.mp3").write_bytes(mp3[: len(mp3) // 3])
+    for name, stated, held in [("half.wav", 11.0, 5.5), ("third.mp3", 44.1, 14.7)]:
+        told = f"{tmp_path / name}: truncated: its header states {stated} s of audio, the file holds {held} s"
+        with pytest.raises(AudioError, match=re.escape(told)):
+            load_audio(tmp_path / name)
+        with pytest.raises(AudioError, match=re.escape(told)):
+            next(stream_audio(tmp_path / name))
+    # Whole files stay whole: a WAV with a chunk after its data, an MP3 with bytes after its frames.
+    (tmp_path / "tagged.wav").write_bytes(wav + b"LIST" + (4).to_bytes(4, "little") + b"INFO")
+    (tmp_path / "junk.mp3").write_bytes(mp3 + random.Random(1).randbytes(400))
+    np.testing.assert_array_equal(load_audio(tmp_path / "tagged.wav"), load_audio(tmp_path / "whole.wav"))
+    assert 43.5 < len(load_audio(tmp_path / "junk.mp3")) / SAMPLE_RATE < 44.2
+    data = wav.index(b"data")
+    (tmp_path / "unsized.wav").write_bytes(wav[: data + 4] + bytes(4) + wav[data + 8 :])
+    np.testing.assert_array_equal(load_audio(tmp_path / "unsized.wav"), load_audio(tmp_path / "whole.wav"))
+    np.testing.assert_array_equal(np.concatenate(list(stream_audio(tmp_path / "unsized.wav", 3.0))),
+                                  load_audio(tmp_path / "whole.wav"))
+
+
 def test_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):
     """An m4a whose title some recorder wrote in another encoding (cp1251 here): PyAV decodes
     tags as UTF-8 when it opens a file, and raised UnicodeDecodeError."""
