@@ -478,20 +478,21 @@ class ErrorLog:
 
     def __init__(self, path: Path, inputs: Iterable[Path] = ()):
         self.path = path
-        roots = [os.path.abspath(p) for p in inputs]
+        roots = [_where(str(p)) for p in inputs]
         self._earlier, self._elsewhere, self._new = [], [], []
         if path.is_file():
             for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
                 with contextlib.suppress(ValueError):
                     if isinstance(record := json.loads(line), dict):
-                        file = os.path.abspath(str(record.get("file")))
+                        file = _record_where(record)
                         ours = any(file == root or file.startswith(root.rstrip(os.sep) + os.sep) for root in roots)
                         (self._earlier if ours else self._elsewhere).append(record)
         self._rewrite(self._elsewhere + self._earlier)  # lines not JSON go
         self._handle = None
 
     def add(self, file: str, reason: str) -> None:
-        record = {"file": file, "reason": reason, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+        record = {"file": file, "path": _where(file), "reason": reason,
+                  "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
         self._new.append(record)
         try:
             if self._handle is None:
@@ -506,14 +507,14 @@ class ErrorLog:
     def close(self, pending: Iterable[str] | None = ()) -> None:
         """pending: the files this run did not get to, whose earlier records are kept
         (None: every earlier record, for a run stopped before it began)."""
-        pending = None if pending is None else set(pending)
+        pending = None if pending is None else {_where(file) for file in pending}
         if self._handle is not None:
             # Every record was flushed when written: closing fails only after a write that
             # raised (a full disk), whose error is the one to tell.
             with contextlib.suppress(OSError):
                 self._handle.close()
             self._handle = None
-        self._rewrite(self._elsewhere + [r for r in self._earlier if pending is None or r.get("file") in pending]
+        self._rewrite(self._elsewhere + [r for r in self._earlier if pending is None or _record_where(r) in pending]
                       + self._new)
 
     def _rewrite(self, records: list[dict]) -> None:
@@ -526,6 +527,22 @@ class ErrorLog:
                 self.path.unlink(missing_ok=True)
         except OSError as error:
             raise OutputError(f"{self.path}: cannot record the failures ({error.strerror or error})") from error
+
+
+def _where(file: str) -> str:
+    """A path as errors.jsonl's records compare them: absolute, links resolved but for a
+    file's own (a link to a recording elsewhere is a file of the folder it lies in). As
+    typed, from another folder or through a linked one, it named another file or none: a
+    record of a file done since stayed for good."""
+    absolute = os.path.abspath(file)
+    if os.path.isdir(absolute):
+        return os.path.realpath(absolute)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _record_where(record: dict) -> str:
+    # Records before 2026-11-29 have no "path": their file as typed, from where this run is
+    return str(record.get("path") or _where(str(record.get("file"))))
 
 
 def _error_line(record: dict) -> str:

@@ -610,6 +610,28 @@ def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_
     assert [json.loads(line) for line in (out / ERRORS_FILE).read_text().splitlines()] == [yesterday]
 
 
+def test_a_failure_recorded_from_another_folder_or_through_a_link_is_the_same_files(tmp_path: Path, pair, monkeypatch):
+    """Records named the file as typed: a run from another folder, or through a linked one,
+    took a failure of a file since removed (or done) for another file's, and kept it for good."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    (tmp_path / "linked").symlink_to(source)
+    (source / "bad.wav").write_bytes(b"")
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "good.wav")
+    (out / "good.txt").parent.mkdir()
+    (out / "good.txt").write_text("done\n")
+    as_written_by_a_run(source / "good.wav", out, "good", formats=("txt",))
+    monkeypatch.chdir(tmp_path)
+    summary = transcribe_folder(FolderRun((Path("in"),), out, **quiet(("txt",))), lambda: Transcriber(pair))
+    assert (summary.failed, summary.skipped) == (1, 1) and errors_of(out) == {"bad.wav": "empty file"}
+    assert json.loads((out / ERRORS_FILE).read_text())["file"] == "in/bad.wav"  # as typed
+    (source / "bad.wav").unlink()
+    monkeypatch.chdir(out)
+    summary = transcribe_folder(FolderRun((tmp_path / "linked",), out, **quiet(("txt",))),
+                                lambda: pytest.fail("nothing to decode"))
+    assert (summary.failed, summary.skipped) == (0, 1) and not (out / ERRORS_FILE).exists()
+
+
 def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
     """It took the first run's temporary files for a killed run's and removed them (the
     first then failed to rename them into place), and started errors.jsonl afresh under it."""
