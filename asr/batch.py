@@ -405,19 +405,21 @@ class Sources:
             return None
         return None if same else str(record.get("source"))
 
-    def settings(self, item: PlannedFile) -> dict | None:
-        """The settings item's outputs were made with (transcript_settings), where recorded."""
+    def settings(self, item: PlannedFile, fmt: str) -> dict | None:
+        """The settings item's output in this format was made with (transcript_settings), where recorded."""
         record = self._record(item)
-        return None if record is None else record.get("settings")
+        return None if record is None else record.get("kept", {}).get(fmt, record.get("settings"))
 
     def add(self, item: PlannedFile, recording: dict | None, settings: dict, formats: Iterable[str],
-            writing: bool = False) -> None:
+            writing: bool = False, kept: dict[str, dict | None] | None = None) -> None:
         """item's outputs in these formats are complete (writing: are about to be written), of
         this recording (recording_of, taken as the file was read: one replaced since, a
-        recorder reusing its name mid-run, is not the one transcribed), made with these settings."""
+        recorder reusing its name mid-run, is not the one transcribed), made with these
+        settings, but for those kept from an earlier run with others (format: its settings)."""
         record = {"stem": self._stem(item), "source": str(item.source),
                   **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
-                  "formats": sorted(formats), "settings": settings, **({"writing": True} if writing else {})}
+                  "formats": sorted(formats), "settings": settings, **({"kept": kept} if kept else {}),
+                  **({"writing": True} if writing else {})}
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -723,9 +725,11 @@ class _Recorder:
     def _note_settings(self, item: PlannedFile, changed: dict[str, str]) -> None:
         """Counts a file skipped as done whose outputs were made with other settings than this
         run's; changed: each setting that differs, with the first such file's value."""
-        was = self.sources.settings(item)
-        if not was or not self.run.settings or was == self.run.settings:
-            return  # outputs of an older run (or of the API without settings) record none: nothing says they differ
+        # Outputs of an older run (or of the API without settings) record none: nothing says they differ.
+        was = next((was for fmt in self.run.formats
+                    if (was := self.sources.settings(item, fmt)) and self.run.settings and was != self.run.settings), None)
+        if was is None:
+            return
         self.summary.skipped_other_settings += 1
         for name, value in self.run.settings.items():
             if name not in changed and was.get(name) != value:
@@ -762,13 +766,16 @@ class _Recorder:
                     replaced, formats = ours | asked, asked
                 else:
                     replaced, formats = asked, asked | {fmt for fmt in ours if item.output(fmt).is_file()}
+                # Those kept keep the settings they were made with (all were recorded as this run's).
+                kept = {fmt: was for fmt in sorted(formats - asked)
+                        if (was := self.sources.settings(item, fmt)) != self.run.settings}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
-                self.sources.add(item, result.recording, self.run.settings, formats, writing=True)
+                self.sources.add(item, result.recording, self.run.settings, formats, writing=True, kept=kept)
                 for fmt in replaced:
                     item.output(fmt).unlink(missing_ok=True)
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
-                self.sources.add(item, result.recording, self.run.settings, formats)
+                self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

@@ -847,8 +847,8 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
                       lambda: Transcriber(pair))
     written = (out / "a.txt").read_text()
 
-    def again(settings: dict) -> batch.FolderSummary:
-        run = FolderRun((source,), out, ("txt",), progress=False, settings=settings)
+    def again(settings: dict, formats=("txt",)) -> batch.FolderSummary:
+        run = FolderRun((source,), out, formats, progress=False, settings=settings)
         return transcribe_folder(run, lambda: pytest.fail("a file done was transcribed again"))
 
     capsys.readouterr()
@@ -861,6 +861,16 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
                                        '(language "en", now "de"; prompt "", now "Hallo"): --overwrite redoes them\n')
     assert "1 skipped (already done, 1 of them with other settings: --overwrite redoes them)" in summary.describe()
     assert (out / "a.txt").read_text() == written
+    # A format asked for later, with other settings: the txt kept is still known for English.
+    # All a file's outputs were recorded as the last run's, whose note then named the wrong ones.
+    transcribe_folder(FolderRun((source,), out, ("srt",), echo=False, progress=False, settings=german),
+                      lambda: Transcriber(pair))
+    assert (out / "a.txt").read_text() == written and (out / "a.srt").is_file()
+    capsys.readouterr()
+    assert again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"))).skipped_other_settings == 0
+    assert again(german, ("srt",)).skipped_other_settings == 0
+    assert (again(german, ("txt", "srt")).skipped_other_settings, again(german).skipped_other_settings) == (1, 1)
+    assert capsys.readouterr().err.count('(language "en", now "de"; prompt "", now "Hallo")') == 2
     # A folder of weights is the same target however its path is written.
     weights = tmp_path / "weights"
     weights.mkdir()
