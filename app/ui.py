@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import functools
 import html
+import os
 import shutil
 import signal
 import tempfile
@@ -249,27 +250,30 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
     if session is not None:
         with _UPLOADS_LOCK:
             _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
+    folder = downloads_dir / uuid.uuid4().hex  # the transcript's downloads
+    source = path  # what is read: the upload, or a link to it that Gradio's sweep leaves alone (_hold)
     try:
         try:
             transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
         except ValueError as error:
             yield _failed(str(error))
             return
+        source = _hold(path, folder)
         # In a thread of its own, while the page is told how long it has waited: hours of audio
         # take minutes to scan, and until the first update Stop was hidden and a visitor who
         # left was not noticed (the scan stops once the progress is cancelled).
-        reading = in_thread(functools.partial(transcriber.read, path, name, progress=progress))
+        reading = in_thread(functools.partial(transcriber.read, source, name, progress=progress))
         yield from _waiting(reading, progress, handed_over)
         audio = reading.result()
         # Its warnings name the visitor's file, as its errors do (in the downloaded JSON too).
-        audio = dataclasses.replace(audio, warnings=tuple(w.replace(path, name) for w in audio.warnings))
+        audio = dataclasses.replace(audio, warnings=tuple(w.replace(source, name) for w in audio.warnings))
         # Into the shared batches, this thread waiting; or, one request at a time, in a thread of its own.
         decoding = transcriber.submit(audio) if engine.scheduler is not None else in_thread(
             functools.partial(_decode, engine, transcriber, audio))
         yield from _waiting(decoding, progress, handed_over)
         result, seconds = decoding.result(), time.perf_counter() - handed_over
         # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
-        files = write_transcript(result, downloads_dir / uuid.uuid4().hex, Path(name).stem.lstrip(".") or "transcript",
+        files = write_transcript(result, folder, Path(name).stem.lstrip(".") or "transcript",
                                  list(FORMATS), SUBTITLE_LAYOUTS[subtitles])
     except Cancelled:  # Stop, or a new file or new settings
         so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
@@ -277,20 +281,38 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
                gr.update(value=None, visible=False), gr.update(visible=False))
         return
     except AudioError as error:
-        yield _failed(str(error).replace(path, name))
+        yield _failed(str(error).replace(source, name))
         return
     except Exception as error:  # out of memory, a full disk...: said on the page, the traceback in the server's log
         traceback.print_exc()
-        yield _failed(f"{name}: {type(error).__name__}: {error}".replace(path, name))
+        yield _failed(f"{name}: {type(error).__name__}: {error}".replace(source, name).replace(path, name))
         return
     finally:
         progress.cancel()  # nothing once decoded; if the visitor left, the decoding stops
+        if source != path:
+            Path(source).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # a folder left with no transcript in it
+            folder.rmdir()
         with _UPLOADS_LOCK:  # an API client's requests may overlap in one session
             if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
                 del _UPLOADS[session]
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), warnings_html(result.info.warnings) + transcript_html(result),
            gr.update(value=[str(f) for f in files], visible=True), gr.update(visible=False))
+
+
+def _hold(upload: str, folder: Path) -> str:
+    """A link to the upload in folder (made here), read in its place until the request ends:
+    Gradio removes its uploads keep_seconds after they came, in use or not, and a recording
+    over 10 minutes is opened again after its scan, which can wait past that for a row (it
+    failed with "no such file"). Where no link can be made (another file system), the upload."""
+    folder.mkdir(parents=True)
+    held = folder / f".upload{Path(upload).suffix}"
+    try:
+        os.link(upload, held)
+    except OSError:
+        return upload
+    return str(held)
 
 
 def _waiting(work: Future, progress: Progress, handed_over: float) -> Iterator[tuple[str, str, dict, dict]]:
