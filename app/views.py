@@ -100,8 +100,11 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
         ]
     else:
         figures.append(Figure("Target passes", f"{stats.target_passes}", "no draft model: one pass per token"))
-    note = f"detected ({info.language_probability:.0%})" if language_detected else "as chosen"
-    figures.append(Figure("Language", language_name, note))
+    if not info.language:  # Skip silences found no speech: no window was decoded to tell it
+        figures.append(Figure("Language", "none", "no speech to detect it from"))
+    else:
+        note = f"detected ({info.language_probability:.0%})" if language_detected else "as chosen"
+        figures.append(Figure("Language", language_name, note))
     return figures
 
 

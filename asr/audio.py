@@ -9,8 +9,10 @@ from typing import Iterator
 import numpy as np
 
 SAMPLE_RATE = 16_000
+# Video containers: their audio (not .ts, TypeScript's too: a folder of code would be all failures).
 AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".m4b", ".aac", ".wma", ".amr", ".aiff", ".aif",
-                    ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp"}  # video containers: their audio
+                    ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp", ".wmv", ".mpg", ".mpeg",
+                    ".flv", ".ogv"}
 MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
 FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to float, not audio clipped a little
 # libsndfile ends an MP3 where its header's estimate of the length does, silently: a VBR file

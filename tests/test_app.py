@@ -296,6 +296,17 @@ def test_a_long_upload_is_read_whole_though_gradio_removes_the_upload_meanwhile(
                                                                           + [Path(f).name for f in downloads["value"]])
 
 
+def test_an_upload_with_no_speech_for_skip_silences_says_no_language_was_detected(engine: Engine, tmp_path: Path) -> None:
+    """Nothing was decoded to tell the language from: the figure read "Language: · detected (0%)"."""
+    upload = tmp_path / "cache" / "hum.wav"
+    upload.parent.mkdir()
+    soundfile.write(upload, np.random.default_rng(0).normal(0, 0.003, 5 * SAMPLE_RATE).astype(np.float32), SAMPLE_RATE)
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path / "out", str(upload), AUTO,
+                                                             "transcribe", AUTO, "", False, True, "segments")
+    assert re.search(r"Language\s*</[^>]+>\s*<[^>]+>\s*none\s*<", figures) and "no speech to detect it from" in figures
+    assert "detected (" not in figures
+
+
 def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine, tmp_path: Path) -> None:
     """A visitor's ".take2.flac" gave ".take2.txt" and so on, hidden in their downloads folder."""
     upload = tmp_path / "cache" / ".take2.flac"

@@ -57,6 +57,28 @@ def test_m4a_goes_through_ffmpeg(tmp_path: Path):
     assert abs(len(audio) / SAMPLE_RATE - 1.0) < 0.1
 
 
+def test_video_files_of_every_common_container_are_found_and_read(tmp_path: Path):
+    """.wmv, .mpg, .flv and .ogv were read when named, but a folder run passed them over and the
+    web page's upload refused them (both go by AUDIO_EXTENSIONS)."""
+    import av
+
+    from asr.batch import find_audio
+
+    for name, container, codec, rate in [("a.wmv", "asf", "wmav2", 44100), ("b.mpg", "mpeg", "mp2", 32000),
+                                         ("c.flv", "flv", "aac", 16000), ("d.ogv", "ogg", "opus", 48000)]:
+        with av.open(str(tmp_path / name), "w", format=container) as output:
+            stream = output.add_stream(codec, rate=rate, layout="mono")
+            stream.bit_rate = 64_000
+            frame = av.AudioFrame.from_ndarray((0.2 * np.sin(np.linspace(0, 3000, rate)))[None].astype(np.float32),
+                                               format="fltp", layout="mono")
+            frame.sample_rate = rate
+            for packet in [*stream.encode(frame), *stream.encode(None)]:
+                output.mux(packet)
+    assert [p.name for p in find_audio(tmp_path)] == ["a.wmv", "b.mpg", "c.flv", "d.ogv"]
+    for path in find_audio(tmp_path):
+        assert 0.95 < len(load_audio(path)) / SAMPLE_RATE < 1.1, path.name
+
+
 def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_path: Path):
     """libsndfile ends an MP3 where the header's length estimate says, silently: a VBR
     file without a Xing header, two files joined with `cat`, and a damaged stretch lost the
