@@ -7,13 +7,14 @@ import ctypes
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
 from asr.audio import SAMPLE_RATE
 from asr.models import ModelPair
-from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
+from asr.transcribe import Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber
 
 AUTO = "auto"
 
@@ -58,11 +59,13 @@ class Engine:
         target refuses."""
         return Transcriber(self.models, settings.options(self.engine_options), scheduler=self.scheduler)
 
-    def turn(self) -> contextlib.AbstractContextManager:
+    def turn(self, progress: Progress | None = None) -> contextlib.AbstractContextManager:
         """What a request holds while it decodes: nothing when the scheduler batches requests
         (it takes them all at once), else the lock (one request at a time: on a CPU,
-        concurrent runs would only fight over the same cores)."""
-        return contextlib.nullcontext() if self.scheduler is not None else self.lock
+        concurrent runs would only fight over the same cores). progress: the request's; once
+        cancelled, it stops waiting for the lock (Cancelled): a Stop waited for another
+        visitor's whole transcription."""
+        return contextlib.nullcontext() if self.scheduler is not None else _taken(self.lock, progress)
 
     def warm_up(self) -> None:
         """On a GPU every step of the default settings' batches captured (Transcriber.warm_up:
@@ -86,6 +89,17 @@ class Engine:
 
     def language_name(self, code: str) -> str:
         return LANGUAGES.get(code, code).title()
+
+
+@contextlib.contextmanager
+def _taken(lock: threading.Lock, progress: Progress | None) -> Iterator[None]:
+    while not lock.acquire(timeout=0.25):
+        if progress is not None and progress.cancelled:
+            raise Cancelled("cancelled while it waited for its turn")
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def release_freed_memory(every: float = 60.0) -> None:

@@ -334,7 +334,7 @@ def _progress(progress: Progress, seconds: float) -> tuple[str, str, dict, dict]
 
 def _decode(engine: Engine, transcriber: Transcriber, audio: AudioInput) -> Transcript:
     """One request at a time: the transcript, once the models were this request's."""
-    with engine.turn():
+    with engine.turn(audio.progress):
         return transcriber.transcribe(audio)
 
 

@@ -307,6 +307,32 @@ def test_an_upload_with_no_speech_for_skip_silences_says_no_language_was_detecte
     assert "detected (" not in figures
 
 
+def test_stop_ends_an_upload_waiting_for_another_requests_turn(engine: Engine, tmp_path: Path) -> None:
+    """--no-batching: requests take turns on the models. An upload's Stop (or a new file)
+    while another's transcription held them was said only once that one had ended."""
+    from app.ui import stop_upload
+
+    upload = tmp_path / "cache" / "jfk.flac"
+    upload.parent.mkdir()
+    upload.write_bytes(CLIP.read_bytes())
+    assert engine.scheduler is None and engine.lock.acquire(timeout=60)  # another visitor's request
+    releasing = threading.Timer(20.0, engine.lock.release)
+    releasing.start()
+    try:
+        updates = transcribe_upload(engine, tmp_path / "out", str(upload), "en", "transcribe", AUTO, "", False, False,
+                                    "segments", session="waiting-tab")
+        figures, *_ = next(updates)
+        assert "Starting" in figures
+        stopped = time.perf_counter()
+        stop_upload(type("Request", (), {"session_hash": "waiting-tab"})())
+        *_, (figures, transcript, downloads, stop) = updates
+        assert time.perf_counter() - stopped < 3.0 and "Stopped" in figures and "Nothing transcribed" in transcript
+    finally:
+        releasing.cancel()
+        if engine.lock.locked():
+            engine.lock.release()
+
+
 def test_an_uploads_downloads_are_named_after_it_but_never_hidden(engine: Engine, tmp_path: Path) -> None:
     """A visitor's ".take2.flac" gave ".take2.txt" and so on, hidden in their downloads folder."""
     upload = tmp_path / "cache" / ".take2.flac"
