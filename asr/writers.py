@@ -4,6 +4,7 @@ a half-written transcript over a finished one."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -231,7 +232,10 @@ def write_files_atomic(files: dict[Path, str | bytes]) -> None:
                 out.write(data.encode("utf-8", "backslashreplace") if isinstance(data, str) else data)
                 out.flush()
                 if hasattr(os, "fchmod"):  # not on Windows before Python 3.13, whose files are not private anyway
-                    os.fchmod(out.fileno(), 0o666 & ~UMASK)
+                    # FAT and exFAT drives refuse it (EPERM) unless mounted "quiet": their files'
+                    # modes are the mount's, and every transcript written to a USB stick failed.
+                    with contextlib.suppress(PermissionError):
+                        os.fchmod(out.fileno(), 0o666 & ~UMASK)
                 os.fsync(out.fileno())
         for path in list(temporaries):
             os.replace(temporaries[path], path)

@@ -521,9 +521,13 @@ def test_files_written_together_are_all_replaced_or_none(tmp_path: Path, monkeyp
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"report.md": "old\n", "report.json": "{}\n"}
 
 
-def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path):
+def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path, monkeypatch):
     (path,) = writers.write_transcript(_transcript(), tmp_path, "talk", ["txt"])
     assert path.stat().st_mode & 0o777 == 0o666 & ~writers.UMASK  # not the temporary file's private 0600
+    # A FAT or exFAT drive refuses chmod (EPERM): the transcript is written all the same.
+    monkeypatch.setattr(os, "fchmod", lambda fd, mode: (_ for _ in ()).throw(PermissionError(errno.EPERM, "denied")))
+    (path,) = writers.write_transcript(_transcript(), tmp_path / "usb", "talk", ["txt"])
+    assert path.read_text() == (tmp_path / "talk.txt").read_text()
 
 
 def test_arrays_of_pcm_integers_are_scaled_to_full_scale():
