@@ -208,12 +208,13 @@ def audio_seconds(path: str | Path) -> float | None:
     """The duration a file's header states, or else its packets' timestamps (a browser's
     MediaRecorder webm states none), without decoding it; None when it cannot tell (the
     file is then found out when read)."""
-    try:
-        import soundfile
+    if not _mpeg_audio(Path(path)):
+        try:
+            import soundfile
 
-        return float(soundfile.info(str(path)).duration)
-    except Exception:
-        pass
+            return float(soundfile.info(str(path)).duration)
+        except Exception:
+            pass
     try:
         import av
 
@@ -250,7 +251,7 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
     import soundfile
 
     try:
-        source = soundfile.SoundFile(str(path))
+        source = None if _mpeg_audio(path) else soundfile.SoundFile(str(path))
     except Exception:  # not for libsndfile: FFmpeg reads it
         source = None
     if source is None or source.format in FFMPEG_FORMATS or not source.frames:  # (a WAV's data size never written)
@@ -291,7 +292,22 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
         raise AudioError(damage) from error
 
 
+def _mpeg_audio(path: Path) -> bool:
+    """Whether a file is MPEG audio (MP3, MP2: an ID3 tag or a frame first), which FFmpeg
+    reads (FFMPEG_FORMATS) and libsndfile's libmpg123 is never asked about: it wrote notes on
+    damaged or joined files ("Illegal Audio-MPEG-Header", "Xing stream size off") straight
+    to stderr, naming no file, through a folder run's progress bar."""
+    try:
+        with open(path, "rb") as file:
+            head = file.read(3)
+    except OSError:
+        return False
+    return head == b"ID3" or (len(head) == 3 and head[0] == 0xFF and head[1] & 0xE0 == 0xE0 and head[1] & 0x06 != 0)
+
+
 def _libsndfile_format(path: Path) -> str | None:
+    if _mpeg_audio(path):
+        return "MP3"
     try:
         import soundfile
 

@@ -79,11 +79,12 @@ def test_video_files_of_every_common_container_are_found_and_read(tmp_path: Path
         assert 0.95 < len(load_audio(path)) / SAMPLE_RATE < 1.1, path.name
 
 
-def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_path: Path):
+def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_path: Path, capfd):
     """libsndfile ends an MP3 where the header's length estimate says, silently: a VBR
     file without a Xing header, two files joined with `cat`, and a damaged stretch lost the
     rest of the recording. Each is read whole; the joined file's second header, which FFmpeg
-    cannot decode, and the damaged packets are skipped with a warning naming the file."""
+    cannot decode, and the damaged packets are skipped with a warning naming the file. And
+    libmpg123 is not asked about them: it wrote notes naming no file straight to stderr."""
     jfk = load_audio(DEV / "en_short" / "jfk.flac")  # 11 s
     loud_first = tmp_path / "vbr.mp3"  # the header's bit rate makes 11 s + 44 s look like 14 s
     loud_first.write_bytes(mp3_bytes(jfk, 160_000, xing=False) + mp3_bytes(np.tile(jfk, 4), 32_000, xing=False))
@@ -96,6 +97,7 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
     junk = tmp_path / "junk.mp3"  # bytes after the last frame: the audio is whole, not truncated
     junk.write_bytes(mp3_bytes(np.tile(jfk, 4), 64_000) + random.Random(1).randbytes(400))
     assert len(soundfile.read(loud_first)[0]) < 20 * SAMPLE_RATE and len(soundfile.read(joined)[0]) < 12 * SAMPLE_RATE
+    capfd.readouterr()
 
     for path, seconds, damage in [(loud_first, 55, False), (joined, 44, True), (damaged, 44, True), (junk, 44, True)]:
         with warnings.catch_warnings(record=True) as caught:
@@ -107,6 +109,8 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
         told = [str(w.message) for w in caught if issubclass(w.category, AudioWarning)]
         assert len(told) == (2 if damage else 0), (path.name, told)
         assert all(t.startswith(f"{path}: ") and "could not be decoded and were skipped" in t for t in told)
+        assert audio_seconds(path) is not None
+    assert capfd.readouterr().err == ""
 
     garbage = tmp_path / "garbage.mp3"  # frames, but nothing in them decodes: an error, not an empty warning
     garbage.write_bytes(bytes(b if i < 200 else b ^ 0x5A for i, b in enumerate(mp3_bytes(jfk, 64_000))))
@@ -135,7 +139,8 @@ def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Pat
     (tmp_path / "tagged.wav").write_bytes(wav + b"LIST" + (4).to_bytes(4, "little") + b"INFO")
     (tmp_path / "junk.mp3").write_bytes(mp3 + random.Random(1).randbytes(400))
     np.testing.assert_array_equal(load_audio(tmp_path / "tagged.wav"), load_audio(tmp_path / "whole.wav"))
-    assert 43.5 < len(load_audio(tmp_path / "junk.mp3")) / SAMPLE_RATE < 44.2
+    with pytest.warns(AudioWarning, match="damaged audio packet"):  # the junk, as a damaged last packet
+        assert 43.5 < len(load_audio(tmp_path / "junk.mp3")) / SAMPLE_RATE < 44.2
     data = wav.index(b"data")
     (tmp_path / "unsized.wav").write_bytes(wav[: data + 4] + bytes(4) + wav[data + 8 :])
     np.testing.assert_array_equal(load_audio(tmp_path / "unsized.wav"), load_audio(tmp_path / "whole.wav"))
