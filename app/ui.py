@@ -164,11 +164,12 @@ def sweeping(directory: Path, max_age: float, every: float) -> threading.Event:
 
 
 def sweep(directory: Path, max_age: float) -> None:
-    """Removes the download folders (one per transcript) older than max_age seconds."""
+    """Removes the download folders (one per transcript) older than max_age seconds, but for
+    those whose request still holds its upload (_hold)."""
     cutoff = time.time() - max_age
     for folder in directory.iterdir():
         try:
-            if folder.stat().st_mtime < cutoff:
+            if folder.stat().st_mtime < cutoff and not any(folder.glob(".upload*")):
                 shutil.rmtree(folder, ignore_errors=True)
         except FileNotFoundError:  # another request swept it first
             continue

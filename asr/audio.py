@@ -22,6 +22,7 @@ FFMPEG_FORMATS = {"MP3"}
 # A file whose header states this much more audio than it holds was cut short (a copy or
 # download interrupted): its transcript would be of a part, and a folder run would skip it as done.
 TRUNCATED_SECONDS = 0.5
+UNSIZED_WAV = 0x7FFF0000
 
 
 class AudioError(ValueError):
@@ -76,58 +77,63 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
 
 
 def check_whole(path: Path) -> None:
-    """AudioError where a WAV's or MP3's header states more audio than the file holds:
-    libsndfile and FFmpeg both read such a file to its end, silently."""
-    stated = _stated_and_held(path)
+    """AudioError where a WAV's data chunk states more audio than the file holds: libsndfile
+    and FFmpeg both read such a file to its end, silently. (An MP3's Xing frame count is
+    checked against what it decodes to: _ffmpeg_blocks.)"""
+    stated = _wav_stated_and_held(path)
     if stated is not None and stated[0] - stated[1] > TRUNCATED_SECONDS:
-        raise AudioError(f"{path}: truncated: its header states {stated[0]:.1f} s of audio, the file holds "
-                         f"{stated[1]:.1f} s (a copy or download cut short?)")
+        raise AudioError(_truncated(path, *stated))
 
 
-def _stated_and_held(path: Path) -> tuple[float, float] | None:
-    """The seconds of audio a WAV's data chunk or an MP3's Xing/Info header states, and
-    those the file's size holds; None for other files and headers that state no length
-    (a WAV's size 0 or 0xFFFFFFFF, written before the recording's end was known)."""
+def _truncated(path: Path, stated: float, held: float) -> str:
+    return (f"{path}: truncated: its header states {stated:.1f} s of audio, the file holds {held:.1f} s (a copy or "
+            "download cut short? If the recording itself ended early, `ffmpeg -i FILE whole.wav` rewrites its header)")
+
+
+def _wav_stated_and_held(path: Path) -> tuple[float, float] | None:
+    """The seconds of audio a WAV's data chunk states, and those the file's size holds; None
+    for other files and sizes that state no length: 0, or from UNSIZED_WAV up (what a
+    recorder writing to a pipe leaves: arecord's 0x80000000, SoX's 0x7ffff000)."""
     size = path.stat().st_size
     with open(path, "rb") as file:
-        head = file.read(10)
-        if head[:4] == b"RIFF":
-            head += file.read(4086)
-            if head[8:12] != b"WAVE":
-                return None
-            at, byte_rate = 12, 0
-            while at + 8 <= len(head):
-                chunk, length = head[at : at + 4], int.from_bytes(head[at + 4 : at + 8], "little")
-                if chunk == b"fmt ":
-                    byte_rate = int.from_bytes(head[at + 16 : at + 20], "little")
-                elif chunk == b"data":
-                    if not byte_rate or length in (0, 0xFFFFFFFF):
-                        return None
-                    return length / byte_rate, (size - at - 8) / byte_rate
-                at += 8 + length + (length & 1)
+        head = file.read(12)
+        if head[:4] != b"RIFF" or head[8:12] != b"WAVE":
             return None
+        byte_rate = 0
+        while len(chunk := file.read(8)) == 8:  # chunks in turn (metadata before the data: any size)
+            name, length = chunk[:4], int.from_bytes(chunk[4:], "little")
+            if name == b"data":
+                if not byte_rate or not 0 < length < UNSIZED_WAV:
+                    return None
+                return length / byte_rate, (size - file.tell()) / byte_rate
+            if name == b"fmt ":
+                if length < 12:
+                    return None
+                byte_rate = int.from_bytes(file.read(12)[8:12], "little")
+                length -= 12
+            file.seek(length + (length & 1), 1)
+    return None
+
+
+def _mp3_stated_seconds(path: Path) -> float | None:
+    """The seconds of audio an MP3's Xing/Info frame states (its frame count), or None."""
+    with open(path, "rb") as file:
+        head = file.read(10)
         at = 0
-        if head[:3] == b"ID3":  # a tag before the first frame, of syncsafe size (cover art: any size)
+        if head[:3] == b"ID3" and len(head) == 10:  # a tag before the first frame, of syncsafe size (cover art)
             at = 10 + sum((b & 0x7F) << 7 * (3 - i) for i, b in enumerate(head[6:10])) + (10 if head[5] & 0x10 else 0)
-            file.seek(at)
-            frame = file.read(200)
-        else:
-            frame = head + file.read(190)
+        file.seek(at)
+        frame = file.read(200)
     if len(frame) < 4 or frame[0] != 0xFF or frame[1] & 0xE6 != 0xE2:  # an MPEG layer III frame header
         return None
     version, rate_index = (frame[1] >> 3) & 3, (frame[2] >> 2) & 3
     if version == 1 or rate_index == 3:
         return None
     rate = (44100, 48000, 32000)[rate_index] >> {3: 0, 2: 1, 0: 2}[version]
-    per_frame = 1152 if version == 3 else 576
     tag = next((i for i in (frame.find(b"Xing"), frame.find(b"Info")) if 4 <= i <= 40), None)
-    if tag is None or int.from_bytes(frame[tag + 4 : tag + 8], "big") & 3 != 3:  # frames and bytes both stated
+    if tag is None or not int.from_bytes(frame[tag + 4 : tag + 8], "big") & 1:  # no frame count stated
         return None
-    frames, stream_bytes = (int.from_bytes(frame[tag + i : tag + i + 4], "big") for i in (8, 12))
-    if not stream_bytes or size >= stream_bytes:  # whole (encoders differ on counting the tag in)
-        return None
-    stated = frames * per_frame / rate
-    return stated, stated * (size - at) / stream_bytes
+    return int.from_bytes(frame[tag + 8 : tag + 12], "big") * (1152 if version == 3 else 576) / rate
 
 
 def float_mono(samples: np.ndarray, name: str = "audio") -> np.ndarray:
@@ -212,7 +218,9 @@ def audio_seconds(path: str | Path) -> float | None:
         try:
             import soundfile
 
-            return float(soundfile.info(str(path)).duration)
+            info = soundfile.info(str(path))
+            if info.frames:  # none: a WAV whose data size was never written, which FFmpeg measures
+                return float(info.duration)
         except Exception:
             pass
     try:
@@ -379,6 +387,12 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
             # header states tells them apart where it is exact (FLAC's, WAV's).
             if (ends_lost[0] and decoded < 0.9 * SAMPLE_RATE * (_stated_seconds(container) or 0.0)) or (lost and not decoded):
                 raise AudioError(f"{path}: not a readable audio file (corrupt or truncated: {lost[-1][1]})")
+            # An MP3 cut short decodes cleanly to its end: its Xing frame count tells (files
+            # joined with `cat` decode to more than their first header states, never less; a
+            # damaged stretch skipped is told as such).
+            stated = None if lost else _mp3_stated_seconds(path)
+            if stated is not None and decoded / SAMPLE_RATE < stated - TRUNCATED_SECONDS:
+                raise AudioError(_truncated(path, stated, decoded / SAMPLE_RATE))
     except AudioError:
         raise
     except Exception as error:

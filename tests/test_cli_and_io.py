@@ -121,31 +121,45 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
 def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Path):
     """libsndfile and FFmpeg read a WAV or MP3 cut short (a copy or download interrupted) to
     its end, silently: a folder run wrote the transcript of a part of it, exit 0, and skipped
-    it as done from then on. A WAV whose recorder never wrote its data size (0) is whole:
-    libsndfile read no samples of it, and said so."""
+    it as done from then on. A WAV whose recorder never wrote its data size (0, or a
+    placeholder a recorder writing to a pipe leaves) is whole: libsndfile read no samples of
+    a size 0, and said so."""
     jfk = load_audio(DEV / "en_short" / "jfk.flac")  # 11 s
     soundfile.write(tmp_path / "whole.wav", jfk, SAMPLE_RATE, subtype="PCM_16")
     wav = (tmp_path / "whole.wav").read_bytes()
+    data = wav.index(b"data")
     mp3 = mp3_bytes(np.tile(jfk, 4), 64_000)  # with a Xing header, as encoders write them
-    (tmp_path / "half.wav").write_bytes(wav[: len(wav) // 2])
-    (tmp_path / "third.mp3").write_bytes(mp3[: len(mp3) // 3])
-    for name, stated, held in [("half.wav", 11.0, 5.5), ("third.mp3", 44.1, 14.7)]:
+    tag = 10 + sum((b & 0x7F) << 7 * (3 - i) for i, b in enumerate(mp3[6:10]))
+    # Metadata before the audio: a 5 kB chunk before a WAV's data, 600 kB of cover art before an MP3's frames.
+    padded = wav[:data] + b"JUNK" + (5000).to_bytes(4, "little") + bytes(5000) + wav[data:]
+    art = b"ID3\x04\x00\x00" + bytes((600_000 >> shift) & 0x7F for shift in (21, 14, 7, 0)) + bytes(600_000) + mp3[tag:]
+    cuts = {"half.wav": (wav[: len(wav) // 2], 11.0, 5.5), "padded_half.wav": (padded[: len(padded) // 2], 11.0, 5.4),
+            "third.mp3": (mp3[: len(mp3) // 3], 44.1, 14.6), "art_cut.mp3": (art[: len(art) - len(mp3) // 3], 44.1, 29.3)}
+    for name, (content, stated, held) in cuts.items():
+        (tmp_path / name).write_bytes(content)
         told = f"{tmp_path / name}: truncated: its header states {stated} s of audio, the file holds {held} s"
         with pytest.raises(AudioError, match=re.escape(told)):
             load_audio(tmp_path / name)
         with pytest.raises(AudioError, match=re.escape(told)):
-            next(stream_audio(tmp_path / name))
-    # Whole files stay whole: a WAV with a chunk after its data, an MP3 with bytes after its frames.
+            list(stream_audio(tmp_path / name))
+    # Whole files stay whole: a WAV with a chunk after its data, an MP3 with bytes after its
+    # frames or a tag before them, and WAVs whose data size was never written.
     (tmp_path / "tagged.wav").write_bytes(wav + b"LIST" + (4).to_bytes(4, "little") + b"INFO")
+    (tmp_path / "padded.wav").write_bytes(padded)
+    (tmp_path / "art.mp3").write_bytes(art)
     (tmp_path / "junk.mp3").write_bytes(mp3 + random.Random(1).randbytes(400))
-    np.testing.assert_array_equal(load_audio(tmp_path / "tagged.wav"), load_audio(tmp_path / "whole.wav"))
+    for size in (0, 0x80000000):  # arecord's to a pipe
+        (tmp_path / f"unsized_{size}.wav").write_bytes(wav[: data + 4] + size.to_bytes(4, "little") + wav[data + 8 :])
+    for name in ("tagged.wav", "padded.wav", "unsized_0.wav", f"unsized_{0x80000000}.wav"):
+        np.testing.assert_array_equal(load_audio(tmp_path / name), load_audio(tmp_path / "whole.wav"))
+        np.testing.assert_array_equal(np.concatenate(list(stream_audio(tmp_path / name, 3.0))), load_audio(tmp_path / "whole.wav"))
+        assert audio_seconds(tmp_path / name) == 11.0, name  # size 0: libsndfile said 0 s, and it was loaded whole
+    assert 43.5 < len(load_audio(tmp_path / "art.mp3")) / SAMPLE_RATE < 44.2
     with pytest.warns(AudioWarning, match="damaged audio packet"):  # the junk, as a damaged last packet
         assert 43.5 < len(load_audio(tmp_path / "junk.mp3")) / SAMPLE_RATE < 44.2
-    data = wav.index(b"data")
-    (tmp_path / "unsized.wav").write_bytes(wav[: data + 4] + bytes(4) + wav[data + 8 :])
-    np.testing.assert_array_equal(load_audio(tmp_path / "unsized.wav"), load_audio(tmp_path / "whole.wav"))
-    np.testing.assert_array_equal(np.concatenate(list(stream_audio(tmp_path / "unsized.wav", 3.0))),
-                                  load_audio(tmp_path / "whole.wav"))
+    (tmp_path / "tiny.mp3").write_bytes(b"ID3\x04")  # a download stopped in its tag: an error, not an IndexError
+    with pytest.raises(AudioError, match="tiny.mp3: "):
+        load_audio(tmp_path / "tiny.mp3")
 
 
 def test_tags_that_are_not_utf8_do_not_make_a_file_unreadable(tmp_path: Path):

@@ -365,14 +365,22 @@ def test_batches_of_a_streams_fitted_widths_are_not_kept_once_idle(pair):
 
 
 def test_old_downloads_are_swept(tmp_path):
-    old, new = tmp_path / "old", tmp_path / "new"
-    for folder in (old, new):
+    """But not a request's folder that still holds its upload (app.ui._hold): it was removed
+    while a long recording waited for a row, and its decode found no file."""
+    old, new, held = tmp_path / "old", tmp_path / "new", tmp_path / "held"
+    for folder in (old, new, held):
         folder.mkdir()
         (folder / "talk.txt").write_text("text")
+    (held / ".upload.flac").write_bytes(b"audio")
     two_hours_ago = time.time() - 7200
-    os.utime(old, (two_hours_ago, two_hours_ago))
+    for folder in (old, held):
+        os.utime(folder, (two_hours_ago, two_hours_ago))
     sweep(tmp_path, max_age=3600)
-    assert not old.exists() and (new / "talk.txt").read_text() == "text"
+    assert not old.exists() and (new / "talk.txt").read_text() == "text" and (held / ".upload.flac").exists()
+    (held / ".upload.flac").unlink()  # the request ended
+    os.utime(held, (two_hours_ago, two_hours_ago))
+    sweep(tmp_path, max_age=3600)
+    assert not held.exists()
 
 
 def test_downloads_are_swept_on_an_idle_server(tmp_path):
