@@ -25,6 +25,10 @@ if TYPE_CHECKING:
     from asr.speculative import SpeculativeDecoder
 
 IDLE_STATES = 8  # batch states (with their graphs) kept for reuse on a GPU
+# A window that stops at a loop (Window.stop_loops) does so once its last LOOP_TOKENS tokens
+# are a run of at most LOOP_PERIOD repeated: a clipped word at a stream buffer's end looped as
+# "fa-----..." to the token limit, a target pass a token.
+LOOP_TOKENS, LOOP_PERIOD = 48, 8
 
 
 def prefill_width(length: int, capacity: int) -> int:
@@ -65,6 +69,7 @@ class Sequence:
     no_speech_prob: float
     stats: DecodeStats = field(default_factory=DecodeStats)
     seconds: float = 0.0  # the row's share of the time of the steps it took part in
+    looped: bool = False  # stopped at a loop (Window.stop_loops), short of its end
 
     @property
     def avg_logprob(self) -> float:
@@ -87,6 +92,9 @@ class Window:
     cross: tuple[list[Tensor], list[Tensor]] | None = None
     language: str | None = None  # the draft's acceptance is kept per language (asr/draft_length.py)
     seed: int = 0  # at temperature > 0, what the row's draws follow (asr/sampling.py)
+    # Stop at a loop (LOOP_TOKENS), the sequence marked looped: for a caller to whom a loop is
+    # a failed decode whatever its length (Whisper's compression-ratio test needs it long).
+    stop_loops: bool = False
 
 
 @dataclass
@@ -142,6 +150,7 @@ class Row:
     gap: int = 1  # kept tokens the draft has not cached yet
     stats: DecodeStats = field(default_factory=DecodeStats)
     seconds: float = 0.0
+    stop_loops: bool = False  # Window.stop_loops
 
 
 class States:
@@ -249,7 +258,7 @@ class Slots:
         for slot, w in zip(slots, windows):
             length = len(w.prompt)
             self.slots[slot] = Row(self._tags, length, length + w.max_new_tokens, length, w.temperature, bool(w.hint),
-                                   w.language)
+                                   w.language, stop_loops=w.stop_loops)
             tags.append(self._tags)
             self._tags += 1
         seconds = (device_clock(e.device) - started) / len(windows)
@@ -420,9 +429,24 @@ class Slots:
                 done.append(i)
         return done
 
-    def _finish(self, slots: list[int], ended: list[int]) -> list[tuple[int, Sequence]]:
+    def _looping(self, done: list[int]) -> list[int]:
+        """The slots of rows that stop at a loop (Window.stop_loops) and are in one, beside
+        those done: their last LOOP_TOKENS tokens a run of at most LOOP_PERIOD repeated."""
+        slots = [i for i, row in enumerate(self.slots) if row is not None and row.stop_loops and i not in done
+                 and row.length - row.sample_begin >= LOOP_TOKENS]
+        if not slots:
+            return []
+        device = self.engine.device
+        ends = torch.tensor([self.slots[i].length for i in slots], device=device)[:, None]
+        tails = self.state.tokens[torch.tensor(slots, device=device)[:, None],
+                                  ends - LOOP_TOKENS + torch.arange(LOOP_TOKENS, device=device)].tolist()
+        return [slot for slot, tail in zip(slots, tails)
+                if any(tail[period:] == tail[:-period] for period in range(1, LOOP_PERIOD + 1))]
+
+    def _finish(self, slots: list[int], ended: list[int], looped: list[int] = ()) -> list[tuple[int, Sequence]]:
         """Reads out these finished rows' results (ended: per slot, whether it ended on
-        end-of-text, which the tokens leave out) and frees their slots."""
+        end-of-text, which the tokens leave out; looped: the slots stopped at a loop) and
+        frees their slots."""
         s = self.state
         index = torch.tensor(slots, device=self.engine.device)
         scores = torch.stack([s.sum_logprob.index_select(0, index), s.no_speech.index_select(0, index).double()]).tolist()
@@ -431,6 +455,6 @@ class Slots:
             row = self.slots[slot]
             end = row.length - (1 if ended[slot] else 0)
             tokens = s.tokens[slot, row.sample_begin : end].tolist()
-            results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds)))
+            results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds, slot in looped)))
         self._free(slots)
         return results

@@ -179,7 +179,8 @@ class Batch(Slots):
             self.draft_length.unmeasured(len(self.slots))
         drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
         done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
-        return self._finish(done, out[4]) if done else []
+        looped = self._looping(done)
+        return self._finish(done + looped, out[4], looped) if done or looped else []
 
     def _draft_k(self, languages: list[str | None], explore: bool) -> int:
         """The draft's proposals a row this round, for rows drafting in these languages: none

@@ -353,7 +353,7 @@ class StreamingTranscriber:
         if window.silent or threshold is None or window.no_speech_prob <= threshold:
             return window
         text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
-        return replace(window, silent=True) if self._loops(text) else window
+        return replace(window, silent=True) if self._loops(text, window.looped) else window
 
     def _hallucinated(self, window: WindowResult) -> bool:
         """Whether a hypothesis decoded with the prompt loops (Whisper's compression-ratio
@@ -361,16 +361,18 @@ class StreamingTranscriber:
         failures when the buffer starts or ends on a clipped word. Such a buffer is decoded again without the prompt
         (as Whisper drops it when it falls back to sampling)."""
         text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
-        if self._loops(text):
+        if self._loops(text, window.looped):
             return True
         prompt, keys = _keys(self._context_text), _keys(text)[len(self._in_buffer) :]  # past the committed words
         echoes = {tuple(prompt[i : i + PROMPT_ECHO_WORDS]) for i in range(len(prompt) - PROMPT_ECHO_WORDS + 1)}
         return any(tuple(keys[i : i + PROMPT_ECHO_WORDS]) in echoes for i in range(len(keys) - PROMPT_ECHO_WORDS + 1))
 
-    def _loops(self, text: str) -> bool:
-        """Whisper's compression-ratio test: text that repeats itself too much to be speech."""
+    def _loops(self, text: str, looped: bool = False) -> bool:
+        """Whisper's compression-ratio test: text that repeats itself too much to be speech;
+        or that of a hypothesis stopped at a loop (looped: WindowResult.looped), which it
+        would fail had the loop run on to the token limit."""
         threshold = self.transcriber.options.compression_ratio_threshold
-        return threshold is not None and compression_ratio(text) > threshold
+        return threshold is not None and (looped or compression_ratio(text) > threshold)
 
     def _stops_short(self, window: WindowResult) -> bool:
         """Whether a hypothesis ends UNHEARD_SECONDS or more before the buffer does while the
@@ -430,7 +432,7 @@ class StreamingTranscriber:
         before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
         kept = _before_repeats([_key(w) for w in new], before)
         backlog = len(self._waiting) > 0
-        if kept < len(new) and (final or backlog) and not self._loops("".join(w.text for w in new)):
+        if kept < len(new) and (final or backlog) and not self._loops("".join(w.text for w in new), window.looped):
             kept = len(new)
         self._held_back = kept < len(new)
         fresh = new[:kept]

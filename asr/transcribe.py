@@ -132,6 +132,7 @@ class WindowResult:
     # With word_timestamps (and not silent): the words of its text, timed by the target's
     # cross-attention (asr/words.py), in seconds into the window.
     words: list[Word] | None = None
+    looped: bool = False  # stopped where it plainly loops (asr/slots.py's LOOP_TOKENS), short of its end
 
 
 @dataclass(frozen=True)
@@ -550,10 +551,16 @@ class Transcriber:
         no_speech = options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
         if no_speech and low_logprob:
             return False  # silence: nothing to retry (a confident text is retried if repetitive)
-        ratio = compression_ratio(self.vocab.decode(sequence.tokens).strip())
-        if options.compression_ratio_threshold is not None and ratio > options.compression_ratio_threshold:
+        if self._repeats(sequence):
             return True
         return low_logprob or (temperature > 0 and self._copies(sequence, previous))
+
+    def _repeats(self, sequence: Sequence) -> bool:
+        """Whisper's compression-ratio test: text that repeats itself too much to be speech; or a
+        window stopped at a loop (transcribe_window's), which it would fail had the loop run on."""
+        threshold = self.options.compression_ratio_threshold
+        return threshold is not None and (
+            sequence.looped or compression_ratio(self.vocab.decode(sequence.tokens).strip()) > threshold)
 
     def _copies(self, sequence: Sequence, previous: list[int]) -> bool:
         """Whether a window's text repeats PROMPT_COPY_WORDS words in a row of its previous
@@ -571,9 +578,7 @@ class Transcriber:
         """The attempt with the highest average log-probability among those that neither
         repeat themselves nor (sampled) copy their previous text, if any (faster-whisper's
         choice, but for copies; Whisper keeps the last). attempts: at each temperature in turn."""
-        threshold = self.options.compression_ratio_threshold
-        plain = [s for s, t in zip(attempts, self.options.temperatures)
-                 if (threshold is None or compression_ratio(self.vocab.decode(s.tokens).strip()) <= threshold)
+        plain = [s for s, t in zip(attempts, self.options.temperatures) if not self._repeats(s)
                  and not (t > 0 and self._copies(s, previous))]
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
@@ -794,7 +799,7 @@ class _Decoding:
             # A sampled window's draws follow its own seed, whatever is batched beside it.
             seed = sampling.seed_of(t.options.seed, job.seek, job.attempt)
             windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known,
-                                  job.language, seed))
+                                  job.language, seed, stop_loops=job.window_only))
         for job, tag in zip(jobs, self.batch.add(windows)):
             self.jobs[tag] = job
 
@@ -820,7 +825,7 @@ class _Decoding:
                 silent = t._silent(sequence)
                 words = t._window_words(job, sequence.tokens) if t.options.word_timestamps and not silent else None
                 job.result = WindowResult(sequence.tokens, job.info.language, temperature, silent, job.info,
-                                          sequence.no_speech_prob, words)
+                                          sequence.no_speech_prob, words, sequence.looped)
             else:
                 t._advance(job, sequence, temperature)
                 job.report()

