@@ -93,7 +93,7 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
         saved = stats.tokens - stats.target_passes
         figures += [
             Figure("Draft tokens accepted", f"{stats.draft_accepted} / {stats.draft_proposed}",
-                   f"{stats.acceptance_rate:.0%} of proposals"),
+                   "none proposed" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.0%} of proposals"),
             Figure("Target passes saved", f"{saved}",
                    f"{stats.target_passes} passes for {stats.tokens} tokens"
                    + (f" ({saved / stats.tokens:.0%} fewer)" if stats.tokens else "")),

@@ -156,8 +156,8 @@ class FolderSummary:
         return self.audio_seconds / self.wall_seconds if self.wall_seconds > 0 else 0.0
 
     @property
-    def acceptance(self) -> float:
-        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+    def acceptance(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     def describe(self) -> str:
         other = (f", {self.skipped_other_settings} of them with other settings: --overwrite redoes them"

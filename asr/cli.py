@@ -358,17 +358,17 @@ def evaluate_command(args: argparse.Namespace) -> int:
         print(f"asr: no file could be scored; {args.out} is left as it was", file=sys.stderr)
         return 1
     try:
-        write_report(report, args.out, title=str(args.manifest))
+        markdown = write_report(report, args.out, title=str(args.manifest))
     except KeyboardInterrupt:  # while renaming: some files may be the new report's
         print(f"asr: interrupted while writing the report into {args.out}: run the evaluation again", file=sys.stderr)
         return 130
     except OSError as error:  # the figures are not lost: report.json goes where it can
         handle, kept = tempfile.mkstemp(prefix="asr-report-", suffix=".json")
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
+        with os.fdopen(handle, "w", encoding="utf-8", errors="backslashreplace") as out:
             json.dump(report, out, ensure_ascii=False, indent=2)
         print(f"asr: writing the report to {args.out} failed ({error}); its report.json is {kept}", file=sys.stderr)
         return 1
-    print((args.out / "report.md").read_text())
+    print(markdown)  # not read back: in the locale's encoding, a non-ASCII file name failed a finished run
     return 1 if report["failures"] else 0
 
 

@@ -521,9 +521,10 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
 
 def median_attempt(attempts: list[list[Run]]) -> list[Run]:
     """Of a system's repeated runs of one batch, the one whose batch took the median time (the
-    lower of the two middle ones); the first where a file failed in any (it fails each time)."""
-    if any(run.error for runs in attempts for run in runs):
-        return attempts[0]
+    lower of the two middle ones); the first where a file failed, should any (a failure in one
+    repeat, an out-of-memory error, is not hidden by the others' success)."""
+    if failed := next((runs for runs in attempts if any(run.error for run in runs)), None):
+        return failed
     return sorted(attempts, key=lambda runs: sum(run.seconds for run in runs))[(len(attempts) - 1) // 2]
 
 
@@ -858,9 +859,14 @@ def render_plots(report: dict) -> dict[str, bytes]:
     return plots
 
 
-def write_report(report: dict, out: Path, title: str) -> None:
+def write_report(report: dict, out: Path, title: str) -> str:
     """The plots, report.md and report.json, everything rendered, then written to temporary
-    files, before any is renamed into place: a failure leaves a previous report whole."""
-    files = {**render_plots(report), "report.md": render_markdown(report, title).encode(),
-             "report.json": (json.dumps(report, ensure_ascii=False, indent=2) + "\n").encode()}
+    files, before any is renamed into place: a failure leaves a previous report whole.
+    Returns report.md's text."""
+    markdown = render_markdown(report, title)
+    # Texts, not bytes: write_files_atomic escapes a path that is not UTF-8 (a surrogate), where
+    # encoding here failed and the whole evaluation was lost.
+    files = {**render_plots(report), "report.md": markdown,
+             "report.json": json.dumps(report, ensure_ascii=False, indent=2) + "\n"}
     write_files_atomic({out / name: data for name, data in files.items()})
+    return markdown

@@ -17,7 +17,8 @@ from asr.words import UNSPACED  # languages written without spaces between words
 # whisper-normalizer ships Whisper's normalisers with the English spelling map
 # (British to American), which transformers' copy needs from a hub tokenizer.
 NORMALIZER = ("whisper-normalizer (Whisper's English normaliser with its spelling map; basic normaliser otherwise, "
-              "its letters split for languages written without spaces: there WER is a character error rate)")
+              "keeping marks (vowel signs), its letters split for languages written without spaces: there WER is a "
+              "character error rate)")
 
 
 
@@ -32,13 +33,15 @@ def _english():
 def _basic(split_letters: bool = False):
     from whisper_normalizer.basic import BasicTextNormalizer
 
-    return BasicTextNormalizer(split_letters=split_letters)
+    # Whisper's own makes every mark a space: Hindi's or Thai's vowel signs and viramas, so that
+    # a wrong vowel was no error and words fell apart into consonants.
+    return BasicTextNormalizer(split_letters=split_letters, preserve_marks=True)
 
 
 def normalize(text: str, language: str = "en") -> str:
-    """Whisper's English normaliser for English, its basic (language-neutral) one otherwise;
-    for Chinese, Japanese, Thai... (no spaces between words) the basic one with its letters
-    split by spaces, so that a "word" error rate counts letters, not whole sentences."""
+    """Whisper's English normaliser for English, its basic (language-neutral) one otherwise,
+    marks kept; for Chinese, Japanese, Thai... (no spaces between words) the basic one with its
+    letters split by spaces, so that a "word" error rate counts letters, not whole sentences."""
     if language != "en":
         return " ".join(_basic(language in UNSPACED)(text).split())
     # Typographic apostrophes would split "beauty’s" where "beauty's" expands to "beauty is".
@@ -88,7 +91,8 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
         line = len((data[:at] + b"x").splitlines())  # \n, \r\n or \r, as csv reads them
         raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {at})") from None
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
-    columns = reader.fieldnames or []
+    # A spreadsheet's "Language" column was ignored: its clips were decoded as English.
+    columns = reader.fieldnames = [c.strip().lower() for c in reader.fieldnames or []]
     missing = {"file", "reference"} - set(columns)
     if missing:
         raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
@@ -106,7 +110,7 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
             raise ValueError(f"{path}:{line}: {found} tab-separated fields where the header has {len(columns)} ({why})")
         if not row["file"].strip():
             raise ValueError(f"{path}:{line}: no file named")
-        hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "")  # not src_lang= or tgt_lang=
+        hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
         language = (row.get("language") or "").strip().lower() or (hint.group(1).lower() if hint else default_language)
         duration = (row.get("duration_seconds") or "").strip()
         try:

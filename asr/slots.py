@@ -47,13 +47,14 @@ class DecodeStats:
     tokens_per_pass: list[int] = field(default_factory=list)  # kept by each target pass: accepted proposals + 1
     accepted_per_pass: list[int] = field(default_factory=list)  # draft tokens accepted by each pass that verified some
 
+    # None, not 0, where nothing was proposed (or decoded): "every proposal rejected" is another thing.
     @property
-    def acceptance_rate(self) -> float:
-        return self.draft_accepted / self.draft_proposed if self.draft_proposed else 0.0
+    def acceptance_rate(self) -> float | None:
+        return self.draft_accepted / self.draft_proposed if self.draft_proposed else None
 
     @property
-    def tokens_per_target_pass(self) -> float:
-        return self.tokens / self.target_passes if self.target_passes else 0.0
+    def tokens_per_target_pass(self) -> float | None:
+        return self.tokens / self.target_passes if self.target_passes else None
 
     def add(self, other: "DecodeStats") -> None:
         for name in self.__dataclass_fields__:  # counts add up, lists join

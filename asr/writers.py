@@ -168,7 +168,7 @@ def to_json(transcript: Transcript) -> str:
             "dtype": info.dtype,
             "draft_tokens_proposed": stats.draft_proposed,
             "draft_tokens_accepted": stats.draft_accepted,
-            "acceptance_rate": round(stats.acceptance_rate, 4),
+            "acceptance_rate": None if stats.acceptance_rate is None else round(stats.acceptance_rate, 4),
             "target_forward_passes": stats.target_passes,
             "tokens": stats.tokens,
             "windows": info.windows,

@@ -110,7 +110,7 @@ def main() -> int:
                 same = sum(text == texts[sizes[0]].get(k) for k, text in texts[size].items())
                 print(f"| {name} | {total.ok} | {total.audio_seconds / 2:.1f} | {size} | {total.wall_seconds:.1f} | "
                       f"{total.rtfx:.2f} | {total.rtfx / baseline.rtfx:.2f}x | "
-                      f"{total.acceptance:.0%} | {same}/{len(texts[size])} |", flush=True)
+                      f"{'-' if total.acceptance is None else f'{total.acceptance:.0%}'} | {same}/{len(texts[size])} |", flush=True)
     return 0
 
 

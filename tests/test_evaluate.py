@@ -41,6 +41,7 @@ from asr.evaluate import (
     TransformersSystem,
     build_report,
     describe_environment,
+    median_attempt,
     render_markdown,
     run_systems,
     system_names,
@@ -50,6 +51,7 @@ from asr.evaluate import (
 from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest, word_error_rate
 from asr.models import PRESETS, ctranslate2_directory, load_pair
 from asr.peer_process import FasterWhisperProcess
+from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from conftest import DEV, REPO, SAMPLES, save_tiny, speech_between_silences, tiny_target
 
@@ -321,6 +323,29 @@ def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_
     assert "the median of 3 timed runs per batch" in render_markdown(report, "dev")
 
 
+def test_a_file_that_fails_in_a_later_repeat_is_reported_failed():
+    """The first run's success had hidden it (an out-of-memory error in the third of 3 repeats)."""
+    ok, failed = Run(text="fine", seconds=1.0), Run(error="RuntimeError: CUDA out of memory")
+    assert median_attempt([[ok, ok], [ok, ok], [ok, failed]]) == [ok, failed]
+    assert median_attempt([[Run(seconds=3.0)], [Run(seconds=1.0)], [Run(seconds=2.0)]]) == [Run(seconds=2.0)]
+
+
+def test_a_draft_that_proposed_nothing_has_no_acceptance_rather_than_none_accepted():
+    """A German clip where the adaptive length never drafted read "acceptance 0%"."""
+    drafted = DecodeStats(target_passes=5, tokens=5)
+    results = [FileResult(LabelledClip(Path("a.wav"), 1.0, "hallo welt", "de"), 1.0)]
+    results[0].runs = {TARGET: Run(text="hallo welt", tokens=[1], seconds=1.0),
+                       SPECULATIVE: Run(text="hallo welt", tokens=[1], seconds=1.0, stats=drafted)}
+    environment = {"device": "cpu", "dtype": "float32", "threads": 2, "preset": None, "target": "t", "draft": "d",
+                   "batch_size": 1, "torch": "-", "transformers": "-", "notes": [], "normalizer": "-"}
+    report = build_report(results, [TARGET, SPECULATIVE], environment)
+    speculative = report["systems"][SPECULATIVE]
+    assert speculative["acceptance_rate"] is None and speculative["tokens_per_target_pass"] == 1.0
+    assert report["per_file"][0][f"{SPECULATIVE}_acceptance_rate"] is None
+    assert "| - | 1.00 |" in render_markdown(report, "dev")
+    assert DecodeStats().tokens_per_target_pass is None
+
+
 def test_a_peer_that_transcribed_fewer_files_has_our_wer_on_those_files_beside_its_own():
     """Its WER over fewer files is not comparable with ours over all of them."""
     def run(text: str) -> Run:
@@ -525,6 +550,24 @@ def test_cli_keeps_the_previous_report_when_no_file_can_be_scored(tmp_path: Path
     assert [p.name for p in out.iterdir()] == ["report.md"] and (out / "report.md").read_text() == "a finished report\n"
 
 
+def test_a_finished_evaluation_is_written_and_shown_under_an_ascii_locale_from_a_folder_not_utf8(tmp_path: Path):
+    """Both ended a finished run in a traceback: report.md read back in the locale's encoding
+    (a failure naming café.wav), and the report encoded strictly (a path with byte 0xff), where
+    the figures were then lost, no temporary report.json written."""
+    folder = Path(os.fsdecode(os.fsencode(tmp_path) + b"/bad\xffdir"))
+    folder.mkdir()
+    shutil.copy(DEV / "en_short" / CLIPS[0], folder / CLIPS[0])
+    (folder / "m.tsv").write_text(f"file\treference\n{CLIPS[0]}\twhatever was said\ncafé.wav\tmissing\n", encoding="utf-8")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+    done = subprocess.run([sys.executable, "-m", "asr.cli", "evaluate", os.fsencode(folder / "m.tsv"),
+                           "--out", os.fsencode(folder / "out")], cwd=REPO, env=env, capture_output=True, timeout=300)
+    assert done.returncode == 1 and b"Traceback" not in done.stderr, done.stderr.decode(errors="replace")  # 1: café.wav failed
+    assert b"caf\\xe9.wav" in done.stderr and b"| ours, speculative | 1 |" in done.stdout
+    report = json.loads((folder / "out" / "report.json").read_text(encoding="utf-8"))
+    assert report["n_files"] == 1 and os.fsdecode(b"bad\xffdir") in report["per_file"][0]["file"]  # escaped, read back
+    assert "bad\\udcffdir" in (folder / "out" / "report.md").read_text(encoding="utf-8")
+
+
 def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_run(tmp_path: Path, capsys, monkeypatch):
     """... or a report folder that cannot be written (a run of hours would be lost at its end)."""
     (tmp_path / "empty.tsv").write_text("file\treference\n")
@@ -628,13 +671,23 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
     # wrong): Chinese, Japanese and Thai are scored by the letter.
     assert normalize("我们今天去公园，然后回家。", "zh") == "我 们 今 天 去 公 园 然 后 回 家"
     assert word_error_rate(["我们今天去公园", "Hallo Welt"], ["我们明天去公园", "Hallo Welt"], ["zh", "de"]) == pytest.approx(1 / 9)
+    # Whisper's basic normaliser makes every mark a space: Hindi's, Bengali's or Thai's vowel signs
+    # and viramas, so a wrong vowel was no error ("मैं घर जा रहा हूँ" scored 0 % against "रही").
+    assert normalize("नमस्ते दुनिया", "hi") == "नमस्ते दुनिया"
+    assert word_error_rate(["मैं घर जा रहा हूँ", "ฉันไปบ้าน"], ["मैं घर जा रही हूँ", "ฉนไปบาน"], ["hi", "th"]) == pytest.approx(
+        (1 + 2) / (5 + 7))  # one word of five; two of Thai's seven letters (a letter with its marks)
+    assert normalize("ខ្ញុំទៅផ្ទះ", "km") == "ខ្ញុំ ទៅ ផ្ទះ"  # Khmer too is written without spaces
     (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\n"
-                                    "c.wav\tHi\t\t\nd.wav\tHi\t\tsrc_lang=fr\n")
+                                    "c.wav\tHi\t\t\nd.wav\tHi\t\tsrc_lang=fr\ne.wav\tHola\t\tLang=ES\n")
     clips = read_manifest(tmp_path / "m.tsv")
     assert [(c.path, c.duration, c.language) for c in clips] == [
         (tmp_path / "a.wav", None, "de"), (tmp_path / "b.wav", None, "es"), (tmp_path / "c.wav", None, "en"),
         (tmp_path / "d.wav", None, "en"),  # another note's word ending in lang=, not the hint
+        (tmp_path / "e.wav", None, "es"),
     ]
+    # A spreadsheet's capitalised header: its language column was ignored, the clip decoded as English.
+    (tmp_path / "m.tsv").write_text("File\tReference \tLanguage\na.wav\tHallo\tde\n")
+    assert [(c.path, c.reference, c.language) for c in read_manifest(tmp_path / "m.tsv")] == [(tmp_path / "a.wav", "Hallo", "de")]
 
 
 def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs(tmp_path: Path, capsys):
