@@ -414,17 +414,33 @@ def stream_command(args: argparse.Namespace) -> int:
         print(f"asr: {error}", file=sys.stderr)
         return 2
     started = time.monotonic()  # the stream starts once the models are warm
-    updates = []
-    for update in feed_recording(stream, samples, args.chunk_seconds, stream.clock):
+    updates: list[StreamUpdate] = []
+
+    def show(update: StreamUpdate) -> None:
         updates.append(update)
         print(json.dumps({"type": "update", **asdict(update)}) if args.json else describe_update(update), flush=True)
+
+    stopped = False
+    try:
+        for update in feed_recording(stream, samples, args.chunk_seconds, stream.clock):
+            show(update)
+    except KeyboardInterrupt:
+        # A microphone's stop: what was heard is decoded and committed, not lost to a traceback.
+        print(f"asr: stopped at {stream.audio_seconds:.1f} s: finishing what was heard (Ctrl-C again to quit)",
+              file=sys.stderr)
+        try:
+            show(stream.finish())  # a stream already finished gives an empty last update
+        except KeyboardInterrupt:
+            print("asr: interrupted", file=sys.stderr)
+            return 130
+        stopped = True
     summary = asdict(summarize(updates))
     if args.json:
         print(json.dumps({"type": "summary", **summary}))
     else:
         print(summary.pop("committed_text"))
         print(", ".join(f"{k}: {round(v, 3) if isinstance(v, float) else v}" for k, v in summary.items()), file=sys.stderr)
-    return 0
+    return 130 if stopped else 0
 
 
 def describe_update(update: StreamUpdate) -> str:

@@ -131,7 +131,11 @@ class StreamingTranscriber:
 
     prompt: text before the stream (what was said before, names and spelling to expect),
     the first prompt (whisper_streaming's init_prompt); later the committed text follows it.
-    None: the transcriber's initial_prompt.
+    None: the transcriber's initial_prompt. With the transcriber's condition_on_previous_text
+    False, as offline after the first window, the buffer is decoded without a prompt once
+    it has been cut. Of its other options a stream decodes greedily (no temperature fallback)
+    and has silences of its own (vad_filter is the uploads'); it needs timestamps, which
+    its buffer is cut at.
 
     encoder_padding_seconds: the encoder reads the buffer plus this much padding (in whole
     seconds), not Whisper's 30 s window (None), which makes an update several times cheaper
@@ -162,6 +166,9 @@ class StreamingTranscriber:
             raise ValueError(f"buffer_trim_seconds must be below the {WINDOW_SECONDS} s window")
         if encoder_padding_seconds is not None and encoder_padding_seconds < 0:
             raise ValueError("encoder_padding_seconds cannot be negative")
+        if transcriber.options.without_timestamps:
+            raise ValueError("a stream cuts its buffer at segment timestamps: it cannot decode without_timestamps")
+        self._conditioned = transcriber.options.condition_on_previous_text
         self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)),
                                        scheduler=transcriber.scheduler)
         self.hypothesis_draft = hypothesis_draft
@@ -632,6 +639,8 @@ class StreamingTranscriber:
         if len(text) > CONTEXT_CHARACTERS:  # whole words only
             text = text[-CONTEXT_CHARACTERS:]
             text = text[text.find(" "):] if " " in text else text
+        if not self._conditioned:  # the prompt was the first window's
+            text = ""
         self._context_text, self._context = text, self._vocab.encode(text)
         self._in_buffer = self._in_buffer[words:]
         self._buffer = self._buffer[samples:]

@@ -522,6 +522,52 @@ def test_a_finished_stream_takes_no_more_audio(transcriber):
     assert again.final and again.committed == [] and again.committed_text == text and again.target_passes == 0
 
 
+def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transcriber):
+    """condition_on_previous_text=False was ignored: every decode after a cut had the
+    committed text as its prompt."""
+    unconditioned = Transcriber(transcriber.models, replace(transcriber.options, condition_on_previous_text=False,
+                                                            initial_prompt="President Kennedy."))
+    stream = StreamingTranscriber(unconditioned, buffer_trim_seconds=1.0)
+    contexts = []
+    decode = stream.transcriber.transcribe_window
+
+    def spied(samples, context, *rest):
+        contexts.append(context)
+        return decode(samples, context, *rest)
+
+    stream.transcriber.transcribe_window = spied
+    samples = load_audio(JFK)
+    for start in range(0, len(samples), SAMPLE_RATE):
+        stream.insert_audio(samples[start : start + SAMPLE_RATE])
+        stream.process()
+    assert "ask not what your country" in stream.finish().committed_text.lower()
+    assert contexts[0] == transcriber.vocab.encode(" President Kennedy.")  # the first prompt, until the first cut
+    assert stream._buffer_start > 0 and contexts[-1] == []
+    with pytest.raises(ValueError, match="cannot decode without_timestamps"):
+        StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, without_timestamps=True)))
+
+
+def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
+    """As a microphone's stop; it was a traceback, the text committed so far lost."""
+    clip = DEV / "en_short" / "7902-96591-0000.wav"  # 2 s
+    calls = []
+    process = StreamingTranscriber.process
+
+    def interrupted(self):
+        calls.append(self.audio_seconds)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return process(self)
+
+    monkeypatch.setattr(StreamingTranscriber, "process", interrupted)
+    assert main(["stream", str(clip), "--chunk-seconds", "0.5", "--json", "--language", "en"]) == 130
+    captured = capsys.readouterr()
+    lines = [json.loads(line) for line in captured.out.splitlines()]
+    assert len(lines) == 4 and lines[2]["final"] and lines[3]["type"] == "summary"  # two updates, the stop's, the summary
+    assert "stopped at 1.5 s: finishing what was heard" in captured.err
+    assert lines[3]["committed_text"] and lines[3]["audio_seconds"] == pytest.approx(1.5)
+
+
 def test_cli_json_lines(capsys):
     clip = DEV / "en_short" / "7902-96591-0000.wav"  # 2 s
     assert main(["stream", str(clip), "--chunk-seconds", "0.5", "--json", "--language", "en"]) == 0
