@@ -243,6 +243,7 @@ def load_model(
 ) -> WhisperModel:
     """target: for a draft distilled by this project, the model whose token embedding
     (and output head) it shares."""
+    _check_dtype("dtype", dtype)
     directory, model_parts = resolve_directory(source)
     head_token_ids = None
     config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else {}
@@ -267,6 +268,11 @@ def load_model(
         if missing:
             raise ValueError(f"{directory}: its weights lack {len(missing)} of the model's tensors "
                              f"({', '.join(sorted(missing)[:3])}, ...): an incomplete or damaged save")
+        # ... and weights it has no place for: a config.json of fewer layers than its weights
+        # loaded, and wrote gibberish.
+        if unexpected := sorted(info["unexpected_keys"]):
+            raise ValueError(f"{directory}: its weights hold {len(unexpected)} tensors its config.json has no place "
+                             f"for ({', '.join(unexpected[:3])}, ...): config.json does not describe these weights")
         model.eval()
         generation = _read_json(directory / "generation_config.json") if (directory / "generation_config.json").is_file() else {}
         # Not config.json's: save_pretrained writes WhisperConfig's defaults there, whose
@@ -288,11 +294,31 @@ def load_model(
         # for a model saved without one of its own.
         begin_suppress = None
     begin_suppress = [*vocab.encode(" "), vocab.eot] if begin_suppress is None else begin_suppress
+    _check_rules(directory, model.config, suppress, begin_suppress, heads)
     model.to(device=device, dtype=dtype)
     if head_token_ids is not None:
         head_token_ids = head_token_ids.to(device)
     return WhisperModel(source, model, vocab, list(suppress), list(begin_suppress), head_token_ids,
                         [(int(layer), int(head)) for layer, head in heads] if heads else None)
+
+
+def _check_dtype(name: str, dtype: object) -> None:
+    """A string or an integer dtype failed later, as a CTranslate2 file "damaged"."""
+    if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"{name} must be a floating-point torch.dtype (torch.float32, torch.float16, torch.bfloat16), "
+                         f"not {dtype!r}")
+
+
+def _check_rules(directory: Path, config: WhisperConfig, suppress: list, begin_suppress: list, heads: list | None) -> None:
+    """Token ids and alignment heads the model has: else the first decode failed, an IndexError."""
+    outside = [t for t in [*suppress, *begin_suppress] if not 0 <= int(t) < config.vocab_size]
+    if outside:
+        raise ValueError(f"{directory}: its suppressed tokens name {outside[:3]}, outside the "
+                         f"{config.vocab_size}-token vocabulary: a config of another model")
+    layers, per_layer = config.decoder_layers, config.decoder_attention_heads
+    if heads and not all(0 <= int(layer) < layers and 0 <= int(head) < per_layer for layer, head in heads):
+        raise ValueError(f"{directory}: its alignment heads name heads outside the decoder's {layers} layers of "
+                         f"{per_layer}: a config of another model")
 
 
 DRAFT_WEIGHTS = "model.safetensors"
@@ -354,21 +380,35 @@ def _load_distilled_draft(
             f"{directory}: a distilled draft shares its target's embedding; load it as a draft (--draft), not a target"
         )
     if target.encoder is None or not encoder_matches(meta.get("target_encoder"), target.encoder):
+        fingerprint = meta.get("target_encoder")
+        alike = (target.encoder is not None and isinstance(fingerprint, dict)
+                 and fingerprint.get("shape") == encoder_fingerprint(target.encoder)["shape"])
+        # An int8 conversion of the very target was told to distil a draft of its own.
+        why = (" (an encoder of its shape with other weights: another fine-tune, or the same model quantised, "
+               "e.g. an int8 CTranslate2 conversion; load a float16 or float32 copy of it)" if alike else "")
         raise IncompatibleModels(
             f"{directory}: this draft was distilled for {meta.get('target_name', 'another target')} and reads that "
-            f"target's encoder, not {target.name}'s: distil a draft for this target with scripts/distill_draft.py"
+            f"target's encoder, not {target.name}'s{why}: distil a draft for this target with scripts/distill_draft.py"
         )
     from safetensors.torch import load_file
 
     whisper_config = WhisperConfig.from_dict({k: v for k, v in config.items() if k != "asr_draft"})
     tensors = load_file(str(directory / DRAFT_WEIGHTS))
-    head_token_ids = tensors.pop("head_token_ids").long()
-    tensors = {name: t.to(dtype) for name, t in tensors.items()}
     shared = target.model.model.decoder
+    # A damaged draft failed as a bare KeyError or IndexError.
+    head_token_ids = tensors.pop("head_token_ids", torch.zeros(0)).long()
+    if not len(head_token_ids) or not 0 <= int(head_token_ids.min()) <= int(head_token_ids.max()) < len(shared.embed_tokens.weight):
+        raise ValueError(f"{directory}: a damaged draft: its head_token_ids are missing or name tokens outside "
+                         f"{target.name}'s vocabulary")
+    sources = meta.get("cross_kv_from_target") or []
+    if len(sources) > whisper_config.decoder_layers or not all(0 <= int(s) < len(shared.layers) for s in sources):
+        raise ValueError(f"{directory}: a damaged draft: its cross_kv_from_target {sources} does not fit its "
+                         f"{whisper_config.decoder_layers} decoder layers and {target.name}'s {len(shared.layers)}")
+    tensors = {name: t.to(dtype) for name, t in tensors.items()}
     tensors["model.decoder.embed_tokens.weight"] = shared.embed_tokens.weight
     tensors["model.decoder.embed_positions.weight"] = shared.embed_positions.weight
     tensors["proj_out.weight"] = target.model.proj_out.weight
-    for own, source in enumerate(meta.get("cross_kv_from_target") or []):
+    for own, source in enumerate(sources):
         for name in ("k_proj.weight", "v_proj.weight", "v_proj.bias"):
             tensors[f"model.decoder.layers.{own}.encoder_attn.{name}"] = shared.layers[source].encoder_attn.get_parameter(name)
     with torch.device("meta"):
@@ -390,6 +430,8 @@ def load_pair(
     ships an encoder must ship the target's), 'own' (a full smaller Whisper runs its own
     encoder once per window), or 'auto' (shared when possible). encoder_dtype: the
     encoders' dtype where it differs from the decoders' (choose_dtypes)."""
+    if encoder_dtype is not None:
+        _check_dtype("encoder_dtype", encoder_dtype)
     pair = _load_pair(target, draft, draft_encoder, device, dtype)
     for model in (pair.target, pair.draft if pair.draft_has_own_encoder else None):
         if model is not None and encoder_dtype is not None:
@@ -401,6 +443,8 @@ def _load_pair(target: str, draft: str | None, draft_encoder: str, device: str |
                dtype: torch.dtype) -> ModelPair:
     if draft_encoder not in ("auto", "shared", "own"):
         raise ValueError(f"draft_encoder must be auto, shared or own, not {draft_encoder!r}")
+    if draft_encoder == "own" and draft in (TARGET_AS_DRAFT, target):  # was ignored
+        raise IncompatibleModels("--draft-encoder own: the target drafting for itself reads the target's encoder")
     target_model = load_model(target, device=device, dtype=dtype)
     if target_model.encoder is None:
         raise IncompatibleModels(f"{target}: a decoder-only checkpoint cannot be the target; it has no encoder")

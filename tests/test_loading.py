@@ -371,6 +371,28 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
     (folder / "model.safetensors").write_bytes(b"\x08")
     with pytest.raises(ValueError, match=f"{folder}: its weights cannot be loaded"):
         load_model(str(folder))
+    # A config.json of fewer layers than its weights loaded, and wrote gibberish; token ids
+    # outside the vocabulary failed the first decode, a dtype named as a string the file.
+    folder = save_tiny(tiny_target(12, dtype=torch.float32), tmp_path / "config-of-fewer-layers")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "decoder_layers": 1}))
+    with pytest.raises(ValueError, match=f"{folder}: its weights hold .* no place for .*model.decoder.layers.1."):
+        load_model(str(folder))
+    (folder / "config.json").write_text(json.dumps(config))
+    generation = json.loads((folder / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "suppress_tokens": [1, 99999]}))
+    with pytest.raises(ValueError, match=r"suppressed tokens name \[99999\], outside the 51865-token vocabulary"):
+        load_model(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps({**generation, "alignment_heads": [[5, 0]]}))
+    with pytest.raises(ValueError, match="alignment heads name heads outside the decoder's 2 layers"):
+        load_model(str(folder))
+    (folder / "generation_config.json").write_text(json.dumps(generation))
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype .* not 'float16'"):
+        load_model(str(folder), dtype="float16")
+    with pytest.raises(ValueError, match="encoder_dtype must be .* not torch.int8"):
+        load_pair(str(folder), None, encoder_dtype=torch.int8)
+    with pytest.raises(IncompatibleModels, match="the target drafting for itself reads the target's encoder"):
+        load_pair(str(folder), "target", draft_encoder="own")  # was ignored
 
 
 def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a_time(tmp_path: Path, monkeypatch):

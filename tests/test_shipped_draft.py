@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import pytest
+import safetensors.torch
 
 from asr.audio import load_audio
 from asr.metrics import read_manifest
-from asr.models import BUNDLED_DRAFTS, PRESETS, load_pair
+from asr.models import BUNDLED_DRAFTS, PRESETS, IncompatibleModels, load_model, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
 from conftest import DEV
 
@@ -32,6 +37,32 @@ def test_shipped_draft_shares_the_targets_encoder_and_embedding(embedded):
     assert len(embedded.draft.head_token_ids) < embedded.target.config.vocab_size
     # Its cross-attention K/V projections are the target's: decoding reuses the target's K/V.
     assert embedded.draft.runner.cross_layers_shared_with(embedded.target.runner) == [0, 5]
+
+
+def test_a_damaged_draft_or_one_for_other_weights_of_the_same_shape_is_told(embedded, tmp_path: Path):
+    """A damaged draft failed as a bare KeyError or IndexError; an int8 conversion of the
+    very target was told to distil a draft of its own, not why its draft did not fit."""
+    def damaged(name: str, meta: dict | None = None, drop: str | None = None, head: int | None = None) -> str:
+        folder = shutil.copytree(BUNDLED_DRAFTS / SHIPPED.split(":", 1)[1], tmp_path / name)
+        config = json.loads((folder / "config.json").read_text())
+        config["asr_draft"].update(meta or {})
+        (folder / "config.json").write_text(json.dumps(config))
+        tensors = safetensors.torch.load_file(str(folder / "model.safetensors"))
+        if head is not None:
+            tensors["head_token_ids"][-1] = head
+        safetensors.torch.save_file({k: v for k, v in tensors.items() if k != drop}, str(folder / "model.safetensors"))
+        return str(folder)
+
+    with pytest.raises(ValueError, match="damaged draft: its head_token_ids are missing"):
+        load_model(damaged("no-head", drop="head_token_ids"), target=embedded.target)
+    with pytest.raises(ValueError, match="damaged draft: its head_token_ids .* outside"):
+        load_model(damaged("bad-head", head=99999), target=embedded.target)
+    with pytest.raises(ValueError, match=r"damaged draft: its cross_kv_from_target \[0, 9\] does not fit"):
+        load_model(damaged("bad-kv", {"cross_kv_from_target": [0, 9]}), target=embedded.target)
+    fingerprint = json.loads((BUNDLED_DRAFTS / SHIPPED.split(":", 1)[1] / "config.json").read_text())["asr_draft"]["target_encoder"]
+    moved = {**fingerprint, "sample": [1.05 * x for x in fingerprint["sample"]]}  # int8 rounding moves weights so
+    with pytest.raises(IncompatibleModels, match="the same model quantised, e.g. an int8"):
+        load_model(damaged("moved", {"target_encoder": moved}), target=embedded.target)
 
 
 def test_shipped_draft_keeps_transcripts_identical(embedded):
