@@ -32,6 +32,7 @@ from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import AudioWarning, load_audio
+from asr.features import WINDOW_SECONDS
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 from asr.writers import FORMATS, SubtitleLayout, unwritable
@@ -53,13 +54,15 @@ def count(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def number(minimum: float, *, above: bool = False) -> Callable[[str], float]:
-    """An argparse type: a finite number, at least `minimum` (above it, with `above`)."""
+def number(minimum: float, *, above: bool = False, below: float = math.inf) -> Callable[[str], float]:
+    """An argparse type: a finite number, at least `minimum` (above it, with `above`), below `below`."""
 
     def parse(text: str) -> float:
         value = float(text)
         if not math.isfinite(value) or value < minimum or (above and value == minimum):
             raise argparse.ArgumentTypeError(f"{text} is not {'above' if above else 'at least'} {minimum:g}")
+        if value >= below:
+            raise argparse.ArgumentTypeError(f"{text} is not below {below:g}")
         return value
 
     parse.__name__ = "number"
@@ -155,8 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "they would while each update takes its measured compute time)")
     s.add_argument("--no-hypothesis-draft", action="store_true",
                    help="re-decode the buffer without proposing the previous hypothesis first")
-    s.add_argument("--buffer-trim-seconds", type=number(0, above=True), default=15.0,
-                   help="cut the buffer at a committed segment once it is longer (default: %(default)s)")
+    s.add_argument("--buffer-trim-seconds", type=number(0, above=True, below=WINDOW_SECONDS), default=15.0,
+                   help="cut the buffer at a committed segment once it is longer, below Whisper's 30 s window "
+                        "(default: %(default)s)")
     s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")

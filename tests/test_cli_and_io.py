@@ -717,7 +717,7 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
         ("transcribe", "--batch-size", "two", "invalid whole number value: 'two'"),
         ("transcribe", "--temperature", "-0.5", "-0.5 is not at least 0"), ("transcribe", "--temperature-increment", "nan", "nan is not at least 0"),
         ("stream", "--chunk-seconds", "0", "0 is not above 0"),  # a chunk of nothing: one decode per sample
-        ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("app", "--keep-files-minutes", "inf", "inf is not above 0"),
+        ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("stream", "--buffer-trim-seconds", "30", "30 is not below 30"), ("app", "--keep-files-minutes", "inf", "inf is not above 0"),
     ]:
         with pytest.raises(SystemExit):
             main([command, str(SAMPLES), flag, value] if command != "app" else [command, flag, value])
