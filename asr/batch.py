@@ -203,6 +203,7 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     collide (fold_case: in names differing only in case too) come back as failures. Of
     files whose outputs collide, the one whose transcript they hold already (holds:
     Sources.holds) keeps them, else the first met."""
+    formats = tuple(formats)
     longest = max(formats, key=len)
     candidates: list[PlannedFile] = []
     failures: list[FileResult] = []
@@ -257,10 +258,18 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     # A recording added beside a finished one of the same name (a.mp3 beside a.wav) does not take its outputs.
     owners = {stem: next((rival for rival in rivals if holds(rival)), rivals[0]) if len(rivals) > 1 else rivals[0]
               for stem, rivals in claims.items()}
+    def same_file_key(path: Path) -> str:
+        return folded(os.path.realpath(path)) if fold_case else os.path.realpath(path)
+
+    recordings = {same_file_key(source) for source in sources}
     planned = []
     for item in candidates:
         owner = owners[key(item)]
-        if owner is item:
+        # talk.json's json output is talk.json: --overwrite replaced the recording with its transcript.
+        if replaced := next((fmt for fmt in formats if same_file_key(item.output(fmt)) in recordings), None):
+            failures.append(FileResult(str(item.source), error=f"its {replaced} output would be {item.output(replaced)}, "
+                                                               "a recording given to transcribe: give another --out-dir"))
+        elif owner is item:
             planned.append(item)
         else:
             case = "" if owner.stem == item.stem else " (the output folder's file system ignores case in names)"

@@ -897,6 +897,17 @@ def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tm
                                                  "does not list it as a run's output: --overwrite replaces it, or give "
                                                  "another --out-dir"}
     assert "1813" in (folder / "half.txt").read_text()
+    # A recording named with an output's suffix, transcribed beside itself: the first error
+    # advised --overwrite, which then replaced the recording with its own transcript.
+    shutil.copy(SHORT / "LJ002-0020.wav", folder / "speech.json")
+    recording = (folder / "speech.json").read_bytes()
+    for overwrite in (False, True):
+        summary = transcribe_folder(FolderRun((folder / "speech.json",), folder, overwrite=overwrite, **quiet(("txt", "json"))),
+                                    lambda: Transcriber(pair))
+        assert (summary.ok, summary.failed) == (0, 1) and (folder / "speech.json").read_bytes() == recording
+        assert errors_of(folder)["speech.json"] == (f"its json output would be {folder / 'speech.json'}, a recording "
+                                                    "given to transcribe: give another --out-dir")
+    (folder / "speech.json").unlink()
     # Formats not asked for are not looked at, nor replaced; once asked for, they are not taken for done.
     (folder / "talk.json").write_text('{"speaker": "me"}')
     for overwrite in (True, False):
