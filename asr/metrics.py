@@ -12,6 +12,7 @@ from pathlib import Path
 
 import jiwer
 
+from asr.vocab import language_code
 from asr.words import UNSPACED  # languages written without spaces between words: scored by the letter
 
 # whisper-normalizer ships Whisper's normalisers with the English spelling map
@@ -111,7 +112,7 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
         if not row["file"].strip():
             raise ValueError(f"{path}:{line}: no file named")
         hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
-        language = (row.get("language") or "").strip().lower() or (hint.group(1).lower() if hint else default_language)
+        language = language_code((row.get("language") or "").strip() or (hint.group(1) if hint else default_language))
         duration = (row.get("duration_seconds") or "").strip()
         try:
             seconds = float(duration) if duration else None

@@ -29,6 +29,7 @@ from asr.decoder import KVCache, attention_without_cudnn
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
+from asr.vocab import language_code
 from asr.words import Word, align, speech_end
 
 TIMESTAMP_SECONDS = 0.02
@@ -293,7 +294,7 @@ class Transcriber:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a whole number of recordings, at least 1, not {batch_size!r}")
         self.models = models
-        self.options = options
+        self.options = options if options.language is None else replace(options, language=language_code(options.language))
         self.batch_size = batch_size
         self.scheduler = scheduler
         target = models.target
@@ -308,14 +309,14 @@ class Transcriber:
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
-        self._check_language(options.language)
+        self._check_language(self.options.language)
         if not options.temperatures:
             raise ValueError("temperatures: give at least one")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
-        if not self.vocab.multilingual and options.language not in (None, "en"):
+        if not self.vocab.multilingual and self.options.language not in (None, "en"):
             raise ValueError(f"{target.name} is English-only: it cannot transcribe {options.language!r}")
 
     @property

@@ -11,6 +11,15 @@ from tokenizers import Tokenizer
 TIMESTAMPS = 1501  # <|0.00|> to <|30.00|>, the last rows of every Whisper vocabulary
 
 
+def language_code(language: str) -> str:
+    """A language as Whisper's own command line takes it: its code in any case ("EN"), or its
+    name ("English", "castilian"); "English" was refused as unknown."""
+    from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
+
+    language = language.strip().lower()
+    return TO_LANGUAGE_CODE.get(language, language)
+
+
 @dataclass(frozen=True)
 class Vocabulary:
     tokenizer: Tokenizer

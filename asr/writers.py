@@ -157,7 +157,7 @@ def to_json(transcript: Transcript) -> str:
     info, stats = transcript.info, transcript.info.stats
     document = {
         "text": transcript.text,
-        "language": info.language,
+        "language": info.language or None,  # none detected: nothing decoded (no speech kept by vad_filter)
         "language_probability": round(info.language_probability, 4),
         "duration": round(info.duration, 3),
         **({} if info.duration_after_vad is None else {"duration_after_vad": round(info.duration_after_vad, 3)}),

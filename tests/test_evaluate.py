@@ -686,16 +686,17 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
         (tmp_path / "e.wav", None, "es"),
     ]
     # A spreadsheet's capitalised header: its language column was ignored, the clip decoded as English.
-    (tmp_path / "m.tsv").write_text("File\tReference \tLanguage\na.wav\tHallo\tde\n")
-    assert [(c.path, c.reference, c.language) for c in read_manifest(tmp_path / "m.tsv")] == [(tmp_path / "a.wav", "Hallo", "de")]
+    (tmp_path / "m.tsv").write_text("File\tReference \tLanguage\na.wav\tHallo\tde\nb.wav\tHola\tSpanish\n")
+    assert [(c.path, c.reference, c.language) for c in read_manifest(tmp_path / "m.tsv")] == [
+        (tmp_path / "a.wav", "Hallo", "de"), (tmp_path / "b.wav", "Hola", "es")]  # a name, as Whisper's command line takes it
 
 
 def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs(tmp_path: Path, capsys):
     """Else every batch of that language fails, is retried file by file, and the run ends
     with nothing scored."""
     shutil.copy(DEV / "en_short" / CLIPS[0], tmp_path / CLIPS[0])
-    (tmp_path / "manifest.tsv").write_text(f"file\treference\tlanguage\n{CLIPS[0]}\tsomething\tenglish\n")
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\tlanguage\n{CLIPS[0]}\tsomething\tklingon\n")
     out = tmp_path / "out"
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out)]) == 2
-    assert f"does not know the language 'english' (first in {tmp_path / CLIPS[0]})" in capsys.readouterr().err
+    assert f"does not know the language 'klingon' (first in {tmp_path / CLIPS[0]})" in capsys.readouterr().err
     assert not out.exists() or not list(out.iterdir())

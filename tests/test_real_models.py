@@ -345,6 +345,11 @@ def test_english_only_packaged_model():
         Transcriber(pair, TranscribeOptions(task="translate"))
     with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="de"))
+    # A name or a code in any case, as Whisper's command line takes them: "English" was refused.
+    for named in ("English", "EN", " en "):
+        assert Transcriber(pair, TranscribeOptions(language=named)).options.language == "en"
+    with pytest.raises(ValueError, match="English-only: it cannot transcribe 'German'"):
+        Transcriber(pair, TranscribeOptions(language="German"))
 
 
 def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair, tmp_path):

@@ -4,6 +4,7 @@ the transcripts each would get alone; a failure costs only the recording whose f
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -15,6 +16,7 @@ from app.ui import sweep, sweeping
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber, _Decoding
+from asr.writers import to_json
 from conftest import DEV, SAMPLES
 
 # (file, options): English detected or chosen, German detected, German translated.
@@ -262,6 +264,7 @@ def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(
     # Nothing decoded, no language detected: none reported, with no confidence.
     nothing = Transcriber(pair, TranscribeOptions()).transcribe(AudioInput("short", window[:100]))
     assert (nothing.info.language, nothing.info.language_probability, nothing.text) == ("", 0.0, "")
+    assert json.loads(to_json(nothing))["language"] is None  # "" read as a code by what reads the JSON
 
 
 def timed(segments) -> list[tuple]:
