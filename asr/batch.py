@@ -261,14 +261,16 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     def same_file_key(path: Path) -> str:
         return folded(os.path.realpath(path)) if fold_case else os.path.realpath(path)
 
-    recordings = {same_file_key(source) for source in sources}
+    # talk.json named, transcribed beside itself: --overwrite replaced the recording with its
+    # transcript. Only inputs named like an output can be one (an output's path resolved each).
+    named_like_outputs = {same_file_key(s) for s in sources if s.suffix[1:].lower() in formats}
     planned = []
     for item in candidates:
         owner = owners[key(item)]
-        # talk.json's json output is talk.json: --overwrite replaced the recording with its transcript.
-        if replaced := next((fmt for fmt in formats if same_file_key(item.output(fmt)) in recordings), None):
+        if named_like_outputs and (replaced := next(
+                (fmt for fmt in formats if same_file_key(item.output(fmt)) in named_like_outputs), None)):
             failures.append(FileResult(str(item.source), error=f"its {replaced} output would be {item.output(replaced)}, "
-                                                               "a recording given to transcribe: give another --out-dir"))
+                                                               "a file also given to transcribe: give another --out-dir"))
         elif owner is item:
             planned.append(item)
         else:

@@ -6,6 +6,7 @@ import codecs
 import csv
 import io
 import re
+import unicodedata
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -13,7 +14,11 @@ from pathlib import Path
 import jiwer
 
 from asr.vocab import language_code
-from asr.words import UNSPACED  # languages written without spaces between words: scored by the letter
+from asr.words import UNSPACED
+
+# Languages written without spaces between words: scored by the letter (Khmer too, whose
+# word timings follow Whisper's list, without it).
+SCORED_BY_LETTER = UNSPACED | {"km"}
 
 # whisper-normalizer ships Whisper's normalisers with the English spelling map
 # (British to American), which transformers' copy needs from a hub tokenizer.
@@ -44,9 +49,21 @@ def normalize(text: str, language: str = "en") -> str:
     marks kept; for Chinese, Japanese, Thai... (no spaces between words) the basic one with its
     letters split by spaces, so that a "word" error rate counts letters, not whole sentences."""
     if language != "en":
-        return " ".join(_basic(language in UNSPACED)(text).split())
+        return " ".join(_without_stray_marks(_basic(language in SCORED_BY_LETTER)(text)).split())
     # Typographic apostrophes would split "beauty’s" where "beauty's" expands to "beauty is".
     return _english()(text.replace("\u2019", "'").replace("\u2018", "'")).strip()
+
+
+def _without_stray_marks(text: str) -> str:
+    """Marks kept, those that belong to no letter become spaces: an emoji's variation
+    selector (its emoji a space, "❤️" left a word of its own), enclosing marks (a keycap's)."""
+    out = []
+    for char in text:
+        category = unicodedata.category(char)
+        stray = category[0] == "M" and (category == "Me" or "VARIATION SELECTOR" in unicodedata.name(char, "")
+                                        or not out or unicodedata.category(out[-1])[0] not in "LNM")
+        out.append(" " if stray else char)
+    return "".join(out)
 
 
 def word_error_rate(references: list[str], hypotheses: list[str], languages: list[str] | None = None) -> float | None:

@@ -77,6 +77,8 @@ class TranscribeOptions:
         object.__setattr__(self, "temperatures", tuple(float(t) for t in given))
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
+        if self.language is not None:  # "English" or "EN" as Whisper's command line takes them
+            object.__setattr__(self, "language", language_code(self.language))
 
 
 @dataclass(frozen=True)
@@ -294,7 +296,7 @@ class Transcriber:
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size must be a whole number of recordings, at least 1, not {batch_size!r}")
         self.models = models
-        self.options = options if options.language is None else replace(options, language=language_code(options.language))
+        self.options = options
         self.batch_size = batch_size
         self.scheduler = scheduler
         target = models.target
@@ -309,14 +311,14 @@ class Transcriber:
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
-        self._check_language(self.options.language)
+        self._check_language(options.language)
         if not options.temperatures:
             raise ValueError("temperatures: give at least one")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
-        if not self.vocab.multilingual and self.options.language not in (None, "en"):
+        if not self.vocab.multilingual and options.language not in (None, "en"):
             raise ValueError(f"{target.name} is English-only: it cannot transcribe {options.language!r}")
 
     @property
@@ -472,6 +474,7 @@ class Transcriber:
         # fail every window decoding beside this one.
         if len(samples) > WINDOW_SAMPLES:
             raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
+        language = None if language is None else language_code(language)
         self._check_language(language)
         if encoder_frames is not None and not (0 < encoder_frames <= WINDOW_FRAMES and encoder_frames % 2 == 0):
             raise ValueError(f"encoder_frames must be an even number of frames up to {WINDOW_FRAMES}, not {encoder_frames}")

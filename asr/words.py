@@ -25,7 +25,7 @@ PREPENDED = "\"'“¿([{-"  # punctuation that joins the word after it
 APPENDED = "\"'.。,，!！?？:：”)]}、"  # punctuation that joins the word before it
 SENTENCE_ENDS = ".。!！?？"
 # Languages written without spaces: a word is each character (or undivided token).
-UNSPACED = {"zh", "ja", "th", "lo", "my", "km", "yue"}
+UNSPACED = {"zh", "ja", "th", "lo", "my", "yue"}
 
 # Scripts written without spaces between words: Thai, Lao, Myanmar, Khmer, CJK punctuation,
 # kana, CJK ideographs, full-width forms.

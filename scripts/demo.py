@@ -52,7 +52,7 @@ def main() -> int:
               f"{fast.info.encoder_seconds + fast.info.decoder_seconds:.2f} s | decoder speed-up "
               f"{base.info.decoder_seconds / fast.info.decoder_seconds:.2f}x | acceptance "
               f"{'-' if stats.acceptance_rate is None else f'{stats.acceptance_rate:.0%}'}, "
-              f"{stats.tokens_per_target_pass:.1f} tokens per target pass\n")
+              f"{stats.tokens_per_target_pass or 0:.1f} tokens per target pass\n")
     english = [(c.reference, h) for c, h in zip(clips, hypotheses) if c.language == "en"]
     print(f"total: decoder speed-up {totals['plain'][0] / totals['speculative'][0]:.2f}x, end to end "
           f"{totals['plain'][1] / totals['speculative'][1]:.2f}x; transcripts identical: {'yes' if identical else 'NO'}; "

@@ -905,7 +905,7 @@ def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tm
         summary = transcribe_folder(FolderRun((folder / "speech.json",), folder, overwrite=overwrite, **quiet(("txt", "json"))),
                                     lambda: Transcriber(pair))
         assert (summary.ok, summary.failed) == (0, 1) and (folder / "speech.json").read_bytes() == recording
-        assert errors_of(folder)["speech.json"] == (f"its json output would be {folder / 'speech.json'}, a recording "
+        assert errors_of(folder)["speech.json"] == (f"its json output would be {folder / 'speech.json'}, a file also "
                                                     "given to transcribe: give another --out-dir")
     (folder / "speech.json").unlink()
     # Formats not asked for are not looked at, nor replaced; once asked for, they are not taken for done.

@@ -555,7 +555,10 @@ def test_a_finished_evaluation_is_written_and_shown_under_an_ascii_locale_from_a
     (a failure naming café.wav), and the report encoded strictly (a path with byte 0xff), where
     the figures were then lost, no temporary report.json written."""
     folder = Path(os.fsdecode(os.fsencode(tmp_path) + b"/bad\xffdir"))
-    folder.mkdir()
+    try:
+        folder.mkdir()
+    except OSError:  # macOS's file systems take only UTF-8 names
+        pytest.skip("this file system refuses a name that is not UTF-8")
     shutil.copy(DEV / "en_short" / CLIPS[0], folder / CLIPS[0])
     (folder / "m.tsv").write_text(f"file\treference\n{CLIPS[0]}\twhatever was said\ncafé.wav\tmissing\n", encoding="utf-8")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "LC_ALL": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
@@ -677,6 +680,9 @@ def test_normalisers_and_minimal_manifests(tmp_path: Path):
     assert word_error_rate(["मैं घर जा रहा हूँ", "ฉันไปบ้าน"], ["मैं घर जा रही हूँ", "ฉนไปบาน"], ["hi", "th"]) == pytest.approx(
         (1 + 2) / (5 + 7))  # one word of five; two of Thai's seven letters (a letter with its marks)
     assert normalize("ខ្ញុំទៅផ្ទះ", "km") == "ខ្ញុំ ទៅ ផ្ទះ"  # Khmer too is written without spaces
+    # Marks of no letter are no word: an emoji's variation selector, a keycap's enclosing mark.
+    assert (normalize("Ich liebe dich ❤️", "de"), normalize("我爱你❤️", "zh"), normalize("1️⃣ mal", "de")) == (
+        "ich liebe dich", "我 爱 你", "1 mal")
     (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tHallo\tde\t\nb.wav\tHello\t\tlang=es\n"
                                     "c.wav\tHi\t\t\nd.wav\tHi\t\tsrc_lang=fr\ne.wav\tHola\t\tLang=ES\n")
     clips = read_manifest(tmp_path / "m.tsv")

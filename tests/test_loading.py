@@ -376,16 +376,17 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
     folder = save_tiny(tiny_target(12, dtype=torch.float32), tmp_path / "config-of-fewer-layers")
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "decoder_layers": 1}))
-    with pytest.raises(ValueError, match=f"{folder}: its weights hold .* no place for .*model.decoder.layers.1."):
+    with pytest.raises(ValueError, match=f"{folder}: its weights hold .* layers its config.json does not have .*model.decoder.layers.1."):
         load_model(str(folder))
     (folder / "config.json").write_text(json.dumps(config))
     generation = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**generation, "suppress_tokens": [1, 99999]}))
     with pytest.raises(ValueError, match=r"suppressed tokens name \[99999\], outside the 51865-token vocabulary"):
         load_model(str(folder))
+    # A distilled model may ship its teacher's heads (kotoba-whisper's 2 layers name layer 25):
+    # word timestamps fall back to the default heads.
     (folder / "generation_config.json").write_text(json.dumps({**generation, "alignment_heads": [[5, 0]]}))
-    with pytest.raises(ValueError, match="alignment heads name heads outside the decoder's 2 layers"):
-        load_model(str(folder))
+    assert load_model(str(folder)).alignment_heads is None
     (folder / "generation_config.json").write_text(json.dumps(generation))
     with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype .* not 'float16'"):
         load_model(str(folder), dtype="float16")

@@ -348,7 +348,7 @@ def test_english_only_packaged_model():
     # A name or a code in any case, as Whisper's command line takes them: "English" was refused.
     for named in ("English", "EN", " en "):
         assert Transcriber(pair, TranscribeOptions(language=named)).options.language == "en"
-    with pytest.raises(ValueError, match="English-only: it cannot transcribe 'German'"):
+    with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="German"))
 
 
