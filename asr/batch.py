@@ -207,7 +207,10 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     longest = max(formats, key=len)
     candidates: list[PlannedFile] = []
     failures: list[FileResult] = []
-    sources: set[Path] = set()  # a file met twice (named, and inside a folder named) is done once
+    sources: set[Path] = set()  # the recordings' real paths
+    # A file met twice under one name (named, and inside a folder named) is done once; a link
+    # of another name to it gets its own outputs (b.wav -> a.wav named was dropped unsaid).
+    met: set[tuple[Path, str]] = set()
     for path in inputs:
         try:
             is_dir, exists = path.is_dir(), path.exists()
@@ -240,9 +243,10 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             if not regular:  # reading a named pipe would wait for a writer, and the run with it, for ever
                 failures.append(FileResult(str(source), error="not a regular file (a named pipe, socket or device)"))
                 continue
-            if real in sources:
+            if (real, source.name) in met:
                 continue
-            sources.add(real)  # a file failed here is reported once, too
+            met.add((real, source.name))  # a file failed here is reported once, too
+            sources.add(real)
             stem = out_dir / relative.parent / relative.stem
             if name_length(f"{stem.name}.{longest}") > NAME_MAX:
                 failures.append(FileResult(str(source), error=f"the name of its outputs ({stem.name}.{longest}) would be "

@@ -82,6 +82,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
     (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
     (source / "gone.wav").symlink_to(tmp_path / "deleted.wav")
+    (source / "alias.ogg").symlink_to(source / "e.f.ogg")  # another name for it: outputs of its own (it was dropped)
     os.mkfifo(source / "a" / "pipe.wav")  # its first read would wait for a writer, and the run with it, for ever
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
@@ -103,7 +104,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     monkeypatch.setattr(Path, "is_dir", sealed)
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
-        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
+        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("alias.ogg", "alias"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
     assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav", "pipe.wav", "h.wav"}
