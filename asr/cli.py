@@ -336,7 +336,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
                               transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
                               progress=sys.stderr.isatty(), repeats=args.repeats)
     try:
-        clips = read_manifest(args.manifest)[: args.limit]
+        clips = read_manifest(args.manifest, limit=args.limit)  # a messy manifest's later rows are not read
         if not clips:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run

@@ -5,6 +5,7 @@ from __future__ import annotations
 import codecs
 import csv
 import io
+import itertools
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -94,11 +95,12 @@ class LabelledClip:
     language: str = "en"
 
 
-def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip]:
+def read_manifest(path: Path, default_language: str = "en", limit: int | None = None) -> list[LabelledClip]:
     """A tab-separated UTF-8 file with a header and at least the columns file and reference
     (files relative to the manifest's folder; an empty reference is a clip without speech).
     Optional: duration_seconds, and the clip's language as a language column or "lang=de"
-    in a notes column (default: English). A row that does not fit is an error naming its line."""
+    in a notes column (default: English). A row that does not fit is an error naming its line.
+    limit: only the first rows are read (a bad row after them is not looked at)."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
     data = path.read_bytes()
     bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # not part of "file"
@@ -118,7 +120,7 @@ def read_manifest(path: Path, default_language: str = "en") -> list[LabelledClip
     # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
     if repeated := sorted({c for c in columns if c.strip() and columns.count(c) > 1}):
         raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
-    rows = [(reader.line_num, row) for row in reader]
+    rows = [(reader.line_num, row) for row in itertools.islice(reader, limit)]
     clips = []
     for line, row in rows:
         extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field

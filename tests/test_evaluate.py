@@ -626,6 +626,8 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         path.write_bytes(codecs.BOM_UTF8 * bom + (header + "\n").encode() + rows.encode("latin-1" if "\xe9" in rows else "utf-8"))
         with pytest.raises(ValueError, match=re.escape(f"{path}{message}")):
             read_manifest(path)
+    # --limit N reads the first N rows: a bad row after them refused the run.
+    assert [c.path.name for c in read_manifest(tmp_path / "3.tsv", limit=1)] == ["a.wav"]
     # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference,
     # spaces around a file name, a language code in capitals.
     (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\t\t\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
