@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import socket
 import sys
 import tempfile
 import time
@@ -40,7 +41,7 @@ import torch
 from tqdm import tqdm
 
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
-from asr.models import choose_dtypes, load_pair
+from asr.models import TARGET_AS_DRAFT, choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
 from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
                          temporary_prefix, unwritable, write_atomic)
@@ -883,6 +884,8 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     except ImportError as error:
         raise RuntimeError("--ray needs Ray Data: pip install 'asr[ray]'") from error
     lost = "no result came back from the Ray workers (a worker died?)"
+    if not ray.is_initialized() and (unreachable := _unreachable(options.address)):
+        raise WorkerError(unreachable)  # said before the output folder is locked
     recorder = _Recorder(run)
     if not recorder.todo:
         return recorder.finish(lost)
@@ -895,12 +898,10 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
-        gpus, cpus = int(resources.get("GPU", 0)), max(1, int(resources.get("CPU", 1)))
-        cpus_per_worker = options.cpus_per_worker or (1 if gpus else min(4, cpus))
-        workers = options.workers or (gpus if gpus else max(1, cpus // cpus_per_worker))
+        workers, cpus_per_worker, gpu = _pool(resources, options, spec.device)
         if on_cluster is not None:
-            on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpus else ''} each; "
-                       f"cluster has {cpus} CPU(s), {gpus} GPU(s)")
+            on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; "
+                       f"cluster has {int(resources.get('CPU', 1))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")
         context = ray.data.DataContext.get_current()
         context.enable_progress_bars = False  # ours counts audio, files and RTFx
         context.max_errored_blocks = -1  # a lost batch is reported per file below, not fatal
@@ -908,8 +909,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         # Paths as every node sees them: a worker's working directory is not this process's.
         absolute = {os.path.abspath(item.source): str(item.source) for item in recorder.todo}
         rows = [{"source": source, "typed": typed} for source, typed in absolute.items()]
-        spec = dataclasses.replace(spec, target=_local_absolute(spec.target),
-                                   draft=None if spec.draft is None else _local_absolute(spec.draft))
+        spec = _for_workers(spec)
         # Up to two decode batches per call (the actor keeps its batch full as files end),
         # fewer when that leaves workers idle.
         per_call = max(1, min(2 * spec.batch_size, -(-len(rows) // workers)))
@@ -921,7 +921,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             batch_size=per_call,
             compute=ray.data.ActorPoolStrategy(size=workers),
             num_cpus=cpus_per_worker,
-            num_gpus=1 if gpus else 0,
+            num_gpus=gpu,
         )
         try:
             for row in results.iter_rows():
@@ -937,6 +937,39 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         if started_here:
             ray.shutdown()
     return recorder.finish(lost)
+
+
+def _pool(resources: dict, options: RayOptions, device: str) -> tuple[int, int, int]:
+    """Workers, CPUs each and GPUs each (0 or 1) on a cluster of these resources. With
+    --device cpu, as on a cluster without GPUs: each worker held a GPU it never used."""
+    gpus = 0 if device == "cpu" else int(resources.get("GPU", 0))
+    cpus = max(1, int(resources.get("CPU", 1)))
+    cpus_per_worker = options.cpus_per_worker or (1 if gpus else min(4, cpus))
+    workers = options.workers or (gpus if gpus else max(1, cpus // cpus_per_worker))
+    return workers, cpus_per_worker, 1 if gpus else 0
+
+
+def _unreachable(address: str | None) -> str | None:
+    """Why a cluster's HOST:PORT cannot be reached, in a few seconds: ray.init tried one
+    that does not answer for over ten minutes, holding the output folder's lock."""
+    if address is None or address == "auto" or "://" in address or ":" not in address:
+        return None
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=10).close()
+    except (OSError, ValueError) as error:
+        return f"--ray {address}: no Ray cluster answers there ({getattr(error, 'strerror', None) or error})"
+    return None
+
+
+def _for_workers(spec: PipelineSpec) -> PipelineSpec:
+    """Model folders as every node sees them (a worker's working directory is not this
+    process's); "target" as a draft stays the target's own decoder, whatever folder is here
+    named so (cargo's and Maven's target/)."""
+    target = _local_absolute(spec.target)
+    draft = (spec.draft if spec.draft in (None, TARGET_AS_DRAFT) else target if spec.draft == spec.target
+             else _local_absolute(spec.draft))
+    return dataclasses.replace(spec, target=target, draft=draft)
 
 
 def _local_absolute(source: str) -> str:

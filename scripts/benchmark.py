@@ -2,7 +2,7 @@
 and our speculative decoder, on the dev clips, in one run (these machines are noisy:
 only ratios measured together mean anything).
 
-    python scripts/benchmark.py [--preset embedded] [--batch-sizes 1,8] [--repeats 1]
+    python scripts/benchmark.py [--preset embedded] [--batch-sizes 1,8] [--threads N]
 
 Each clip is one 30 s window (the short dev clips), decoded greedily with timestamps,
 language and task forced. Each batch is encoded once and every method decodes that same

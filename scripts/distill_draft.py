@@ -36,7 +36,9 @@ from asr.distill import (
     split_holdout,
     spread_layers,
 )
+from asr.cli import count, number
 from asr.models import load_model
+from asr.vocab import language_code
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,10 +46,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="hub id, directory, or packaged:NAME")
     parser.add_argument("--audio", type=Path, required=True, help="folder of audio files or a .tsv manifest")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--epochs", type=int, default=4)
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--label-batch-size", type=int, default=8)
+    # Bad values failed late (a ZeroDivisionError after the labelling) or saved nothing usable.
+    parser.add_argument("--layers", type=count(1), default=2, help="decoder layers, at most the target's")
+    parser.add_argument("--epochs", type=count(1), default=4)
+    parser.add_argument("--batch-size", type=count(1), default=16)
+    parser.add_argument("--label-batch-size", type=count(1), default=8)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--train-cross-kv", action="store_true",
@@ -55,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
                              "so decoding reuses the target's cross-attention K/V)")
     parser.add_argument("--previous-text", type=float, default=0.5,
                         help="fraction of training rows given another clip's transcript as a previous-text prompt")
-    parser.add_argument("--holdout", type=float, default=0.05, help="fraction of clips held back to measure agreement")
-    parser.add_argument("--language", default="en")
+    parser.add_argument("--holdout", type=number(0, below=1), default=0.05,
+                        help="fraction of clips held back to measure agreement")
+    parser.add_argument("--language", type=language_code, default="en")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true", help="continue from OUT/work (labels and checkpoint)")
     args = parser.parse_args(argv)
@@ -71,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         target = load_model(args.target)
+        if args.layers > target.config.decoder_layers:
+            raise ValueError(f"--layers {args.layers}: {args.target} has {target.config.decoder_layers} decoder layers")
         files = list_audio(args.audio)
         print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
         store = pseudo_label(target, files, work, args.language, args.label_batch_size)
@@ -85,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     train, held = split_holdout(len(usable), args.holdout, args.seed)
     train, held = [usable[i] for i in train], [usable[i] for i in held]
+    if not train:
+        print(f"--holdout {args.holdout} holds back all {len(usable)} usable clips: none is left to train on", file=sys.stderr)
+        return 2
     eot = target.vocab.eot
     head = head_vocabulary([labels[i] for i in train], eot)
     head_index = torch.full((target.config.vocab_size,), -1, dtype=torch.long)

@@ -811,6 +811,28 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     assert (again.ok, again.failed, again.skipped) == (0, 1, 4)
 
 
+def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named_target(tmp_path: Path, monkeypatch):
+    """An unreachable --ray HOST:PORT held the run (and the output folder's lock) for over
+    ten minutes; --device cpu reserved a GPU per worker; --draft target became ./target."""
+    source = tmp_path / "in"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "LJ002-0020.wav")
+    started = time.monotonic()
+    with pytest.raises(batch.WorkerError, match="--ray 127.0.0.1:1: no Ray cluster answers there"):
+        transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()), PipelineSpec("packaged:whisper-base", None),
+                                 RayOptions(address="127.0.0.1:1"))
+    assert time.monotonic() - started < 15 and not (tmp_path / "out").exists()
+    cluster = {"CPU": 16.0, "GPU": 2.0}
+    assert batch._pool(cluster, RayOptions(), "auto") == (2, 1, 1)
+    assert batch._pool(cluster, RayOptions(), "cpu") == (4, 4, 0)
+    assert batch._pool({"CPU": 2.0}, RayOptions(workers=3), "auto") == (3, 2, 0)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "target").mkdir()  # cargo's, Maven's
+    (tmp_path / "mine").mkdir()
+    for draft, expected in [("target", "target"), ("mine", str(tmp_path / "mine")), (None, None), ("distil-whisper/x", "distil-whisper/x")]:
+        assert batch._for_workers(PipelineSpec("mine", draft)) == PipelineSpec(str(tmp_path / "mine"), expected)
+
+
 def test_a_ray_worker_that_cannot_load_its_model_says_why(tmp_path: Path):
     source = tmp_path / "in"
     source.mkdir()

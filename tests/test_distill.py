@@ -135,6 +135,14 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     assert f"{manifest}: its first line names no 'file' column" in capsys.readouterr().err
     assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(audio), "--out", str(tmp_path / "c")]) == 2
     assert "nowhere" in capsys.readouterr().err
+    # Values that failed late (a ZeroDivisionError after the labelling) or saved a draft that could not decode.
+    for flag, value, message in [("--layers", "0", "0 is less than 1"), ("--epochs", "0", "0 is less than 1"),
+                                 ("--batch-size", "0", "0 is less than 1"), ("--holdout", "1", "1 is not below 1")]:
+        with pytest.raises(SystemExit):
+            main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "d"), flag, value])
+        assert f"argument {flag}: {message}" in capsys.readouterr().err
+    assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "e"), "--layers", "3"]) == 2
+    assert f"--layers 3: {target} has 2 decoder layers" in capsys.readouterr().err
 
 
 def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
