@@ -956,7 +956,7 @@ def _unreachable(address: str | None) -> str | None:
         return None
     host, _, port = address.rpartition(":")
     try:
-        socket.create_connection((host, int(port)), timeout=10).close()
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()  # [::1]:6379 too
     except (OSError, ValueError) as error:
         return f"--ray {address}: no Ray cluster answers there ({getattr(error, 'strerror', None) or error})"
     return None
