@@ -35,7 +35,6 @@ from asr.audio import AudioWarning, load_audio
 from asr.features import WINDOW_SECONDS
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
-from asr.vocab import language_code
 from asr.writers import FORMATS, SubtitleLayout, unwritable
 
 LOCAL_RAY = "local"  # --ray without an address
@@ -93,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
-    t.add_argument("--language", type=language_code, help="e.g. en, de, German (default: detect)")
+    t.add_argument("--language", help="e.g. en, de, German (default: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
@@ -165,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
-    s.add_argument("--language", type=language_code, help="e.g. en, de, German (default: detect)")
+    s.add_argument("--language", help="e.g. en, de, German (default: detect)")
     s.add_argument("--prompt", default="", help="text said before the stream (names and spellings to expect)")
     s.add_argument("--word-timestamps", action="store_true",
                    help="time each word from the target's cross-attention, as `transcribe --word-timestamps` "
