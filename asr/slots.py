@@ -39,6 +39,8 @@ def prefill_width(length: int, capacity: int) -> int:
 @dataclass
 class DecodeStats:
     draft_proposed: int = 0
+    # The target's agreement with the draft, to measure it: proposals past a row's end that
+    # the target agreed with count, though not kept (so accepted + passes can exceed tokens).
     draft_accepted: int = 0
     target_passes: int = 0
     tokens: int = 0  # tokens kept (end-of-text included)
@@ -113,7 +115,7 @@ class State:
     eot: Tensor  # [R] bool: ended on end-of-text
     temperature: Tensor  # [R] float32
     seed: Tensor  # [R] each row's sampling seed, below 2**32
-    sum_logprob: Tensor  # [R] float64
+    logprob: Tensor  # [R, C] float32: each kept token's log-probability, at its position
     no_speech: Tensor  # [R] float32
     sot: Tensor  # [R] index of <|startoftranscript|>
     hint: Tensor  # [R, C], padded with end-of-text
@@ -130,7 +132,7 @@ class State:
 
     # The per-row tensors a row's move carries over.
     PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "eot", "temperature", "seed",
-               "sum_logprob", "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
+               "logprob", "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
 
     def changed(self) -> list[Tensor]:
         """What a step may change besides the caches: put back after a capture's warm-up."""
@@ -180,7 +182,7 @@ class States:
         # An empty slot is a row of one token: its (unused) steps then index nothing out of range.
         return State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), limit=zeros(R),
                      draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
-                     temperature=zeros(R, dtype=torch.float32), seed=zeros(R), sum_logprob=zeros(R, dtype=torch.float64),
+                     temperature=zeros(R, dtype=torch.float32), seed=zeros(R), logprob=zeros(R, C, dtype=torch.float32),
                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), step=zeros(1), k=zeros(1),
                      out=zeros(5, R),
@@ -314,7 +316,7 @@ class Slots:
             "limit": lengths + torch.tensor([w.max_new_tokens for w in windows]), "live": torch.ones(n, dtype=torch.bool),
             "eot": torch.zeros(n, dtype=torch.bool), "temperature": torch.tensor([w.temperature for w in windows]),
             "seed": torch.tensor([w.seed & sampling.MASK for w in windows]),
-            "sum_logprob": torch.zeros(n, dtype=torch.float64), "sot": torch.tensor([w.sot_index for w in windows]),
+            "sot": torch.tensor([w.sot_index for w in windows]),  # (logprob: each position is written as it is kept)
             "hint": hint, "hint_length": torch.tensor([min(len(w.hint), C) for w in windows]),
             "hint_shift": torch.zeros(n, dtype=torch.long), "hint_on": torch.tensor([bool(w.hint) for w in windows]),
         }
@@ -430,32 +432,49 @@ class Slots:
                 done.append(i)
         return done
 
-    def _looping(self, done: list[int]) -> list[int]:
-        """The slots of rows that stop at a loop (Window.stop_loops) and are in one, beside
-        those done: their last LOOP_TOKENS tokens a run of at most LOOP_PERIOD repeated."""
-        slots = [i for i, row in enumerate(self.slots) if row is not None and row.stop_loops and i not in done
+    def _looping(self, done: list[int], kept: list[int]) -> dict[int, int]:
+        """The rows that stop at a loop (Window.stop_loops), by slot, each with the length it
+        stops at: the first of this round's lengths (kept: tokens each slot kept) whose last
+        LOOP_TOKENS tokens are a run of at most LOOP_PERIOD repeated. Each length is tested, as
+        decoding a token a round would (where a row had finished, its last is not), so a row
+        stops where the target alone would, whatever the round kept."""
+        slots = [i for i, row in enumerate(self.slots) if row is not None and row.stop_loops and kept[i]
                  and row.length - row.sample_begin >= LOOP_TOKENS]
         if not slots:
-            return []
+            return {}
         device = self.engine.device
+        span = LOOP_TOKENS - 1 + max(kept[i] for i in slots)  # the tokens every tested length looks at
         ends = torch.tensor([self.slots[i].length for i in slots], device=device)[:, None]
         tails = self.state.tokens[torch.tensor(slots, device=device)[:, None],
-                                  ends - LOOP_TOKENS + torch.arange(LOOP_TOKENS, device=device)].tolist()
-        return [slot for slot, tail in zip(slots, tails)
-                if any(tail[period:] == tail[:-period] for period in range(1, LOOP_PERIOD + 1))]
-
-    def _finish(self, slots: list[int], ended: list[int], looped: list[int] = ()) -> list[tuple[int, Sequence]]:
-        """Reads out these finished rows' results (ended: per slot, whether it ended on
-        end-of-text, which the tokens leave out; looped: the slots stopped at a loop) and
-        frees their slots."""
-        s = self.state
-        index = torch.tensor(slots, device=self.engine.device)
-        scores = torch.stack([s.sum_logprob.index_select(0, index), s.no_speech.index_select(0, index).double()]).tolist()
-        results = []
-        for j, slot in enumerate(slots):
+                                  (ends - span + torch.arange(span, device=device)).clamp(min=0)].tolist()
+        stops = {}
+        for slot, tail in zip(slots, tails):
             row = self.slots[slot]
-            end = row.length - (1 if ended[slot] else 0)
-            tokens = s.tokens[slot, row.sample_begin : end].tolist()
+            first = max(row.length - kept[slot] + 1, row.sample_begin + LOOP_TOKENS)
+            for length in range(first, row.length + (0 if slot in done else 1)):
+                run = tail[length - row.length + span - LOOP_TOKENS : length - row.length + span]
+                if any(run[period:] == run[:-period] for period in range(1, LOOP_PERIOD + 1)):
+                    stops[slot] = length
+                    break
+        return stops
+
+    def _finish(self, slots: list[int], ended: list[int], looped: dict[int, int] | None = None) -> list[tuple[int, Sequence]]:
+        """Reads out these finished rows' results (ended: per slot, whether it ended on
+        end-of-text, which the tokens leave out; looped: the slots stopped at a loop, each
+        with the length it stops at) and frees their slots."""
+        s, device, looped = self.state, self.engine.device, looped or {}
+        index = torch.tensor(slots, device=device)
+        ends = [looped.get(slot, self.slots[slot].length) for slot in slots]  # end-of-text included
+        # Summed from each token's, not per round: the sum is the same however many tokens a round kept.
+        positions = torch.arange(s.tokens.shape[1], device=device)
+        scored = ((positions >= s.sample_begin.index_select(0, index)[:, None])
+                  & (positions < torch.tensor(ends, device=device)[:, None]))
+        sums = torch.where(scored, s.logprob.index_select(0, index).double(), 0.0).sum(1)
+        scores = torch.stack([sums, s.no_speech.index_select(0, index).double()]).tolist()
+        results = []
+        for j, (slot, end) in enumerate(zip(slots, ends)):
+            row = self.slots[slot]
+            tokens = s.tokens[slot, row.sample_begin : end - (1 if ended[slot] and slot not in looped else 0)].tolist()
             results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds, slot in looped)))
         self._free(slots)
         return results

@@ -179,8 +179,9 @@ class Batch(Slots):
             self.draft_length.unmeasured(len(self.slots))
         drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
         done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
-        looped = self._looping(done)
-        return self._finish(done + looped, out[4], looped) if done or looped else []
+        looped = self._looping(done, out[0])
+        done += [slot for slot in looped if slot not in done]
+        return self._finish(done, out[4], looped) if done else []
 
     def _draft_k(self, languages: list[str | None], explore: bool) -> int:
         """The draft's proposals a row this round, for rows drafting in these languages: none
@@ -306,7 +307,7 @@ class Batch(Slots):
         kept = steps < new[:, None]
         # log_softmax: one kernel, on CUDA from fp16 straight to float32 (a float copy and logsumexp were 11)
         logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(2, verified[:, :, None])[:, :, 0]
-        s.sum_logprob.add_(torch.where(kept, logprobs, 0.0).sum(1).double())  # -inf * 0 would be NaN
+        s.logprob.scatter_(1, positions, torch.where(kept, logprobs, 0.0))  # past the kept: rewritten when kept
         eot_kept = first_eot < new
         s.length.add_(new)
         s.draft_cached.clamp_(max=s.length - 1)

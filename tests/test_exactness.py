@@ -21,6 +21,7 @@ from asr import hints
 from asr.decoder import DecoderRunner, int8_linear
 from asr.rules import DecodingRules
 from asr.draft_length import DraftLength
+from asr.slots import LOOP_TOKENS, Window
 from asr.speculative import SpeculativeDecoder
 from conftest import (
     BEGIN_SUPPRESS, EN, EOT, FRAMES, NO_TIMESTAMPS, SOT, SUPPRESS, TRANSCRIBE,
@@ -306,6 +307,32 @@ def test_identical_draft_accepts_every_proposal():
         for sequence in result:
             assert sequence.stats.draft_proposed > 0
             assert sequence.stats.draft_accepted == sequence.stats.draft_proposed
+
+
+def test_a_window_stopped_at_a_loop_stops_where_target_only_does():
+    """A loop was looked for once a round, at its end: a round keeping k + 1 tokens stopped
+    later than target-only (a token a round), so the tokens and their score depended on k."""
+    target = tiny_target(0)
+    torch.manual_seed(1)  # a window this random model decodes into a loop
+    features = torch.randn(1, target.config.num_mel_bins, FRAMES, dtype=torch.float64)
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state
+
+    def decoded(draft, k: int):
+        engine = SpeculativeDecoder(runner(target), draft)
+        batch = engine.batch(rules_for(False), rows=1, draft_length=DraftLength(fixed=k) if draft else None)
+        batch.add([Window(encoded[0], prompt_for(False), max_new_tokens=58, stop_loops=True)])
+        results = [sequence for _ in range(58) if batch.live for _, sequence in batch.step()]
+        batch.close()
+        return results[0]
+
+    alone = decoded(None, 0)
+    assert alone.looped and LOOP_TOKENS <= len(alone.tokens) < 58
+    for draft in (runner(target), runner(decoder_only_draft(target, noise=0.2, seed=4))):
+        for k in (3, 8):
+            sequence = decoded(draft, k)
+            assert (sequence.tokens, sequence.looped) == (alone.tokens, True), k
+            assert sequence.sum_logprob == pytest.approx(alone.sum_logprob, abs=1e-6)
 
 
 @torch.inference_mode()
