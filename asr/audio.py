@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -226,7 +227,7 @@ def audio_seconds(path: str | Path) -> float | None:
     try:
         import av
 
-        with av.open(str(path), metadata_errors="ignore") as container:
+        with av.open(_for_ffmpeg(path), metadata_errors="ignore") as container:
             stream = container.streams.audio[0]
             if (stated := _stated_seconds(container)) is not None:
                 return stated
@@ -271,6 +272,7 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
 
     given = 0  # samples yielded
     with source:
+        source.seek(0)  # libsndfile's first read of an Ogg Opus file slips its pre-skip (312 samples) without it
         rate = source.samplerate
         resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ") if rate != SAMPLE_RATE else None
         block_frames = max(1, int(block_seconds * rate))
@@ -298,6 +300,12 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
                 yield block[skipped:]
     except AudioError as error:
         raise AudioError(damage) from error
+
+
+def _for_ffmpeg(path: Path) -> str:
+    """The path as FFmpeg takes it: a relative name with a colon (call-2024-01-01T10:30.mp3)
+    was read as a protocol's URL and not found."""
+    return os.path.abspath(path)
 
 
 def _mpeg_audio(path: Path) -> bool:
@@ -353,14 +361,12 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
     ends_lost = [False]  # whether no packet decoded after the last lost one
     decoded = 0
     try:
-        with av.open(str(path), metadata_errors="ignore") as container:
+        with av.open(_for_ffmpeg(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
                 raise AudioError(f"{path}: has no audio stream")
-            # Channels kept and averaged here, as soundfile's are: FFmpeg's own stereo-to-mono
-            # mix sums them at 0.707 each, 3 dB louder than the same recording as a WAV.
-            resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
 
             def resampled():
+                resampler, setup = None, None
                 for packet in container.demux(container.streams.audio[0]):
                     try:
                         frames = packet.decode()
@@ -373,8 +379,18 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:
+                        # MP3s joined with `cat`, a broadcast's AAC: the rate or channels can change
+                        # midway, and a resampler takes only the frames it was set up with.
+                        if setup != (frame.format.name, frame.layout.name, frame.sample_rate):
+                            if resampler is not None:
+                                yield from resampler.resample(None)
+                            # Channels kept and averaged below, as soundfile's are: FFmpeg's own stereo-to-mono
+                            # mix sums them at 0.707 each, 3 dB louder than the same recording as a WAV.
+                            resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
+                            setup = (frame.format.name, frame.layout.name, frame.sample_rate)
                         yield from resampler.resample(frame)
-                yield from resampler.resample(None)
+                if resampler is not None:
+                    yield from resampler.resample(None)
 
             for out in resampled():
                 pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))

@@ -52,6 +52,7 @@ LOCK_FILE = ".asr-run.lock"  # held by the run writing into OUT
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
+WORKER_TRIES = 3  # on Ray: a batch whose worker dies is tried this many times in all
 
 
 @dataclass(frozen=True)
@@ -883,10 +884,10 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         import ray
     except ImportError as error:
         raise RuntimeError("--ray needs Ray Data: pip install 'asr[ray]'") from error
-    lost = "no result came back from the Ray workers (a worker died?)"
     if not ray.is_initialized() and (unreachable := _unreachable(options.address)):
         raise WorkerError(unreachable)  # said before the output folder is locked
     recorder = _Recorder(run)
+    lost = f"its Ray worker died transcribing it, {WORKER_TRIES} times (killed for memory? a crash?)"
     if not recorder.todo:
         return recorder.finish(lost)
     started_here = not ray.is_initialized()
@@ -908,28 +909,36 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         # Paths as every node sees them: a worker's working directory is not this process's.
         absolute = {os.path.abspath(item.source): str(item.source) for item in recorder.todo}
-        rows = [{"source": source, "typed": typed} for source, typed in absolute.items()]
         spec = _for_workers(spec)
+        arguments = {"spec": spec, "formats": run.formats, "threads": cpus_per_worker,
+                     "stream_above_seconds": run.stream_above_seconds, "layout": run.layout}
+
+        def run_pool(sources: list[str], per_call: int) -> None:
+            rows = [{"source": source, "typed": absolute[source]} for source in sources]
+            dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
+            results = dataset.map_batches(
+                _RayWorker, fn_constructor_kwargs=arguments, batch_size=per_call,
+                compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus_per_worker, num_gpus=gpu,
+                # A worker that dies is restarted, and its batch tried again, WORKER_TRIES times in
+                # all: Ray's default, without limit, held the run on a file that kills its worker.
+                max_task_retries=WORKER_TRIES - 1,
+            )
+            try:
+                for row in results.iter_rows():
+                    result = FileResult(**json.loads(row["result"]))
+                    # The path as the user gave it (its warnings already name it so: transcribe_files' typed).
+                    recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
+            except ray.exceptions.RayActorError as error:  # its message ends with the worker's own error
+                raise WorkerError(f"a Ray worker could not start: {str(error).strip().splitlines()[-1]}") from error
+
         # Up to two decode batches per call (the actor keeps its batch full as files end),
         # fewer when that leaves workers idle.
-        per_call = max(1, min(2 * spec.batch_size, -(-len(rows) // workers)))
-        dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
-        results = dataset.map_batches(
-            _RayWorker,
-            fn_constructor_kwargs={"spec": spec, "formats": run.formats, "threads": cpus_per_worker,
-                                   "stream_above_seconds": run.stream_above_seconds, "layout": run.layout},
-            batch_size=per_call,
-            compute=ray.data.ActorPoolStrategy(size=workers),
-            num_cpus=cpus_per_worker,
-            num_gpus=gpu,
-        )
-        try:
-            for row in results.iter_rows():
-                result = FileResult(**json.loads(row["result"]))
-                # The path as the user gave it (its warnings already name it so: transcribe_files' typed).
-                recorder.record(dataclasses.replace(result, source=absolute.get(result.source, result.source)))
-        except ray.exceptions.RayActorError as error:  # its message ends with the worker's own error
-            raise WorkerError(f"a Ray worker could not start: {str(error).strip().splitlines()[-1]}") from error
+        per_call = max(1, min(2 * spec.batch_size, -(-len(absolute) // workers)))
+        run_pool(list(absolute), per_call)
+        # A batch whose worker died every time is lost whole: its files go again one per call,
+        # so that only the file that kills its worker is reported.
+        if per_call > 1 and (left := [os.path.abspath(source) for source in recorder.by_source]):
+            run_pool(left, 1)
     except BaseException:
         recorder.stop()
         raise

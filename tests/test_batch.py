@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +21,7 @@ import pytest
 import soundfile
 import soxr
 
-from asr.audio import SAMPLE_RATE, AudioError, load_audio, stream_audio
+from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load_audio, stream_audio
 from asr import batch
 from asr.batch import (
     ERRORS_FILE,
@@ -200,6 +201,62 @@ def test_a_damaged_frame_in_a_streamed_recording_is_read_past_as_a_whole_read_do
     whole = load_audio(path)
     assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
     assert 3 * len(clip) - SAMPLE_RATE < len(whole) < 3 * len(clip)  # the damaged frame's samples only are lost
+
+
+def encoded(path: Path, parts: list[tuple[np.ndarray, int, str]], codec: str, container: str) -> Path:
+    """Writes one stream of these parts (samples at 16 kHz, the part's rate, its layout) with
+    FFmpeg's encoder: a stream whose rate or channels change midway where they differ."""
+    import av
+
+    with av.open(str(path), "w", format=container) as output:
+        stream = output.add_stream(codec, rate=parts[0][1], layout=parts[0][2])
+        for samples, rate, layout in parts:
+            channels = 1 if layout == "mono" else 2
+            resampled = np.tile(soxr.resample(samples, SAMPLE_RATE, rate)[None], (channels, 1)).astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(resampled, format="fltp", layout=layout)
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode(None):
+            output.mux(packet)
+    return path
+
+
+def test_a_recording_whose_rate_or_channels_change_midway_is_read_whole(tmp_path: Path):
+    """MP3s joined with `cat` (which README says are read) and broadcast AAC change rate or
+    channels midway: the one resampler took only the first part's frames, and the whole file
+    failed ("Frame does not match AudioResampler setup")."""
+    clip = load_audio(SHORT / "jfk.flac")[: 4 * SAMPLE_RATE]
+    first = encoded(tmp_path / "first.mp3", [(clip, 44_100, "stereo")], "libmp3lame", "mp3").read_bytes()
+    for name, rate, layout in [("mono.mp3", 44_100, "mono"), ("48k.mp3", 48_000, "stereo")]:
+        second = encoded(tmp_path / f"second-{name}", [(clip, rate, layout)], "libmp3lame", "mp3").read_bytes()
+        (tmp_path / name).write_bytes(first + second)
+    for path in [tmp_path / "mono.mp3", tmp_path / "48k.mp3"]:
+        with pytest.warns(AudioWarning, match="1 damaged audio packet"):  # the second file's header, as with the ffmpeg command
+            samples = load_audio(path)
+            assert np.array_equal(np.concatenate(list(stream_audio(path, 3.0))), samples)
+        assert abs(len(samples) - 2 * len(clip)) < 0.1 * SAMPLE_RATE, path.name
+
+
+def test_an_mp3_named_with_a_colon_is_read_by_its_relative_path(tmp_path: Path, monkeypatch):
+    """FFmpeg took `call-2024-01-01T10:30:00.mp3` for a URL of protocol "call-2024-01-01T10":
+    files named by time failed, as typed and as found in a folder."""
+    name = "call-2024-01-01T10:30:00.mp3"
+    clip = load_audio(SHORT / "jfk.flac")[: 2 * SAMPLE_RATE]
+    (tmp_path / name).write_bytes(mp3_bytes(clip, 64_000))
+    monkeypatch.chdir(tmp_path)
+    assert abs(len(load_audio(name)) - len(clip)) < 0.1 * SAMPLE_RATE
+    assert audio_seconds(name) == pytest.approx(len(clip) / SAMPLE_RATE, abs=0.1)
+
+
+def test_an_opus_file_read_block_by_block_equals_its_whole_read(tmp_path: Path):
+    """libsndfile's first read of an Ogg Opus file slipped by its pre-skip (312 samples at
+    48 kHz) unless it seeked first: a recording over 10 minutes, read block by block, had
+    its first 30 s garbled."""
+    clip = load_audio(SHORT / "jfk.flac")
+    path = encoded(tmp_path / "clip.opus", [(clip, 48_000, "mono")], "libopus", "ogg")
+    whole = load_audio(path)
+    assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
 
 
 def test_a_streamed_window_whose_read_failed_is_read_again_when_asked_again():
@@ -840,6 +897,47 @@ def test_a_ray_worker_that_cannot_load_its_model_says_why(tmp_path: Path):
     spec = PipelineSpec(str(tmp_path / "no-such-model"), None)
     with pytest.raises(batch.WorkerError, match=f"could not start: FileNotFoundError: {tmp_path / 'no-such-model'}: no such"):
         transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()), spec, RayOptions(workers=1, cpus_per_worker=1))
+
+
+@dataclass(frozen=True)
+class _DiesOnCrashWav(PipelineSpec):
+    """A pipeline whose worker process dies (as killed for memory, or a crash in a native
+    library) whenever it reads a file named crash.wav."""
+
+    def build(self) -> Transcriber:
+        transcriber = PipelineSpec.build(self)
+        read = transcriber.read
+
+        def read_or_die(path, *args, **options):
+            if Path(path).name == "crash.wav":
+                os._exit(1)
+            return read(path, *args, **options)
+
+        transcriber.read = read_or_die
+        return transcriber
+
+
+def test_a_file_that_kills_its_ray_worker_is_reported_and_its_batch_mates_are_done(tmp_path: Path):
+    """Ray restarted a dead worker and retried its batch without limit: a file that killed
+    its worker every time held the run for ever. It is now tried WORKER_TRIES times, then
+    the files of its batch go again one at a time, so only it is reported."""
+    from ray import cloudpickle
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the workers cannot import this test module
+    source = tmp_path / "in"
+    source.mkdir()
+    clip = load_audio(SHORT / "1089-134691-0000.flac")
+    soundfile.write(source / "crash.wav", np.concatenate([clip, clip]), SAMPLE_RATE)  # the longest: first in the first batch
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    shutil.copy(SHORT / "7902-96591-0001.wav", source / "b.wav")
+    spec = _DiesOnCrashWav(*PRESETS[DEFAULT_PRESET], batch_size=1)  # batches of 2 files: crash.wav's has a mate
+    started = time.monotonic()
+    summary = transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet(("txt",))), spec,
+                                       RayOptions(workers=1, cpus_per_worker=1))
+    assert (summary.ok, summary.failed) == (2, 1), time.monotonic() - started
+    assert errors_of(tmp_path / "out") == {
+        "crash.wav": f"its Ray worker died transcribing it, {batch.WORKER_TRIES} times (killed for memory? a crash?)"}
+    assert sorted(path.name for path in (tmp_path / "out").glob("*.txt")) == ["a.txt", "b.txt"]
 
 
 def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypatch):
