@@ -673,7 +673,11 @@ class Transcriber:
             if not single_ending and job.last_speech > offset:
                 seek = round(job.last_speech / FRAME_SECONDS)
         job.seek = seek
-        # Whisper drops instantaneous and empty segments (after timing the words of all).
+        # Within the recording: a last window's timestamps can pass its end.
+        pieces = [(time_within(start, job.duration), time_within(max(end, start), job.duration), piece)
+                  for start, end, piece in pieces]
+        # Whisper drops instantaneous and empty segments (after timing the words of all); here
+        # also one wholly past the recording's end, which its end made instantaneous.
         keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         kept: list[int] = []
         for (start, end, piece), text, text_tokens, timed, k in zip(pieces, decoded, texts, words, keep):
@@ -683,8 +687,8 @@ class Transcriber:
             job.segments.append(
                 Segment(
                     id=len(job.segments),
-                    start=time_within(start, job.duration),
-                    end=time_within(max(end, start), job.duration),
+                    start=start,
+                    end=end,
                     text=text,
                     tokens=text_tokens,
                     avg_logprob=sequence.avg_logprob,

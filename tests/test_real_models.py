@@ -16,6 +16,7 @@ from asr.draft_length import DraftLength
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
+from asr.slots import Sequence
 from asr.transcribe import AudioInput, Progress, TranscribeOptions, Transcriber
 from conftest import DEV, mp3_bytes, speech_between_silences
 
@@ -261,6 +262,18 @@ def test_a_last_window_too_short_to_time_words_in_adds_no_segment(base_pair, fas
     assert [(s.text, s.start, s.end) for s in ours] == [(s.text, pytest.approx(s.start, abs=0.021),
                                                          pytest.approx(s.end, abs=0.021)) for s in theirs]
     assert all(s.words for s in ours) and len(ours) == 2
+
+
+def test_a_segment_wholly_past_the_recordings_end_is_dropped(base_pair):
+    """A last window's timestamps can pass the recording's end: each time was cut to the end,
+    and a segment of 3.00-4.00 s in a 2.085 s recording was kept as 2.085-2.085."""
+    transcriber = Transcriber(base_pair, TranscribeOptions(language="en"))
+    vocab, ts = transcriber.vocab, transcriber.vocab.timestamp_begin
+    job = transcriber._start(AudioInput("clip", load_audio(DEV / "en_short" / "1089-134691-0000.flac")))
+    tokens = ([ts] + vocab.encode(" He could wait no longer.") + [ts + 80, ts + 150] + vocab.encode(" And then he left.")
+              + [ts + 200])
+    transcriber._advance(job, Sequence(tokens, -5.0, 0.01), 0.0)
+    assert [(s.start, s.end, s.text) for s in job.segments] == [(0.0, 1.6, " He could wait no longer.")]
 
 
 def test_one_seed_gives_one_transcript_whatever_the_adaptive_draft_length_measured(base_pair, monkeypatch):
