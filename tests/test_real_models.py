@@ -193,6 +193,10 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     words = [w for s in ours.segments for w in s.words]
     assert [w.text for w in words] == [w.word for w in theirs]
     assert [t for w in words for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.006)
+    # Without words, the first segment's end (0.1 s into the next chunk's padding) was mapped past the cut: 0-51.19 s.
+    bare = Transcriber(base_pair, replace(options, word_timestamps=False)).transcribe(recording).segments
+    assert bare[0].end == pytest.approx(len(load_audio(DEV / "en_short" / "jfk.flac")) / SAMPLE_RATE, abs=0.2)
+    assert [s.text for s in bare] == [s.text for s in ours.segments] and bare[1].start > 50
     silence = Transcriber(base_pair, options).transcribe(recording[-5 * SAMPLE_RATE :])
     assert silence.segments == [] and silence.info.windows == 0 and silence.info.duration_after_vad == 0.0
     assert silence.info.duration == 5.0

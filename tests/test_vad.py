@@ -51,6 +51,18 @@ def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
     assert (restored.start, restored.end) == (3.24, 3.34)  # not 1.256: the cut's 2.24 s of silence are not the segment's
 
 
+def test_a_segment_without_words_ending_in_the_next_chunks_padding_ends_in_its_own():
+    """Whisper's end of a segment, 0.1 s past its speech, fell in the next chunk: mapped
+    there, a subtitle stretched over the 40 s of silence cut between (faster-whisper's does).
+    Within the padding the filter keeps before the next chunk's speech (0.4 s), it now ends
+    where its own chunk does; further in, the speech goes on across the cut."""
+    speech = SpeechMap(CHUNKS, pad=6400)
+    just_past = speech.restore(Segment(0, 0.5, 1.1, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (just_past.start, just_past.end) == (0.756, 1.28)  # not 3.34, after the cut's 2.24 s
+    across = speech.restore(Segment(0, 0.5, 1.5, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (across.start, across.end) == (0.756, 3.74)
+
+
 def test_a_rounded_time_never_passes_its_chunks_end():
     """0.1 s cut: 1.0 s in the filtered audio is 1.100625 s in the recording, where the chunk
     ends; rounded to the millisecond that was 1.101 s, after the speech (and, at a recording's
