@@ -206,8 +206,8 @@ def time_within(seconds: float, limit: float, places: int = 3) -> float:
 def _stated_seconds(container) -> float | None:
     """The duration an open PyAV container's header states, if any."""
     stream = container.streams.audio[0]
-    if stream.duration is not None and stream.time_base is not None:
-        return float(stream.duration * stream.time_base)
+    if stream.duration is not None and stream.time_base is not None:  # from the sound's start: a video's may be later
+        return float(stream.duration * stream.time_base) + _sound_delay(container) / SAMPLE_RATE
     return container.duration / 1_000_000 if container.duration else None  # in AV_TIME_BASE units
 
 
@@ -261,6 +261,8 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
 
     try:
         source = None if _mpeg_audio(path) else soundfile.SoundFile(str(path))
+        if source is not None:
+            source.seek(0)  # libsndfile's first read of an Ogg Opus file slips its pre-skip (312 samples) without it
     except Exception:  # not for libsndfile: FFmpeg reads it
         source = None
     if source is None or source.format in FFMPEG_FORMATS or not source.frames:  # (a WAV's data size never written)
@@ -272,7 +274,6 @@ def _blocks(path: Path, block_seconds: float, notices: list[str] | None) -> Iter
 
     given = 0  # samples yielded
     with source:
-        source.seek(0)  # libsndfile's first read of an Ogg Opus file slips its pre-skip (312 samples) without it
         rate = source.samplerate
         resampler = soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ") if rate != SAMPLE_RATE else None
         block_frames = max(1, int(block_seconds * rate))
@@ -306,6 +307,18 @@ def _for_ffmpeg(path: Path) -> str:
     """The path as FFmpeg takes it: a relative name with a colon (call-2024-01-01T10:30.mp3)
     was read as a protocol's URL and not found."""
     return os.path.abspath(path)
+
+
+def _sound_delay(container) -> int:
+    """Samples (at 16 kHz) from a video's start to its sound's start: 0 for a file without
+    pictures, whose times are its sound's."""
+    import av
+
+    stream = container.streams.audio[0]
+    if not container.streams.video or None in (stream.start_time, stream.time_base, container.start_time):
+        return 0
+    delay = float(stream.start_time * stream.time_base) - container.start_time / av.time_base
+    return max(0, round(delay * SAMPLE_RATE))
 
 
 def _mpeg_audio(path: Path) -> bool:
@@ -364,6 +377,11 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
         with av.open(_for_ffmpeg(path), metadata_errors="ignore") as container:
             if not container.streams.audio:
                 raise AudioError(f"{path}: has no audio stream")
+            # A video's sound can start after its pictures: the silence before it is kept, so that
+            # times (subtitles) are the video's, as a player plays them.
+            if lead := _sound_delay(container):
+                pending.append(np.zeros(lead, dtype=np.float32))
+                size += lead
 
             def resampled():
                 resampler, setup = None, None
@@ -401,7 +419,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                     pending, size = [], 0
             # Damage up to the end is junk after the audio, or a file cut short: the length the
             # header states tells them apart where it is exact (FLAC's, WAV's).
-            if (ends_lost[0] and decoded < 0.9 * SAMPLE_RATE * (_stated_seconds(container) or 0.0)) or (lost and not decoded):
+            if (ends_lost[0] and lead + decoded < 0.9 * SAMPLE_RATE * (_stated_seconds(container) or 0.0)) or (lost and not decoded):
                 raise AudioError(f"{path}: not a readable audio file (corrupt or truncated: {lost[-1][1]})")
             # An MP3 cut short decodes cleanly to its end: its Xing frame count tells (files
             # joined with `cat` decode to more than their first header states, never less; a
@@ -412,7 +430,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
     except AudioError:
         raise
     except Exception as error:
-        raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {error})") from error
+        # FFmpeg's own message names the file as it was opened (absolute): the path leads already.
+        detail = getattr(error, "strerror", None) if isinstance(error, av.error.FFmpegError) else None
+        raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {detail or error})") from error
     if lost:
         notice = (f"{path}: {len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be "
                   f"decoded and were skipped ({lost[0][1]})")

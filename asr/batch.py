@@ -887,7 +887,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     if not ray.is_initialized() and (unreachable := _unreachable(options.address)):
         raise WorkerError(unreachable)  # said before the output folder is locked
     recorder = _Recorder(run)
-    lost = f"its Ray worker died transcribing it, {WORKER_TRIES} times (killed for memory? a crash?)"
+    lost = "its Ray worker died each time it was tried (killed for memory? a crash?)"
     if not recorder.todo:
         return recorder.finish(lost)
     started_here = not ray.is_initialized()
@@ -918,7 +918,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
             results = dataset.map_batches(
                 _RayWorker, fn_constructor_kwargs=arguments, batch_size=per_call,
-                compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus_per_worker, num_gpus=gpu,
+                compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows))), num_cpus=cpus_per_worker, num_gpus=gpu,
                 # A worker that dies is restarted, and its batch tried again, WORKER_TRIES times in
                 # all: Ray's default, without limit, held the run on a file that kills its worker.
                 max_task_retries=WORKER_TRIES - 1,

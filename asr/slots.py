@@ -474,6 +474,9 @@ class Slots:
         results = []
         for j, (slot, end) in enumerate(zip(slots, ends)):
             row = self.slots[slot]
+            if slot in looped:  # its round's tokens past the stop are not kept
+                row.stats.tokens -= row.length - end
+                row.stats.tokens_per_pass[-1] -= row.length - end
             tokens = s.tokens[slot, row.sample_begin : end - (1 if ended[slot] and slot not in looped else 0)].tolist()
             results.append((row.tag, Sequence(tokens, scores[0][j], scores[1][j], row.stats, row.seconds, slot in looped)))
         self._free(slots)

@@ -333,6 +333,7 @@ def test_a_window_stopped_at_a_loop_stops_where_target_only_does():
             sequence = decoded(draft, k)
             assert (sequence.tokens, sequence.looped) == (alone.tokens, True), k
             assert sequence.sum_logprob == pytest.approx(alone.sum_logprob, abs=1e-6)
+            assert sequence.stats.tokens == sum(sequence.stats.tokens_per_pass) == len(alone.tokens)  # none past the stop
 
 
 @torch.inference_mode()
