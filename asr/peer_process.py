@@ -50,9 +50,13 @@ def _serve(connection: Connection) -> None:
             started = time.perf_counter()
             segments = list(model.transcribe(**request)[0])  # the generator does the work
             seconds = time.perf_counter() - started
-            connection.send((True, ([(s.text, s.tokens, s.start, s.end) for s in segments], seconds)))
+            answer = (True, ([(s.text, s.tokens, s.start, s.end) for s in segments], seconds))
         except Exception as error:
-            connection.send((False, f"{type(error).__name__}: {error}"))
+            answer = (False, f"{type(error).__name__}: {error}")
+        try:
+            connection.send(answer)
+        except OSError:  # the caller has gone (Ctrl-C closed the connection): two tracebacks said so
+            return
 
 
 class FasterWhisperProcess:
@@ -80,6 +84,7 @@ class FasterWhisperProcess:
             self._connection.send((self._settings, self._seed))
             self._answer()  # a model that cannot load fails here, not at the first file
         except Exception:
+            self._stopped = True  # the next request tries again (a later file failed as "process ended")
             self.close()
             raise
 

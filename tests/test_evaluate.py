@@ -433,7 +433,7 @@ def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated
     assert len(list((tmp_path / "cache").iterdir())) == 1  # assembled once
 
 
-def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp_path: Path, monkeypatch):
+def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp_path: Path, monkeypatch, capfd):
     """In ours, once CTranslate2 had decoded, both it and our decoding ran slower: faster-whisper
     runs in a child process, whose failures (a model that cannot load, a bad request) come
     back as errors naming the cause, and which ends when closed."""
@@ -449,6 +449,14 @@ def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp
     assert "ask not what your country can do for you" in "".join(text for text, _, _, _ in segments).lower() and seconds > 0
     process.close()
     assert process._process.poll() == 0
+    # Ctrl-C closes the connection while a file is decoding: the worker ends without a word
+    # (its answer, then its error's, raised two BrokenPipeError tracebacks).
+    process = FasterWhisperProcess(dict(model_size_or_path=str(ctranslate2_directory("packaged:whisper-base")),
+                                        device="cpu", cpu_threads=1), seed=0)
+    capfd.readouterr()
+    process._connection.send(dict(audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1))
+    process.close(wait=60)
+    assert process._process.poll() == 0 and "Traceback" not in capfd.readouterr().err
 
 
 def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets_a_new_process(tmp_path, monkeypatch):
@@ -473,6 +481,18 @@ def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets
         process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
     segments, _ = process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
     assert process._process is not crashed and "ask not what your country" in "".join(s[0] for s in segments).lower()
+    # A restart that fails says why for each file, and the next file after the cause is gone is done:
+    # the files after a failed restart failed as "process ended (exit status 0)", and one more was lost.
+    weights = Path(process._settings["model_size_or_path"]) / "model.bin"
+    weights.rename(weights.with_suffix(".away"))
+    os.kill(process._process.pid, signal.SIGKILL)
+    process._process.wait()
+    for told in [r"process ended \(exit status -9\)", "model.bin", "model.bin"]:
+        with pytest.raises(RuntimeError, match=told):
+            process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    weights.with_suffix(".away").rename(weights)
+    segments, _ = process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert "ask not what your country" in "".join(s[0] for s in segments).lower()
     process.close()
 
 
