@@ -98,7 +98,7 @@ def main() -> None:
     print(f"preset {args.preset}: target {target_name}, draft {draft_name}; {len(clips)} dev clips, "
           f"{audio_seconds:.0f} s of audio, {args.threads} threads, torch {torch.__version__}\n")
     print("| batch | method | decoder s | ms / token | decoder speed-up vs generate | vs ours target-only "
-          "| end-to-end vs ours target-only | RTF | acceptance | tokens / target pass | output == generate |")
+          "| end-to-end vs ours target-only | RTFx | acceptance | tokens / target pass | output == generate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         encoder_seconds = 0.0
