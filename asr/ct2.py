@@ -43,6 +43,9 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
         return text
 
     version = take("<I")
+    if version == 0:  # what a preallocated file holds where the download or copy stopped
+        raise CT2FormatError(f"{source}: damaged CTranslate2 model file (it begins with zeros: an interrupted download "
+                             "or copy?)")
     if version != 6:
         raise CT2FormatError(f"{source}: CTranslate2 model format version {version} is not supported (expected 6)")
     spec = string()
@@ -73,6 +76,8 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
         if target not in variables:
             raise CT2FormatError(f"{source}: damaged CTranslate2 model file ({alias} names {target}, which it lacks)")
         variables[alias] = variables[target]
+    if offset != len(view):  # two files joined, or a part joined twice
+        raise CT2FormatError(f"{source}: damaged CTranslate2 model file ({len(view) - offset} bytes after its end)")
     return variables
 
 

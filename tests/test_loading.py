@@ -231,6 +231,10 @@ def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
     size = int.from_bytes(good[count : count + 4], "little")
     damages["not a Whisper model's \\(ValueError: buffer size"] = (good[:count] + (size - 1).to_bytes(4, "little") +
                                                                      good[count + 4 :])
+    # An interrupted download into a preallocated file (was "format version 0 is not supported"), and
+    # a part joined twice (loaded without a word)
+    damages["it begins with zeros: an interrupted download"] = bytes(len(good))
+    damages[f"{len(good) // 2} bytes after its end"] = good + good[: len(good) // 2]
     for problem, data in damages.items():
         shutil.copytree(tmp_path / "ct2", tmp_path / "bad", dirs_exist_ok=True)
         (tmp_path / "bad" / "model.bin").write_bytes(data)
