@@ -776,8 +776,10 @@ def render_markdown(report: dict, title: str) -> str:
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",
                   "|---|---|" + "---|" * len(systems)]
         for name, group in report["by_length"].items():
-            cells = [f"{_number(g['seconds'])} ({_number(g['rtfx'], digits=1)})" if (g := group["systems"].get(s)) else "-"
-                     for s in systems]
+            # A system that failed on some files: its seconds are of fewer files than the row's, so say how many.
+            cells = [f"{_number(g['seconds'])} ({_number(g['rtfx'], digits=1)})"
+                     + (f" on {g['files']} of {group['files']}" if g["files"] < group["files"] else "")
+                     if (g := group["systems"].get(s)) else "-" for s in systems]
             lines.append(f"| {group['files']} {name} | {group['audio_seconds']:.1f} | " + " | ".join(cells) + " |")
     assisted = report["systems"].get(TRANSFORMERS_ASSISTED, {})
     if assisted.get("speedup_vs_transformers_target") is not None:

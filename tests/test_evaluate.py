@@ -365,6 +365,24 @@ def test_a_peer_that_transcribed_fewer_files_has_our_wer_on_those_files_beside_i
     assert "| 25.00% (ours target-only on these files: 25.00%) |" in render_markdown(report, "dev")
 
 
+def test_a_peers_seconds_by_length_say_over_how_many_files():
+    """A peer that failed on short files showed their group's seconds over the one it did
+    beside ours over all of them, under the group's count of files."""
+    def run(seconds: float) -> Run:
+        return Run(text="the cat", tokens=[1], seconds=seconds)
+
+    results = [FileResult(LabelledClip(Path(f"{i}.wav"), duration, "the cat"), duration)
+               for i, duration in enumerate([5.0, 5.0, 40.0])]
+    for i, result in enumerate(results):
+        result.runs = {TARGET: run(1.0), SPECULATIVE: run(0.8),
+                       TRANSFORMERS_TARGET: Run(error="RuntimeError: boom") if i == 0 else run(1.2)}
+    environment = {"device": "cpu", "dtype": "float32", "threads": 2, "preset": None, "target": "t", "draft": "d",
+                   "batch_size": 1, "torch": "-", "transformers": "-", "notes": [], "normalizer": "-"}
+    markdown = render_markdown(build_report(results, [TARGET, SPECULATIVE, TRANSFORMERS_TARGET], environment), "dev")
+    assert "| 2 up to 30 s | 10.0 | 2.00 (5.0) | 1.60 (6.2) | 1.20 (4.2) on 1 of 2 |" in markdown
+    assert "| 1 over 30 s | 40.0 | 1.00 (40.0) | 0.80 (50.0) | 1.20 (33.3) |" in markdown
+
+
 def test_the_transformers_peers_run_beside_ours(embedded, evaluated):
     results, environment, _ = evaluated
     first = results[0]  # CLIPS[0], already decoded by ours
