@@ -382,7 +382,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
         live.shown, update = shown, live.updates[shown - 1]
         recorded = live.recorded_seconds()
         status = live_status(update.final, recorded, live.waiting_seconds(), LIVE_TIME_LIMIT_S)
-        return (live_html(update.committed_text, update.tentative_text, listening=not update.final),
+        return (live_html(update.committed_text, update.tentative_text, listening=not update.final, ended=update.final),
                 figures_html(live_figures(live.summary(), recorded, status)), live)
 
     def on_start() -> tuple[str, str, None]:

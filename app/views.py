@@ -120,10 +120,13 @@ def progress_figures(progress: Progress, seconds: float) -> list[Figure]:
     ]
 
 
-def live_html(committed: str, tentative: str, listening: bool) -> str:
+def live_html(committed: str, tentative: str, listening: bool, ended: bool = False) -> str:
     """Committed text never changes again; the tentative tail may still be revised, so it is
-    shown apart (grey) until the transcriber commits it."""
+    shown apart (grey) until the transcriber commits it. ended: a recording's final text
+    (none: it said nothing was heard, not the idle invitation to speak)."""
     if not committed.strip() and not tentative.strip():
+        if ended:
+            return PLACEHOLDER.format("No speech heard in this recording.")
         return PLACEHOLDER.format("Listening…" if listening else "Press Record and speak: the transcript appears here.")
     return (
         '<div class="asr-live">'

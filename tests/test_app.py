@@ -409,6 +409,9 @@ def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
     assert '<span class="asr-committed">ask not &lt;b&gt;</span>' in page
     assert '<span class="asr-tentative">what your</span>' in page
     assert "Listening" in live_html("", "", listening=True)
+    # A recording that ended with nothing heard (silence) showed the idle "Press Record and speak".
+    assert "No speech heard" in live_html("", "", listening=False, ended=True)
+    assert "Press Record" in live_html("", "", listening=False)
 
 
 def test_times_are_rounded_before_they_are_split_into_minutes() -> None:
