@@ -260,6 +260,8 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
             yield _failed(str(error))
             return
         source = _hold(path, folder)
+        # At once: the last file's transcript and downloads stayed a second, to be taken for this one's.
+        yield _progress(progress, time.perf_counter() - handed_over)
         # In a thread of its own, while the page is told how long it has waited: hours of audio
         # take minutes to scan, and until the first update Stop was hidden and a visitor who
         # left was not noticed (the scan stops once the progress is cancelled).

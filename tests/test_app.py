@@ -262,6 +262,8 @@ def test_an_upload_is_shown_waiting_while_its_audio_is_read_and_stop_ends_the_re
     monkeypatch.setattr(asr.transcribe, "stream_audio", slow)
     updates = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe", AUTO, "", False, False, "segments",
                                 session="tab")
+    figures, transcript, downloads, stop = next(updates)  # at once, before the scan: the last file's downloads go
+    assert not blocks and not downloads["visible"] and "Transcribing" in transcript
     figures, transcript, downloads, stop = next(updates)
     assert "Starting" in figures and "reading the audio" in figures and stop["visible"]
     assert 0 < len(blocks) < 25  # of the scan's 25
