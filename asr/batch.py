@@ -918,7 +918,10 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
             results = dataset.map_batches(
                 _RayWorker, fn_constructor_kwargs=arguments, batch_size=per_call,
-                compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows))), num_cpus=cpus_per_worker, num_gpus=gpu,
+                # One batch at a time per worker: one queued behind a batch that kills its worker died with
+                # it, and used up its own tries (a file that never crashed was reported lost).
+                compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows)), max_tasks_in_flight_per_actor=1),
+                num_cpus=cpus_per_worker, num_gpus=gpu,
                 # A worker that dies is restarted, and its batch tried again, WORKER_TRIES times in
                 # all: Ray's default, without limit, held the run on a file that kills its worker.
                 max_task_retries=WORKER_TRIES - 1,
