@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from multiprocessing.connection import Connection
 
 # Run in the worker: the caller's import path (argv[2]), then this module as __main__ (argv[1]: the socket).
@@ -60,10 +61,12 @@ def _serve(connection: Connection) -> None:
 
 
 class FasterWhisperProcess:
-    """A faster-whisper WhisperModel(**settings) in a child process, seeded with `seed`."""
+    """A faster-whisper WhisperModel(**settings) in a child process, seeded with `seed`. A model
+    not loaded within `load_timeout` seconds (a hung read: a stalled network drive) fails as
+    one that cannot load, rather than holding the caller for ever."""
 
-    def __init__(self, settings: dict, seed: int):
-        self._settings, self._seed = settings, seed
+    def __init__(self, settings: dict, seed: int, load_timeout: float = 600):
+        self._settings, self._seed, self._load_timeout = settings, seed, load_timeout
         self._start()
 
     def _start(self) -> None:
@@ -81,8 +84,9 @@ class FasterWhisperProcess:
         self._ended: str | None = None  # why the process ended, once it has
         self._stopped = False  # ended (killed for taking too long, or crashed): the next request starts another
         try:
-            self._connection.send((self._settings, self._seed))
-            self._answer()  # a model that cannot load fails here, not at the first file
+            with self._watch(self._load_timeout, "its model did not load"):
+                self._connection.send((self._settings, self._seed))
+                self._answer()  # a model that cannot load fails here, not at the first file
         except Exception:
             self._stopped = True  # the next request tries again (a later file failed as "process ended")
             self.close()
@@ -96,21 +100,29 @@ class FasterWhisperProcess:
         if self._stopped:
             self.close(wait=0)
             self._start()
-        watchdog = None if timeout is None else threading.Timer(timeout, self._stop, (timeout,))
-        if watchdog is not None:
-            watchdog.start()
-        try:
+        with self._watch(timeout, "no answer"):
             try:
                 self._connection.send(arguments)
             except OSError:
                 self._died()
             return self._answer()
-        finally:
-            if watchdog is not None:
-                watchdog.cancel()
 
-    def _stop(self, timeout: float) -> None:
-        self._ended = f"faster-whisper: no answer within {timeout:.0f} s (its process was stopped)"
+    @contextmanager
+    def _watch(self, timeout: float | None, what: str):
+        """Kills the process if the block has not ended within `timeout` seconds (by a timer:
+        sending the audio blocks too once the process stops reading)."""
+        if timeout is None:
+            yield
+            return
+        watchdog = threading.Timer(timeout, self._stop, (f"faster-whisper: {what} within {timeout:.0f} s (its process was stopped)",))
+        watchdog.start()
+        try:
+            yield
+        finally:
+            watchdog.cancel()
+
+    def _stop(self, why: str) -> None:
+        self._ended = why
         self._stopped = True
         self._process.kill()  # our send or receive then fails, and raises _ended
 

@@ -514,6 +514,23 @@ def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets
     process.close()
 
 
+def test_a_faster_whisper_model_that_never_loads_fails_in_time(tmp_path, monkeypatch):
+    """A model read that hangs (here model.bin is a named pipe nobody writes: a stalled network
+    drive reads the same) held `asr evaluate` for ever, at its start or at a restart after a
+    crash: the load has a time limit too, and its failure says so."""
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    packaged = ctranslate2_directory("packaged:whisper-base")
+    stalled = tmp_path / "stalled"
+    stalled.mkdir()
+    for name in ["config.json", "tokenizer.json", "vocabulary.txt"]:
+        (stalled / name).symlink_to(packaged / name)
+    os.mkfifo(stalled / "model.bin")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="faster-whisper: its model did not load within 3 s"):
+        FasterWhisperProcess(dict(model_size_or_path=str(stalled), device="cpu"), seed=0, load_timeout=3)
+    assert time.monotonic() - started < 30
+
+
 def test_faster_whispers_sampling_is_seeded_so_that_reruns_agree(tmp_path: Path):
     """CTranslate2 seeds each thread's sampling once, at random unless a seed was set, so
     faster-whisper's temperature fallback differed from one run of `asr evaluate` to the
