@@ -35,6 +35,8 @@ TOP_K = 32  # teacher probabilities kept per position for the KL term
 
 def list_audio(source: Path) -> list[Path]:
     """A folder of audio files, or a manifest (.tsv with a `file` column, relative paths)."""
+    if not source.exists():
+        raise ValueError(f"{source}: no such folder or manifest")
     if source.is_dir():
         files = find_audio(source)  # as `asr transcribe` walks folders
     elif source.suffix == ".tsv":
@@ -209,7 +211,7 @@ class DraftDecoder(nn.Module):
     def save(self, out: Path, target: WhisperModel) -> None:
         """transformers' layout (config.json + safetensors, WhisperForCausalLM names) minus
         the shared embeddings, plus the head's token ids and the target it belongs to."""
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         out.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu", torch.float16).contiguous() for k, v in self.trainable_state().items()}
@@ -227,7 +229,7 @@ class DraftDecoder(nn.Module):
         # All three written first, then renamed, the config last: a kill between the renames
         # leaves this epoch's weights beside the last epoch's config, the same within a run.
         parts = {out / name: out / f".{name}.part" for name in (DRAFT_WEIGHTS, "tokenizer.json", "config.json")}
-        save_file(tensors, str(parts[out / DRAFT_WEIGHTS]))
+        parts[out / DRAFT_WEIGHTS].write_bytes(save(tensors))  # save_file's file is its owner's alone (mode 0600)
         parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())
         parts[out / "config.json"].write_text(json.dumps(config, indent=2) + "\n")
         for path, temporary in parts.items():

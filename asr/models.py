@@ -602,6 +602,12 @@ def check_compatible(target: WhisperModel, draft: WhisperModel, draft_encoder: s
             f"draft {draft.name} reads {d.num_mel_bins} mel bins, target {target.name} reads {t.num_mel_bins}: "
             "large-v3 models use 128, earlier ones 80; pick a draft of the same generation"
         )
+    # Rows stop at the shorter decoder's positions: a shorter draft would cut the target's text short.
+    if draft.runner.max_positions < target.runner.max_positions:
+        raise IncompatibleModels(
+            f"draft {draft.name} has {draft.runner.max_positions} token positions, target {target.name} has "
+            f"{target.runner.max_positions}: the target's windows would be cut at the draft's; pick a draft with as many"
+        )
     if draft.encoder is None and draft_encoder == "own":
         raise IncompatibleModels(f"--draft-encoder own: draft {draft.name} has no encoder of its own (it reads the "
                                  "target's encoder output); leave --draft-encoder at auto or shared")

@@ -41,6 +41,14 @@ from asr.models import load_model
 from asr.vocab import language_code
 
 
+def fraction(text: str) -> float:
+    """An argparse type: a number from 0 to 1."""
+    value = number(0)(text)
+    if value > 1:
+        raise argparse.ArgumentTypeError(f"{text} is more than 1")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", required=True, help="hub id, directory, or packaged:NAME")
@@ -51,12 +59,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=count(1), default=4)
     parser.add_argument("--batch-size", type=count(1), default=16)
     parser.add_argument("--label-batch-size", type=count(1), default=8)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--dropout", type=float, default=0.1)
+    parser.add_argument("--lr", type=number(0, above=True), default=3e-4)
+    parser.add_argument("--dropout", type=number(0, below=1), default=0.1)
     parser.add_argument("--train-cross-kv", action="store_true",
                         help="train the cross-attention key/value projections too (by default they stay the target's, "
                              "so decoding reuses the target's cross-attention K/V)")
-    parser.add_argument("--previous-text", type=float, default=0.5,
+    parser.add_argument("--previous-text", type=fraction, default=0.5,
                         help="fraction of training rows given another clip's transcript as a previous-text prompt")
     parser.add_argument("--holdout", type=number(0, below=1), default=0.05,
                         help="fraction of clips held back to measure agreement")
@@ -74,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{args.out} holds a draft and no training to continue: choose another --out", file=sys.stderr)
         return 2
     try:
+        files = list_audio(args.audio)  # before the target loads: a mistyped path is told at once
         target = load_model(args.target)
         if args.layers > target.config.decoder_layers:
             raise ValueError(f"--layers {args.layers}: {args.target} has {target.config.decoder_layers} decoder layers")
-        files = list_audio(args.audio)
         print(f"target {args.target}: {target.config.decoder_layers} decoder layers; {len(files)} clips")
         store = pseudo_label(target, files, work, args.language, args.label_batch_size)
     except (ValueError, OSError) as error:
@@ -114,6 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     first_epoch = 0
     if args.resume and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)
+        # Another split would train on clips held out before, and inflate the agreement.
+        if state["files"] == store.files and state.get("train", train) != train:
+            print(f"{checkpoint} was trained on another split of the clips (--seed {state['seed']}, --holdout "
+                  f"{state['holdout']}): resume with those, or delete it to train afresh", file=sys.stderr)
+            return 2
         if state["files"] != store.files or state["head"].tolist() != head.tolist():
             print(f"{checkpoint} was trained on other labels (audio was added?): delete it to train on all of them",
                   file=sys.stderr)
@@ -155,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         draft.save(args.out, target)
         temporary = checkpoint.with_suffix(".part")
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
-                    "epoch": epoch + 1, "head": head, "files": store.files}, temporary)
+                    "epoch": epoch + 1, "head": head, "files": store.files, "train": train, "seed": args.seed,
+                    "holdout": args.holdout}, temporary)
         temporary.replace(checkpoint)
     print(f"draft saved to {args.out}")
     return 0

@@ -36,7 +36,7 @@ SPECIAL_TOKEN_IDS = dict(decoder_start_token_id=SOT, eos_token_id=EOT, pad_token
 
 
 def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 80, vocab_size: int = 51865,
-                frames: int = FRAMES) -> WhisperConfig:
+                frames: int = FRAMES, max_target_positions: int = MAX_TARGET_POSITIONS) -> WhisperConfig:
     return WhisperConfig(
         vocab_size=vocab_size,
         num_mel_bins=num_mel_bins,
@@ -48,7 +48,7 @@ def tiny_config(d_model: int = 64, decoder_layers: int = 2, num_mel_bins: int = 
         encoder_ffn_dim=2 * d_model,
         decoder_ffn_dim=2 * d_model,
         max_source_positions=frames // 2,
-        max_target_positions=MAX_TARGET_POSITIONS,
+        max_target_positions=max_target_positions,
         tie_word_embeddings=False,
         **SPECIAL_TOKEN_IDS,
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import re
 from pathlib import Path
@@ -16,11 +17,17 @@ import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
-from asr.distill import length_batches
+from asr.distill import length_batches, split_holdout
 from asr.models import IncompatibleModels, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 from asr.features import WINDOW_FRAMES, log_mel
 from conftest import REPO, end_rows_at_different_lengths, save_tiny, tiny_target
+
+
+def current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def distill_main():
@@ -62,6 +69,13 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert "another language than 'de'" in capsys.readouterr().err
     assert main(common + ["--epochs", "3", "--resume", "--layers", "2"]) == 2
     assert "trained with other options (--layers" in capsys.readouterr().err
+    # Another split (it was told as "audio was added?", or went on training on held-out clips).
+    usable = sum(map(int, re.search(r"(\d+) clips to train on, (\d+) held back", first.out).groups()))
+    seed = next(s for s in range(1, 100) if split_holdout(usable, 0.34, s) != split_holdout(usable, 0.34, 0))
+    assert main(common + ["--epochs", "3", "--resume", "--seed", str(seed)]) == 2
+    assert "another split of the clips (--seed 0, --holdout 0.34)" in capsys.readouterr().err
+    weights = out / "model.safetensors"
+    assert weights.stat().st_mode & 0o777 == 0o666 & ~current_umask()  # safetensors' own writer made it 0600
 
     # More audio appended: only it is labelled; the old checkpoint no longer matches.
     soundfile.write(audio_dir / "clip6.wav", (0.3 * np.sin(np.arange(SAMPLE_RATE) / 30)).astype(np.float32), SAMPLE_RATE)
@@ -137,10 +151,15 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     assert "nowhere" in capsys.readouterr().err
     # Values that failed late (a ZeroDivisionError after the labelling) or saved a draft that could not decode.
     for flag, value, message in [("--layers", "0", "0 is less than 1"), ("--epochs", "0", "0 is less than 1"),
-                                 ("--batch-size", "0", "0 is less than 1"), ("--holdout", "1", "1 is not below 1")]:
+                                 ("--batch-size", "0", "0 is less than 1"), ("--holdout", "1", "1 is not below 1"),
+                                 ("--dropout", "2", "2 is not below 1"), ("--lr", "-1", "-1 is not above 0"),
+                                 ("--previous-text", "1.5", "1.5 is more than 1")]:
         with pytest.raises(SystemExit):
             main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "d"), flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+    # A mistyped --audio is told before the target loads (--target is not even read).
+    assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(tmp_path / "typo"), "--out", str(tmp_path / "f")]) == 2
+    assert capsys.readouterr().err.strip() == f"{tmp_path / 'typo'}: no such folder or manifest"
     assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "e"), "--layers", "3"]) == 2
     assert f"--layers 3: {target} has 2 decoder layers" in capsys.readouterr().err
 

@@ -19,7 +19,7 @@ from asr.audio import load_audio
 from asr.ct2 import CT2FormatError
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.models import IncompatibleModels, ctranslate2_directory, load_model, load_pair, packaged_directory
-from conftest import DEV, decoder_only_draft, packaged_weights, perturbed, save_tiny, tiny_target
+from conftest import DEV, MAX_TARGET_POSITIONS, decoder_only_draft, packaged_weights, perturbed, save_tiny, tiny_target
 
 PROMPT = torch.tensor([[50258, 50259, 50359, 50363, 400, 1000, 2000]])
 
@@ -342,6 +342,11 @@ def test_incompatible_pairs_fail_at_load_time_with_advice(tmp_path: Path):
     save_tiny(narrow, tmp_path / "narrow")
     with pytest.raises(IncompatibleModels, match="width 32"):
         load_pair(str(tmp_path / "target"), str(tmp_path / "narrow"))
+    # A draft of fewer positions was taken, and every window stopped at its length (the target's text cut short).
+    save_tiny(decoder_only_draft(tiny_target(11, dtype=torch.float32, max_target_positions=24), noise=0.0, seed=0),
+              tmp_path / "short")
+    with pytest.raises(IncompatibleModels, match=f"24 token positions, target .* has {MAX_TARGET_POSITIONS}"):
+        load_pair(str(tmp_path / "target"), str(tmp_path / "short"))
 
 
 def test_bad_model_directories_fail_clearly(tmp_path: Path):
