@@ -52,9 +52,11 @@ class SpeechMap:
         index = bisect.bisect_left(self.ends, sample) if is_end else bisect.bisect_right(self.ends, sample)
         return min(index, len(self.chunks) - 1)
 
-    def original(self, seconds: float, chunk: int) -> float:
-        """A time in the filtered audio, in chunk `chunk`, as a time in the recording."""
-        return time_within(seconds + self.cut[chunk] / SAMPLE_RATE, self.chunks[chunk][1] / SAMPLE_RATE)
+    def original(self, seconds: float, chunk: int, within: int | None = None) -> float:
+        """A time in the filtered audio, in chunk `chunk`, as a time in the recording, at most
+        the end of chunk `within` (by default its own)."""
+        end = self.chunks[chunk if within is None else within][1]
+        return time_within(seconds + self.cut[chunk] / SAMPLE_RATE, end / SAMPLE_RATE)
 
     def restore(self, segment: Segment) -> Segment:
         """The segment with its (and its words') times in the recording. A word keeps both
@@ -68,10 +70,13 @@ class SpeechMap:
             if last > first and round(segment.end * SAMPLE_RATE) - self.ends[last - 1] <= self.pad:
                 last -= 1
             return replace(segment, start=self.original(segment.start, first), end=self.original(segment.end, last))
-        words = []
+        words, last = [], len(self.chunks) - 1
         for word in segment.words:
+            # A word may end past its chunk (the filter's guess) as the alignment heard it,
+            # mapped into the cut silence as faster-whisper maps it: it was cut at the chunk's end.
             chunk = self.chunk_of((word.start + word.end) / 2)
-            words.append(replace(word, start=self.original(word.start, chunk), end=self.original(word.end, chunk)))
+            words.append(replace(word, start=self.original(word.start, chunk, last),
+                                 end=self.original(word.end, chunk, last)))
         return replace(segment, start=words[0].start, end=words[-1].end, words=words)
 
 

@@ -49,6 +49,13 @@ def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
     straddling = Segment(0, 1.0, 1.3, " two", [2], -0.1, 1.0, 0.0, 0.0, words[1:])  # from the first chunk's end
     restored = SpeechMap(CHUNKS).restore(straddling)
     assert (restored.start, restored.end) == (3.24, 3.34)  # not 1.256: the cut's 2.24 s of silence are not the segment's
+    # A word whose middle is in the first chunk and whose end runs past it keeps its end, as
+    # faster-whisper's does (it was cut at the chunk's end, 1.28 s).
+    running_on = Segment(0, 0.9, 1.1, " in", [1], -0.1, 1.0, 0.0, 0.0, [Word(" in", 0.9, 1.1, 0.9)])
+    theirs = SpeechTimestampsMap([dict(start=s, end=e) for s, e in CHUNKS], 16000)
+    restored = SpeechMap(CHUNKS).restore(running_on)
+    assert (restored.words[0].start, restored.words[0].end) == (1.156, 1.356)
+    assert (1.156, 1.356) == pytest.approx((theirs.get_original_time(0.9, 0), theirs.get_original_time(1.1, 0)), abs=0.005)
 
 
 def test_a_segment_without_words_ending_in_the_next_chunks_padding_ends_in_its_own():
