@@ -107,12 +107,21 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
 
 def _pieces(segment: Segment, width: int) -> list[Piece]:
     """The segment's timed words; without them (or where the alignment timed none), the
-    words of its text, all at the segment's times, where a run of a script written without
-    spaces (Chinese, Japanese, Thai...) is cut into lines' worth of characters."""
-    if segment.words:
-        return [(w.start, w.end, w.text) for w in segment.words]
-    return [(segment.start, segment.end, piece) for word in re.findall(r"\s*\S+", segment.text)
-            for piece in cut_unspaced(word, width)]
+    words of its text, all at the segment's times. A run of a script written without spaces
+    (Chinese, Japanese, Thai...) wider than a line is cut into lines' worth of characters;
+    a timed one (a language Whisper spaces, as Khmer) shares its time by their columns."""
+    if not segment.words:
+        return [(segment.start, segment.end, piece) for word in re.findall(r"\s*\S+", segment.text)
+                for piece in cut_unspaced(word, width)]
+    pieces: list[Piece] = []
+    for word in segment.words:
+        parts = cut_unspaced(word.text, width)
+        total, done = sum(columns(part.strip()) for part in parts) or 1, 0
+        for part in parts:
+            start = word.start + (word.end - word.start) * done / total
+            done += columns(part.strip())
+            pieces.append((start, word.start + (word.end - word.start) * done / total, part))
+    return pieces
 
 
 def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:

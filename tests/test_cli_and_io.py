@@ -23,7 +23,7 @@ from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load
 from asr.cli import main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
-from asr.words import Word
+from asr.words import Word, columns
 from conftest import DEV, SAMPLES, mp3_bytes, speech_between_silences
 
 
@@ -471,6 +471,13 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     timed_chinese = Transcript("t", [replace(segments[0], text=chinese, words=words)], timed.info)
     cues = writers._cues(timed_chinese, writers.SubtitleLayout(max_line_width=42, max_line_count=2))
     assert [len(line) for _, _, text in cues for line in text.split("\n")] == [21, 10]
+    # A timed word of such a script wider than a line (Khmer: Whisper spaces it, so a run is
+    # one word) is cut too, its time shared by columns; it took one line 30 columns wide.
+    khmer = " ខ្ញុំទៅផ្ទះខ្ញុំទៅផ្ទះខ្ញុំទៅផ្ទះ"
+    timed_khmer = Transcript("t", [replace(segments[0], text=khmer, words=[Word(khmer, 1.0, 4.0, 0.9)])], timed.info)
+    cues = writers._cues(timed_khmer, writers.SubtitleLayout(max_line_width=10, max_line_count=1))
+    assert [columns(text) for _, _, text in cues] == [10, 10, 1] and "".join(text for _, _, text in cues) == khmer.strip()
+    assert [(round(start, 3), round(end, 3)) for start, end, _ in cues] == [(1.0, 2.429), (2.429, 3.857), (3.857, 4.0)]
     for wrong in (dict(max_line_count=2), dict(max_line_width=0), dict(max_line_width=10, max_line_count=0)):
         with pytest.raises(ValueError):
             writers.SubtitleLayout(**wrong)
