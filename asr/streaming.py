@@ -85,6 +85,11 @@ SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's l
 INAUDIBLE_DBFS = -70
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
+# A hypothesis's last word that ends a sentence this close to the buffer's end is not
+# committed yet: the buffer may stop mid-sentence, which Whisper ends with a full stop
+# ("Americans. ask not what your country can do for you. ask what").
+SETTLE_SECONDS = 1.0
+SENTENCE_END = re.compile(r"[.?!…。？！]$")
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
@@ -283,7 +288,10 @@ class StreamingTranscriber:
                 break
         if final:
             committed += self._commit(self._tentative)
-            self._tentative = []
+            # All heard is committed: a second finish() finds nothing to decode (it decoded a
+            # held-back loop again, and committed its words twice).
+            self._in_buffer, self._tentative = self._in_buffer + self._tentative, []
+            self._held_back = self._tail = False
         compute = self.timer() - started
         now = self.clock() if self.clock is not None else start_clock + compute
         self._last_end = now
@@ -448,6 +456,9 @@ class StreamingTranscriber:
             agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))
         while agreed < min(len(fresh), len(self._tentative)) and _key(fresh[agreed]) == _key(self._tentative[agreed]):
             agreed += 1
+        if agreed and agreed == len(fresh) == len(new) and not (final or backlog) and SENTENCE_END.search(fresh[-1].text):
+            if (self._buffer_start + len(self._buffer)) / SAMPLE_RATE - fresh[-1].end < SETTLE_SECONDS:
+                agreed -= 1  # its full stop waits for the words after it, or for a pause heard
         committed = self._commit(fresh[:agreed])
         if committed and self._language is None:
             self._language = window.language  # the committed text is in it: keep it from now on

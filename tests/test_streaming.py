@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -72,6 +73,14 @@ def test_final_transcript_is_as_good_as_offline(transcriber, jfk_stream):
     stream_wer = normalized_wer([normalize(reference)], [normalize(updates[-1].committed_text)])
     offline_wer = normalized_wer([normalize(reference)], [normalize(offline)])
     assert stream_wer <= offline_wer + 0.02, (updates[-1].committed_text, offline)
+
+
+def test_no_full_stop_is_committed_where_a_buffer_ended_mid_sentence(jfk_stream):
+    """A hypothesis of a buffer that ends mid-sentence ends it with a full stop; its last
+    word was committed so once the next agreed: "And so my fellow Americans. ask not what
+    your country can do for you. ask what you can do for your country." """
+    _, updates = jfk_stream
+    assert not re.search(r"[.?!] [a-z]", updates[-1].committed_text), updates[-1].committed_text
 
 
 def test_latency_and_hypothesis_draft_saving(transcriber, jfk_stream):
@@ -272,8 +281,9 @@ def test_a_window_judged_silent_is_not_decoded_again_without_the_prompt(transcri
 
 def test_a_hypothesis_that_no_longer_hears_the_committed_words_keeps_its_own(transcriber):
     """Scripted: the committed words are no longer heard, and the new hypothesis shares one
-    word with them ("for"): aligned on it, "For a" was taken as committed, and lost."""
-    first, later = " Ask not what your country can do for you.", " For a full hour he had paced up and down."
+    word with them ("for"): aligned on it, "For a" was taken as committed, and lost. (A
+    last word ending a sentence at the buffer's end waits: "you," is committed, "you." not.)"""
+    first, later = " Ask not what your country can do for you,", " For a full hour he had paced up and down."
     updates = scripted_updates(transcriber, [first, first, later])
     assert updates[-1].committed_text == (first + later).strip()
     assert_append_only(updates)
@@ -310,7 +320,8 @@ def test_names_read_out_from_the_prompt_are_committed(transcriber):
     for _ in range(2):
         stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
         update = stream.process()
-    assert update.committed_text == read.strip()
+    # The last word waits: it ends a sentence where the buffer ends (a buffer cut mid-sentence ends so too).
+    assert (update.committed_text, update.tentative_text) == (read.strip().removesuffix(" up."), "up.")
 
 
 def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcriber):
@@ -520,6 +531,26 @@ def test_a_finished_stream_takes_no_more_audio(transcriber):
         stream.process()
     again = stream.finish()
     assert again.final and again.committed == [] and again.committed_text == text and again.target_passes == 0
+
+
+def test_a_second_finish_after_a_final_decode_with_words_held_back_adds_nothing(transcriber):
+    """A last hypothesis whose loop was held back decoded again at a second finish() (Ctrl-C
+    just after `asr stream`'s own), and committed its words a second time."""
+    stream = StreamingTranscriber(transcriber)
+    script = [" Hello there.", " Hello world. I'm going to go to the next room." + " I'm going to go to the next room." * 5]
+
+    def scripted(samples, *_):
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        return WindowResult(transcriber.vocab.encode(script.pop(0) if len(script) > 1 else script[0]), "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    stream.insert_audio(load_audio(JFK)[:SAMPLE_RATE])
+    stream.process()
+    stream.insert_audio(load_audio(JFK)[SAMPLE_RATE : 2 * SAMPLE_RATE])
+    text = stream.finish().committed_text
+    assert text == "Hello world. I'm going to go to the next room."
+    again = stream.finish()
+    assert again.committed == [] and again.committed_text == text and again.target_passes == 0
 
 
 def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transcriber):
