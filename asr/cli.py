@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 from typing import Callable
@@ -421,7 +421,8 @@ def stream_command(args: argparse.Namespace) -> int:
     updates: list[StreamUpdate] = []
 
     def show(update: StreamUpdate) -> None:
-        updates.append(update)
+        # Kept for the summary without its texts: each holds all committed so far (GBs for hours of audio).
+        updates.append(replace(update, committed_text="", tentative_text="", committed=[], tentative=[]))
         print(json.dumps({"type": "update", **asdict(update)}) if args.json else describe_update(update), flush=True)
 
     stopped = False
@@ -438,7 +439,7 @@ def stream_command(args: argparse.Namespace) -> int:
             print("asr: interrupted", file=sys.stderr)
             return 130
         stopped = True
-    summary = asdict(summarize(updates))
+    summary = asdict(replace(summarize(updates), committed_text=stream.committed_text))
     if args.json:
         print(json.dumps({"type": "summary", **summary}))
     else:
