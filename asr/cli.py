@@ -471,6 +471,10 @@ def main(argv: list[str] | None = None) -> int:
     if alone and tuning and args.command != "evaluate":  # evaluate refuses a run without a draft itself
         print(f"asr: {' and '.join(tuning)} set the draft, and {alone} decodes with the target alone", file=sys.stderr)
         return 2
+    if alone == "--target without --draft" and args.command != "evaluate":  # a user's own target: speculation is off
+        print("asr: --target without --draft decodes with the target alone, without speculation: give --draft "
+              "(a distil-whisper decoder, a smaller Whisper of the same vocabulary, or one scripts/distill_draft.py "
+              "made)", file=sys.stderr)
     # On a remote Ray cluster the workers' machines decode, not this one: a GPU is theirs to have.
     remote = getattr(args, "ray", None) not in (None, LOCAL_RAY)
     problem = device_problem(getattr(args, "device", "auto"), here=not remote)

@@ -497,6 +497,14 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
         assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
 
 
+def test_a_target_without_a_draft_says_it_decodes_without_speculation(tmp_path: Path, capsys):
+    """A user's own --target without --draft ran without speculation, and said nothing of it."""
+    assert main(["transcribe", str(DEV / "en_short" / "jfk.flac"), "--out-dir", str(tmp_path), "--formats", "json",
+                 "--language", "en", "--target", "packaged:whisper-base"]) == 0
+    assert "--target without --draft decodes with the target alone, without speculation" in capsys.readouterr().err
+    assert json.loads((tmp_path / "jfk.json").read_text())["stats"]["speculative"] is False
+
+
 def test_draft_settings_without_a_draft_are_refused(tmp_path: Path, capsys):
     """They were ignored without a word: the run decoded with the target alone."""
     clip = str(DEV / "en_short" / "jfk.flac")
