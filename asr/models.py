@@ -216,7 +216,7 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
         if not path.is_dir():
             raise ValueError(f"{path}: a model is a directory (save_pretrained or CTranslate2), not a file")
         return path, None
-    if source.count("/") != 1:
+    if source.count("/") != 1 or source.startswith((".", "/", "~")):
         raise FileNotFoundError(f"{source}: no such directory, and not a hub id of the form owner/name")
     from huggingface_hub import snapshot_download
 
@@ -230,6 +230,12 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
             directory = Path(snapshot_download(source, allow_patterns=["pytorch_model*.bin"]))
         return directory, None
     except Exception as error:  # offline, no such repository, no network: the hub library's many kinds
+        from huggingface_hub import constants
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+            raise FileNotFoundError(f"{source}: no such folder here, and not in this machine's Hugging Face cache "
+                                    "(HF_HUB_OFFLINE is set, so nothing is downloaded: fetch it once online)") from error
         raise FileNotFoundError(f"{source}: no such folder here, and not a model the hub gives "
                                 f"({type(error).__name__}: {error})") from error
 
