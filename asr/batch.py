@@ -327,7 +327,12 @@ def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str]) -> int
 
 class OutputError(RuntimeError):
     """The output folder takes no transcripts (it cannot be made or written, its disk is
-    full, its file system read-only): the run stops; transcripts written stay."""
+    full, its file system read-only): the run stops; transcripts written stay.
+    before_work: found before any file was transcribed (there are none to keep)."""
+
+    def __init__(self, message: str, before_work: bool = False):
+        super().__init__(message)
+        self.before_work = before_work
 
 
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # write errors after which no other file's would succeed
@@ -473,7 +478,7 @@ class FolderLock:
             handle.close()
             raise OutputError(f"--out-dir {out_dir}: another run is writing into it"
                               + (f" (process {holder})" if holder.isdigit() else "")
-                              + ": wait for it to end, or give another --out-dir") from None
+                              + ": wait for it to end, or give another --out-dir", before_work=True) from None
         handle.truncate(0)
         handle.write(f"{os.getpid()}\n")
         handle.flush()
@@ -684,8 +689,11 @@ class _Recorder:
     def __init__(self, run: FolderRun):
         self.run = run
         if problem := unwritable(run.out_dir):
-            raise OutputError(f"--out-dir {run.out_dir}: {problem}")
-        run.out_dir.mkdir(parents=True, exist_ok=True)
+            raise OutputError(f"--out-dir {run.out_dir}: {problem}", before_work=True)
+        try:
+            run.out_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:  # permissions pass, the file system refuses (/sys, a read-only mount)
+            raise OutputError(f"--out-dir {run.out_dir}: {error.strerror or error}", before_work=True) from error
         self.lock = FolderLock(run.out_dir)
         try:
             self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)

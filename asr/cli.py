@@ -313,6 +313,9 @@ def transcribe_command(args: argparse.Namespace) -> int:
             cluster = RayOptions(None if args.ray == LOCAL_RAY else args.ray, args.workers, args.cpus_per_worker)
             summary = transcribe_folder_on_ray(run, spec, cluster, on_cluster=lambda line: print(line, file=sys.stderr))
     except OutputError as error:
+        if error.before_work:  # nothing written to keep or resume
+            print(f"asr: {error}", file=sys.stderr)
+            return 2
         print(f"asr: {error}; transcripts written so far stay, and {resume}", file=sys.stderr)
         return 1
     except CANNOT_RUN as error:

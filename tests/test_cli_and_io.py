@@ -497,6 +497,17 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
         assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
 
 
+def test_an_output_folder_that_cannot_be_made_is_a_usage_error_before_any_work(capsys):
+    """/sys passes the permission check as root, and mkdir fails there: that was a bare
+    "[Errno 1] Operation not permitted: '/sys/...'" naming no option; an unwritable one
+    added "transcripts written so far stay, and the same command resumes" (exit 1) where
+    nothing had been transcribed."""
+    out = Path("/sys/asr-no-such-output")
+    assert main(["transcribe", str(DEV / "en_short" / "jfk.flac"), "--out-dir", str(out)]) == 2
+    said = capsys.readouterr().err
+    assert said.startswith(f"asr: --out-dir {out}: ") and "written so far" not in said and "Errno" not in said, said
+
+
 def test_a_target_without_a_draft_says_it_decodes_without_speculation(tmp_path: Path, capsys):
     """A user's own --target without --draft ran without speculation, and said nothing of it."""
     assert main(["transcribe", str(DEV / "en_short" / "jfk.flac"), "--out-dir", str(tmp_path), "--formats", "json",
