@@ -74,7 +74,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
+    if args.out.exists() and not args.out.is_dir():
+        print(f"--out {args.out}: exists and is not a folder", file=sys.stderr)
+        return 2
     work = args.out / "work"
+    if args.resume and not work.exists():
+        print(f"--resume: {work} does not exist, nothing to resume: training from the start", file=sys.stderr)
     if work.exists() and not args.resume:
         print(f"{work} exists: pass --resume to continue that training, or choose another --out", file=sys.stderr)
         return 2

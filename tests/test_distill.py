@@ -157,11 +157,17 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
         with pytest.raises(SystemExit):
             main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "d"), flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+    (tmp_path / "file").write_text("")
+    assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "file")]) == 2
+    # It failed once the target had loaded, as "[Errno 20] Not a directory: 'file/work'".
+    assert f"--out {tmp_path / 'file'}: exists and is not a folder" in capsys.readouterr().err
     # A mistyped --audio is told before the target loads (--target is not even read).
     assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(tmp_path / "typo"), "--out", str(tmp_path / "f")]) == 2
     assert capsys.readouterr().err.strip() == f"{tmp_path / 'typo'}: no such folder or manifest"
-    assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "e"), "--layers", "3"]) == 2
-    assert f"--layers 3: {target} has 2 decoder layers" in capsys.readouterr().err
+    assert main(["--target", target, "--audio", str(audio), "--out", str(tmp_path / "e"), "--layers", "3", "--resume"]) == 2
+    said = capsys.readouterr().err  # --resume with no work there started afresh without a word
+    assert "--resume: " in said and "nothing to resume: training from the start" in said
+    assert f"--layers 3: {target} has 2 decoder layers" in said
 
 
 def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
