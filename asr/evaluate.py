@@ -59,27 +59,34 @@ NOTES = [
     "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times; "
     "for the transformers systems, the same text tokens as our target-only transcript.",
-    "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
-    "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours; their decoder "
-    "seconds are all but the features and the encoder (their host work included: no rest), and with --vad their "
-    "features include the voice filter, which ours count in the rest.",
-    "Tokens a window may generate: ours 224 (Whisper's), less where the prompt leaves less room; the peers their "
-    "own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
-    "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
-    "transcripts can differ from its own target-only ones.",
-    "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
-    "the tokens its target emitted (a reduced head), and transformers cannot restrict a head, so there it scores "
-    "every token with the shared (tied) embedding as its head.",
-    "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
-    "target passes (each pass keeps its accepted draft tokens plus one of its own).",
-    "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
-    "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
-    "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
-    "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
-    "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
-    f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
-    "of audio fails, and the next gets a new process.",
 ]
+# Notes on a peer, in the report where it ran.
+PEER_NOTES = {
+    "transformers": [
+        "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
+        "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours; their decoder "
+        "seconds are all but the features and the encoder (their host work included: no rest), and with --vad their "
+        "features include the voice filter, which ours count in the rest.",
+        "Tokens a window may generate: ours 224 (Whisper's), less where the prompt leaves less room; the peers their "
+        "own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
+        "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
+        "transcripts can differ from its own target-only ones.",
+        "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
+        "the tokens its target emitted (a reduced head), and transformers cannot restrict a head, so there it scores "
+        "every token with the shared (tied) embedding as its head.",
+        "transformers_assisted: draft tokens proposed = the assistant's decoder passes; accepted = tokens kept minus "
+        "target passes (each pass keeps its accepted draft tokens plus one of its own).",
+    ],
+    "faster-whisper": [
+        "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
+        "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
+        "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
+        "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
+        "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
+        f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
+        "of audio fails, and the next gets a new process (as does a model not loaded within 10 minutes).",
+    ],
+}
 
 
 @dataclass(frozen=True)
@@ -548,7 +555,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
-        "notes": NOTES,
+        "notes": NOTES + [note for peer in options.peers for note in PEER_NOTES[peer]],
     }
 
 

@@ -129,6 +129,7 @@ def test_report_has_the_documented_keys_and_files(evaluated, tmp_path: Path):
     table = (tmp_path / "report.md").read_text()
     assert "| ours, speculative | 2 |" in table and "2/2 transcripts identical" in table
     assert "Where the seconds went (features, encoder, decoder, and the rest" in table
+    assert "faster-whisper" not in table and "transformers peers" not in table  # notes on peers that did not run
     for name in PLOTS:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not list(tmp_path.glob(".*.part"))  # atomic writes leave no temporaries
