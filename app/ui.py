@@ -442,6 +442,10 @@ def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) ->
                 server_name=host, server_port=port, max_file_size=MAX_UPLOAD, footer_links=[],
                 theme=gr.themes.Soft(font=FONTS, font_mono=MONO_FONTS), css=CSS,
                 share=False,  # Gradio turns a public link on by itself with GRADIO_SHARE, on Kaggle and SageMaker
+                # Quiet: Gradio's own lines told to "set share=True" for a public link, which this never makes.
+                quiet=True, prevent_thread_lock=True,
             )
+            print(f"asr app: serving http://{host}:{port}/ (no public link; Ctrl-C stops it)", flush=True)
+            demo.block_thread()
         finally:
             stop_sweeping.set()

@@ -95,6 +95,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Python's default for it left them on disk for good.
     assert process.returncode == 0, (scratch / "server.log").read_text()[-3000:]
     assert not list((scratch / "tmp").glob("asr-app-*"))
+    said = (scratch / "server.log").read_text()  # not Gradio's "To create a public link, set `share=True`"
+    assert f"asr app: serving {url} (no public link" in said and "share=True" not in said, said[-3000:]
 
 
 @pytest.fixture(scope="module")
