@@ -445,7 +445,8 @@ def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) ->
                 # Quiet: Gradio's own lines told to "set share=True" for a public link, which this never makes.
                 quiet=True, prevent_thread_lock=True,
             )
-            print(f"asr app: serving http://{host}:{port}/ (no public link; Ctrl-C stops it)", flush=True)
+            print(f"asr app: serving {demo.local_url or f'http://{host}:{port}/'} (no public link; Ctrl-C stops it)",
+                  flush=True)
             demo.block_thread()
         finally:
             stop_sweeping.set()

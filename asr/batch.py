@@ -697,8 +697,10 @@ class _Recorder:
         self.lock = FolderLock(run.out_dir)
         try:
             self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)
-        except BaseException:
+        except BaseException as error:
             self.lock.release()
+            if isinstance(error, OutputError):
+                raise OutputError(str(error), before_work=True) from error
             raise
         self.summary = FolderSummary()
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records

@@ -42,6 +42,7 @@ FASTER_WHISPER = "faster_whisper"
 # faster-whisper's time limit for a file, far beyond what a file takes on a CPU: a file it hangs
 # on (its process is then stopped, and the next file gets a new one) fails, not the evaluation.
 PEER_SECONDS, PEER_SECONDS_PER_AUDIO_SECOND = 120.0, 10.0
+PEER_LOAD_SECONDS = 600.0  # a model read that hangs (a stalled network drive) fails after this
 PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED), "faster-whisper": (FASTER_WHISPER,)}
 SPECULATIVE_SYSTEMS = (SPECULATIVE, TRANSFORMERS_ASSISTED)
 LABELS = {
@@ -57,18 +58,18 @@ NOTES = [
     "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; each language's first "
     "batch is decoded once beforehand, untimed, to warm up; on a GPU our engines capture every step their batches can meet "
     "beforehand too (Transcriber.warm_up), also untimed.",
-    "identical: speculative and target-only transcripts have the same text tokens and segment times; "
-    "for the transformers systems, the same text tokens as our target-only transcript.",
+    "identical: speculative and target-only transcripts have the same text tokens and segment times.",
 ]
 # Notes on a peer, in the report where it ran.
 PEER_NOTES = {
     "transformers": [
+        "identical, for the transformers systems: the same text tokens as our target-only transcript.",
         "The transformers peers decode one file at a time (assisted generation supports no more), with the same "
         "language, task, timestamps, suppressed tokens, temperature fallback and thresholds as ours; their decoder "
         "seconds are all but the features and the encoder (their host work included: no rest), and with --vad their "
         "features include the voice filter, which ours count in the rest.",
-        "Tokens a window may generate: ours 224 (Whisper's), less where the prompt leaves less room; the peers their "
-        "own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
+        "Tokens a window may generate: ours 224 (Whisper's), less where the prompt leaves less room; transformers' "
+        "its own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
         "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
         "transcripts can differ from its own target-only ones.",
         "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
@@ -84,7 +85,9 @@ PEER_NOTES = {
         "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
         "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
         f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
-        "of audio fails, and the next gets a new process (as does a model not loaded within 10 minutes).",
+        "of audio fails, and the next gets a new process; a model not loaded within "
+        f"{PEER_LOAD_SECONDS / 60:.0f} minutes ends the evaluation before any file, or after a crash fails every "
+        "later file.",
     ],
 }
 
@@ -420,7 +423,7 @@ class FasterWhisperSystem(_OneFileAtATime):
             self.process = FasterWhisperProcess(dict(
                 model_size_or_path=str(directory), device=device.type,
                 device_index=device.index or 0, compute_type=str(dtype).removeprefix("torch.") if precise else "float32",
-                cpu_threads=torch.get_num_threads(), num_workers=1), options.seed)
+                cpu_threads=torch.get_num_threads(), num_workers=1), options.seed, load_timeout=PEER_LOAD_SECONDS)
         except RuntimeError as error:  # its model or its imports failed: a usage error, before anything decodes
             raise ValueError(f"--peers faster-whisper could not start ({error})") from error
 

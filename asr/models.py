@@ -233,9 +233,11 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
         from huggingface_hub import constants
         from huggingface_hub.errors import LocalEntryNotFoundError
 
-        if isinstance(error, LocalEntryNotFoundError) and constants.HF_HUB_OFFLINE:
+        if isinstance(error, LocalEntryNotFoundError):  # not cached, and not fetched: offline by choice or not
+            why = ("HF_HUB_OFFLINE is set, so nothing is downloaded: fetch it once online" if constants.HF_HUB_OFFLINE
+                   else f"and the hub could not be reached: {error}")
             raise FileNotFoundError(f"{source}: no such folder here, and not in this machine's Hugging Face cache "
-                                    "(HF_HUB_OFFLINE is set, so nothing is downloaded: fetch it once online)") from error
+                                    f"({why})") from error
         raise FileNotFoundError(f"{source}: no such folder here, and not a model the hub gives "
                                 f"({type(error).__name__}: {error})") from error
 

@@ -63,13 +63,17 @@ def _serve(connection: Connection) -> None:
 class FasterWhisperProcess:
     """A faster-whisper WhisperModel(**settings) in a child process, seeded with `seed`. A model
     not loaded within `load_timeout` seconds (a hung read: a stalled network drive) fails as
-    one that cannot load, rather than holding the caller for ever."""
+    one that cannot load, rather than holding the caller for ever; every later start then
+    fails at once, rather than after the limit each time."""
 
     def __init__(self, settings: dict, seed: int, load_timeout: float = 600):
         self._settings, self._seed, self._load_timeout = settings, seed, load_timeout
+        self._hung: str | None = None  # why a load timed out: later starts fail at once, not each after the limit
         self._start()
 
     def _start(self) -> None:
+        if self._hung is not None:
+            raise RuntimeError(self._hung)
         ours, theirs = socket.socketpair()
         try:
             # -I: neither the working directory nor PYTHONPATH ahead of the caller's path.
@@ -84,7 +88,7 @@ class FasterWhisperProcess:
         self._ended: str | None = None  # why the process ended, once it has
         self._stopped = False  # ended (killed for taking too long, or crashed): the next request starts another
         try:
-            with self._watch(self._load_timeout, "its model did not load"):
+            with self._watch(self._load_timeout, "its model did not load", loading=True):
                 self._connection.send((self._settings, self._seed))
                 self._answer()  # a model that cannot load fails here, not at the first file
         except Exception:
@@ -108,23 +112,28 @@ class FasterWhisperProcess:
             return self._answer()
 
     @contextmanager
-    def _watch(self, timeout: float | None, what: str):
+    def _watch(self, timeout: float | None, what: str, loading: bool = False):
         """Kills the process if the block has not ended within `timeout` seconds (by a timer:
         sending the audio blocks too once the process stops reading)."""
         if timeout is None:
             yield
             return
-        watchdog = threading.Timer(timeout, self._stop, (f"faster-whisper: {what} within {timeout:.0f} s (its process was stopped)",))
+        why = f"faster-whisper: {what} within {timeout:.0f} s (its process was stopped)"
+        watchdog = threading.Timer(timeout, self._stop, (self._process, why, loading))  # this process, not a later one
         watchdog.start()
         try:
             yield
         finally:
             watchdog.cancel()
 
-    def _stop(self, why: str) -> None:
+    def _stop(self, process: subprocess.Popen, why: str, loading: bool) -> None:
+        if process is not self._process:  # the block ended and another process started meanwhile
+            return
         self._ended = why
+        if loading:
+            self._hung = why
         self._stopped = True
-        self._process.kill()  # our send or receive then fails, and raises _ended
+        process.kill()  # our send or receive then fails, and raises _ended
 
     def _answer(self):
         try:

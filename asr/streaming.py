@@ -87,9 +87,10 @@ HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a c
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 # A hypothesis's last word that ends a sentence this close to the buffer's end is not
 # committed yet: the buffer may stop mid-sentence, which Whisper ends with a full stop
-# ("Americans. ask not what your country can do for you. ask what").
+# ("Americans. ask not what your country can do for you. ask what"). It waits for words
+# after it, or for this much more audio.
 SETTLE_SECONDS = 1.0
-SENTENCE_END = re.compile(r"[.?!…。？！]$")
+SENTENCE_END = re.compile(r"[.?!…。？！؟।][\"'”’)\]]*$")
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
 WORD = re.compile(r"\s*\S+")
@@ -197,6 +198,7 @@ class StreamingTranscriber:
         self._hint: list[int] = []  # the last hypothesis's tokens, relative to the buffer
         self._held_back = False  # whether its new words were cut where they loop or copy (_agree)
         self._tail = False  # the last hypothesis left a tail of speech to a next window (_agree): a last decode cuts it
+        self._settling: tuple[tuple[int, str], float] | None = None  # a last word waiting (_agree): (place, key), since
         self._unprompted = False  # the prompt made Whisper loop or echo it on this buffer's start: decode without it
         self._last_end = 0.0  # the audio-time clock when the last call ended
         self._decoded: list[DecodeStats] = []  # the statistics of every decode of the current call, retries too
@@ -457,7 +459,13 @@ class StreamingTranscriber:
         while agreed < min(len(fresh), len(self._tentative)) and _key(fresh[agreed]) == _key(self._tentative[agreed]):
             agreed += 1
         if agreed and agreed == len(fresh) == len(new) and not (final or backlog) and SENTENCE_END.search(fresh[-1].text):
-            if (self._buffer_start + len(self._buffer)) / SAMPLE_RATE - fresh[-1].end < SETTLE_SECONDS:
+            # Timed from its end, or from when it first waited: a last segment Whisper leaves
+            # open ends its last word at the buffer's end, however long the pause after it.
+            word = (len(self._committed) + agreed, _key(fresh[-1]))
+            end = (self._buffer_start + len(self._buffer)) / SAMPLE_RATE
+            if self._settling is None or self._settling[0] != word:
+                self._settling = (word, end)
+            if end - min(fresh[-1].end, self._settling[1]) < SETTLE_SECONDS:
                 agreed -= 1  # its full stop waits for the words after it, or for a pause heard
         committed = self._commit(fresh[:agreed])
         if committed and self._language is None:

@@ -59,8 +59,8 @@ class SpeechMap:
         return time_within(seconds + self.cut[chunk] / SAMPLE_RATE, end / SAMPLE_RATE)
 
     def restore(self, segment: Segment) -> Segment:
-        """The segment with its (and its words') times in the recording. A word keeps both
-        ends in the chunk of its middle, as faster-whisper maps them, and a segment with
+        """The segment with its (and its words') times in the recording. A word's ends are
+        both mapped by the chunk of its middle, as faster-whisper maps them, and a segment with
         words spans them (its own ends, mapped alone, could take in a cut's silence where
         its first or last word straddles the cut). A segment without words whose end falls in
         the next chunk's padding ends in its own chunk: Whisper's end, 0.1 s past the speech,

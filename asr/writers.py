@@ -116,7 +116,10 @@ def _pieces(segment: Segment, width: int) -> list[Piece]:
     pieces: list[Piece] = []
     for word in segment.words:
         parts = cut_unspaced(word.text, width)
-        total, done = sum(columns(part.strip()) for part in parts) or 1, 0
+        if len(parts) == 1:
+            pieces.append((word.start, word.end, word.text))
+            continue
+        total, done = sum(columns(part.strip()) for part in parts), 0
         for part in parts:
             start = word.start + (word.end - word.start) * done / total
             done += columns(part.strip())

@@ -78,14 +78,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"--out {args.out}: exists and is not a folder", file=sys.stderr)
         return 2
     work = args.out / "work"
-    if args.resume and not work.exists():
-        print(f"--resume: {work} does not exist, nothing to resume: training from the start", file=sys.stderr)
     if work.exists() and not args.resume:
         print(f"{work} exists: pass --resume to continue that training, or choose another --out", file=sys.stderr)
         return 2
     if (args.out / "config.json").exists() and not work.exists():  # a finished draft (as the bundled one)
         print(f"{args.out} holds a draft and no training to continue: choose another --out", file=sys.stderr)
         return 2
+    if args.resume and not work.exists():
+        print(f"--resume: {work} does not exist, nothing to resume: training from the start", file=sys.stderr)
     try:
         files = list_audio(args.audio)  # before the target loads: a mistyped path is told at once
         target = load_model(args.target)

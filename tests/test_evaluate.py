@@ -518,7 +518,7 @@ def test_a_faster_whisper_file_without_an_answer_in_time_fails_and_the_next_gets
 def test_a_faster_whisper_model_that_never_loads_fails_in_time(tmp_path, monkeypatch):
     """A model read that hangs (here model.bin is a named pipe nobody writes: a stalled network
     drive reads the same) held `asr evaluate` for ever, at its start or at a restart after a
-    crash: the load has a time limit too, and its failure says so."""
+    crash: the load has a time limit too, its failure says so, and later starts fail at once."""
     monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
     packaged = ctranslate2_directory("packaged:whisper-base")
     stalled = tmp_path / "stalled"
@@ -526,10 +526,21 @@ def test_a_faster_whisper_model_that_never_loads_fails_in_time(tmp_path, monkeyp
     for name in ["config.json", "tokenizer.json", "vocabulary.txt"]:
         (stalled / name).symlink_to(packaged / name)
     os.mkfifo(stalled / "model.bin")
+    process = FasterWhisperProcess(dict(model_size_or_path=str(packaged), device="cpu", cpu_threads=1), seed=0,
+                                   load_timeout=10)
+    process._settings["model_size_or_path"] = str(stalled)  # the drive stalls, and the process crashes
+    os.kill(process._process.pid, signal.SIGKILL)
+    process._process.wait()
+    with pytest.raises(RuntimeError, match=r"process ended \(exit status -9\)"):
+        process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match="faster-whisper: its model did not load within 3 s"):
-        FasterWhisperProcess(dict(model_size_or_path=str(stalled), device="cpu"), seed=0, load_timeout=3)
-    assert time.monotonic() - started < 30
+    with pytest.raises(RuntimeError, match="faster-whisper: its model did not load within 10 s"):
+        process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert 10 <= time.monotonic() - started < 60
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="faster-whisper: its model did not load within 10 s"):
+        process.transcribe(timeout=120, audio=load_audio(SAMPLES / "jfk.flac"), language="en", beam_size=1)
+    assert time.monotonic() - started < 5  # not another 10 s for every later file
 
 
 def test_faster_whispers_sampling_is_seeded_so_that_reruns_agree(tmp_path: Path):

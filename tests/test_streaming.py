@@ -83,6 +83,14 @@ def test_no_full_stop_is_committed_where_a_buffer_ended_mid_sentence(jfk_stream)
     assert not re.search(r"[.?!] [a-z]", updates[-1].committed_text), updates[-1].committed_text
 
 
+def test_a_sentences_last_word_waits_a_second_of_audio_at_most(transcriber):
+    """Scripted hypotheses without timestamps: the last segment is open, so its last word
+    ends at the buffer's end however long the pause after it. It waits for one more second
+    of audio, not for the stream's end."""
+    updates = scripted_updates(transcriber, [" Hello there."], chunks=4)
+    assert [u.committed_text for u in updates] == ["", "Hello", "Hello there.", "Hello there.", "Hello there."]
+
+
 def test_latency_and_hypothesis_draft_saving(transcriber, jfk_stream):
     samples, updates = jfk_stream
     summary = summarize(updates)
