@@ -2,13 +2,14 @@
 and our speculative decoder, on the dev clips, in one run (these machines are noisy:
 only ratios measured together mean anything).
 
-    python scripts/benchmark.py [--preset embedded] [--batch-sizes 1,8] [--threads N]
+    python scripts/benchmark.py [--preset embedded] [--batch-sizes 1,8] [--threads N] [--draft-lengths 2,4,6]
 
 Each clip is one 30 s window (the short dev clips), decoded greedily with timestamps,
 language and task forced. Each batch is encoded once and every method decodes that same
 encoder output, taking turns; the encoder time is reported once and counted in every
 method's end-to-end figure. Speculative decoding is shown with the preset's draft and
-with the target's own decoder as draft (which measures the machinery's overhead)."""
+with the target's own decoder as draft (which measures the machinery's overhead), and with
+--draft-lengths the preset's draft at fixed k beside its adaptive k."""
 
 from __future__ import annotations
 
@@ -82,6 +83,8 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--max-new-tokens", type=int, default=224)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--draft-lengths", default="",
+                        help="also the preset's draft at these fixed k (e.g. 2,4,6), beside the adaptive k")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -89,6 +92,8 @@ def main() -> None:
     pair = load_pair(target_name, draft_name)
     target = pair.target
     drafts = {f"ours speculative ({draft_name})": pair.draft, "ours speculative (draft = target)": target}
+    fixed = {f"ours speculative ({draft_name}, k = {k})": int(k) for k in args.draft_lengths.split(",") if k}
+    drafts |= dict.fromkeys(fixed, pair.draft)
     methods = [GENERATE, TARGET_ONLY, *drafts]
     rules = Transcriber(pair, TranscribeOptions(language="en")).rules(timestamps=True)
     prompt = target.vocab.sot_sequence("en", "transcribe")
@@ -106,7 +111,7 @@ def main() -> None:
         outputs = {m: [] for m in methods}
         stats = {m: DecodeStats() for m in methods}
         # k adapts across windows, as it does in a transcription.
-        draft_lengths = {m: DraftLength() for m in drafts}
+        draft_lengths = {m: DraftLength(fixed=fixed.get(m)) for m in drafts}
         for start in range(-batch, len(windows), batch):  # the first round warms up and is not counted
             features = torch.stack(windows[max(start, 0) : max(start, 0) + batch])
             began = time.perf_counter()
