@@ -700,7 +700,7 @@ class _Recorder:
         except BaseException as error:
             self.lock.release()
             if isinstance(error, OutputError):
-                raise OutputError(str(error), before_work=True) from error
+                error.before_work = True  # nothing is transcribed yet
             raise
         self.summary = FolderSummary()
         try:  # reading thousands of headers takes a while: Ctrl-C here leaves the earlier failures' records

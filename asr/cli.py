@@ -110,8 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--no-condition-on-previous-text", action="store_true",
                    help="decode each window without the previous window's text as its prompt (less prone to "
                         "repetition loops, less consistent in style)")
-    t.add_argument("--without-timestamps", action="store_true", help="no timestamp tokens: one segment per window (with --word-timestamps a window ends "
-                        "at its last word's end, as in faster-whisper)")
+    t.add_argument("--without-timestamps", action="store_true",
+                   help="no timestamp tokens: one segment per window (with --word-timestamps a window ends at its "
+                        "last word's end, as in faster-whisper)")
     t.add_argument("--word-timestamps", action="store_true",
                    help="time each word (json: segments[].words), from the target's cross-attention")
     t.add_argument("--prompt", default="",
