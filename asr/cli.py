@@ -428,7 +428,11 @@ def stream_command(args: argparse.Namespace) -> int:
     def show(update: StreamUpdate) -> None:
         # Kept for the summary without its texts: each holds all committed so far (GBs for hours of audio).
         updates.append(replace(update, committed_text="", tentative_text="", committed=[], tentative=[]))
-        print(json.dumps({"type": "update", **asdict(update)}) if args.json else describe_update(update), flush=True)
+        if args.json:  # each update's committed words, not committed_text (all so far: lines would grow with the stream)
+            fields = {key: value for key, value in asdict(update).items() if key != "committed_text"}
+            print(json.dumps({"type": "update", **fields}), flush=True)
+        else:
+            print(describe_update(update), flush=True)
 
     stopped = False
     try:
