@@ -19,7 +19,8 @@ from app.engine import Engine, Settings
 from asr.audio import SAMPLE_RATE, float_mono
 from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
-IDLE_SECONDS = 30.0  # no audio for this long: the visitor left without pressing Stop
+# No chunk for this long: the visitor's browser stopped sending (its tab is closed at once: cancel).
+IDLE_SECONDS = 30.0
 # Audio a decode waits for (chunks come every 0.5 s, Gradio's stream_every): a buffer of a
 # fraction of a second only misleads the language detection, and each decode re-reads the whole buffer.
 STEP_SECONDS = 1.0
@@ -41,6 +42,9 @@ class LiveSession:
         self._pending: list[np.ndarray] = []  # 16 kHz audio not yet given to the streamer
         self._pending_samples = 0
         self._stopping = False
+        self._cancelled = False
+        self._fed = time.monotonic()  # wall time of the last chunk
+        self.idle = False  # ended for want of chunks (IDLE_SECONDS)
         self._wake = threading.Condition()
         self.updates: list[StreamUpdate] = []  # appended by the worker only
         self.shown = 0  # updates the page has displayed (-1: it has displayed the error)
@@ -48,7 +52,12 @@ class LiveSession:
         self._worker = threading.Thread(target=self._run, name="asr-live", daemon=True)
         with LiveSession._count:
             LiveSession._running += 1
-        self._worker.start()
+        try:
+            self._worker.start()
+        except BaseException:  # no thread to count down when it ends
+            with LiveSession._count:
+                LiveSession._running -= 1
+            raise
 
     @staticmethod
     def running() -> int:
@@ -65,6 +74,7 @@ class LiveSession:
         with self._wake:
             if self._stopping or self.finished or not samples.size:
                 return
+            self._fed = time.monotonic()
             if self._started is None:
                 # The first chunk arrives as it ends: the speaker started its length earlier.
                 self._started = time.monotonic() - samples.size / rate
@@ -76,10 +86,20 @@ class LiveSession:
     def finish(self) -> None:
         """Ends the recording and waits for its final update."""
         with self._wake:
-            self._stopping = True
-            self._stopped = time.monotonic()
+            if not self._stopping:  # a recording that ended (idle, time limit) keeps its end
+                self._stopping, self._stopped = True, time.monotonic()
             self._wake.notify()
         self._worker.join()
+
+    def cancel(self) -> None:
+        """The visitor left: the audio not yet decoded is dropped and no final decode runs
+        (a decode under way ends first); returns at once."""
+        with self._wake:
+            if not self._stopping:
+                self._stopping, self._stopped = True, time.monotonic()
+            self._cancelled = True
+            self._pending, self._pending_samples = [], 0
+            self._wake.notify()
 
     def recorded_seconds(self) -> float:
         """Wall time since the first sample: more than the audio heard when chunks were lost
@@ -120,8 +140,12 @@ class LiveSession:
         while True:
             with self._wake:
                 while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:
-                    if not self._wake.wait(IDLE_SECONDS):
-                        self._stopping, self._stopped = True, time.monotonic() - IDLE_SECONDS
+                    if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
+                        self._stopping, self._stopped, self.idle = True, self._fed, True
+                    else:
+                        self._wake.wait(IDLE_SECONDS - idle)
+                if self._cancelled:
+                    return
                 chunks, self._pending, self._pending_samples, stopping = self._pending, [], 0, self._stopping
                 if stopping and self._resampler is not None:
                     chunks.append(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))

@@ -22,12 +22,12 @@ import gradio as gr
 import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
-from app.live import LiveSession
+from app.live import IDLE_SECONDS, LiveSession
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status,
                        progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures,
                        warnings_html)
 from asr import vad
-from asr.audio import AUDIO_EXTENSIONS, AudioError
+from asr.audio import AUDIO_EXTENSIONS, AudioError, float_mono
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
@@ -128,7 +128,8 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                         upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
                                    silences, subtitles)
                     with gr.Tab("Microphone", id="microphone"):
-                        microphone_tab(engine, language, task, draft_length, prompt)
+                        left = microphone_tab(engine, language, task, draft_length, prompt)
+        demo.unload(left)
     return demo
 
 
@@ -139,8 +140,8 @@ def server_panel(engine: Engine) -> None:
         return
     with gr.Accordion("Server", open=False):
         figures = gr.HTML(elem_id="server-figures")
-    gr.Timer(5.0).tick(lambda: figures_html(server_figures(engine.scheduler.load())), None, figures,
-                       show_progress="hidden", queue=False)
+    load = lambda: figures_html(server_figures(engine.scheduler.load(), LiveSession.running(), LIVE_SESSIONS))  # noqa: E731
+    gr.Timer(5.0).tick(load, None, figures, show_progress="hidden", queue=False)
 
 
 def sweep_interval(keep_seconds: float) -> int:
@@ -360,7 +361,8 @@ def _failed(message: str) -> tuple[str, str, dict, dict]:
     return "", error_html(message), gr.update(value=None, visible=False), gr.update(visible=False)
 
 
-def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
+def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callable[[gr.Request], None]:
+    """The tab; returns what to call when a visitor leaves (Blocks.unload)."""
     gr.Markdown("Press **Record** and speak. Black text is final; grey text is the current guess and may "
                 "still change as more speech arrives. Commit latency: from the end of a spoken word to its "
                 "final text.")
@@ -369,11 +371,16 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
     text = gr.HTML(live_html("", "", listening=False), elem_id="live-transcript")
     figures = gr.HTML(elem_id="live-figures")
     session = gr.State(None)  # this visitor's LiveSession: every browser tab has its own
+    # The same, by Gradio's session: a visitor who closes the page sends no Stop, and Gradio
+    # hands an unload handler no State.
+    recordings: dict[str, LiveSession] = {}
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
-        if live.error is not None:  # shown once, above the text, where the speaker is looking
+        if live.error is not None or live.idle:  # shown once, above the text, where the speaker is looking
             shown, live.shown, last = live.shown, -1, live.last
-            message = f"The live transcription stopped: {live.error}"
+            message = (f"The live transcription stopped: {live.error}" if live.error is not None else
+                       f"The recording ended after {IDLE_SECONDS:.0f} s without audio from the microphone; "
+                       "what came after it is not transcribed. Stop, then Record, to go on.")
             return (gr.skip() if shown == -1 else stopped_html(message, last.committed_text if last else "",
                                                                   last.tentative_text if last else ""), gr.skip(), live)
         shown = len(live.updates)  # read once: the worker may append meanwhile
@@ -394,35 +401,53 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> None:
         return live_html("", "", listening=True), "", None  # the first chunk starts a new LiveSession
 
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
-                 draft_length: str, prompt: str) -> tuple[str | dict, str | dict, LiveSession | None]:
+                 draft_length: str, prompt: str, request: gr.Request) -> tuple[str | dict, str | dict, LiveSession | None]:
         if live is None:
+            if chunk is None:
+                return live_html("", "", listening=True), gr.skip(), None
             try:
+                # Checked before a session (and its worker) starts: a refused chunk started one per call.
+                rate, samples = chunk[0], float_mono(chunk[1], "microphone chunk")
                 live = LiveSession(engine, Settings(language, task, draft_length, prompt))
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
-        elif live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays
+            recordings[request.session_hash] = live
+            live.feed(rate, samples)
             return show(live)
-        elif live.recorded_seconds() > LIVE_TIME_LIMIT_S:  # left running: it ends here, with its final text
+        if live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays
+            return show(live)
+        if live.recorded_seconds() > LIVE_TIME_LIMIT_S:  # left running: it ends here, with its final text
             live.finish()
             return show(live)
         if chunk is not None:
-            live.feed(*chunk)
+            try:
+                live.feed(*chunk)
+            except AudioError as error:  # this chunk only: the recording goes on
+                return error_html(str(error)), gr.skip(), live
         return show(live)
 
-    def on_stop(live: LiveSession | None) -> tuple[str | dict, str | dict]:
+    def on_stop(live: LiveSession | None, request: gr.Request) -> tuple[str | dict, str | dict]:
         """Not an output: the session. Record pressed while this waits for the final decode has
         reset it for the next recording (on_start), and writing this finished one back would
         hand that recording's chunks to it, which takes no more audio."""
         if live is None:  # stopped before a chunk arrived: nothing was heard
             return live_html("", "", listening=False), gr.skip()
+        if recordings.get(request.session_hash) is live:
+            del recordings[request.session_hash]
         live.finish()
         return show(live)[:2]
+
+    def on_leave(request: gr.Request) -> None:
+        # Nobody sees what a decode would show: the recording's slot and the batch's rows are freed now.
+        if (live := recordings.pop(request.session_hash, None)) is not None:
+            live.cancel()
 
     microphone.start_recording(on_start, None, [text, figures, session], show_progress="hidden")
     microphone.stream(on_chunk, [microphone, session, *settings], [text, figures, session],
                       concurrency_limit=LIVE_SESSIONS, time_limit=LIVE_TIME_LIMIT_S, show_progress="hidden")
     microphone.stop_recording(on_stop, [session], [text, figures], concurrency_limit=LIVE_SESSIONS,
                               show_progress="hidden")
+    return on_leave
 
 
 def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) -> None:

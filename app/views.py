@@ -180,8 +180,10 @@ def live_figures(summary: StreamSummary, recorded_seconds: float, status: str) -
     ]
 
 
-def server_figures(load: SchedulerLoad) -> list[Figure]:
+def server_figures(load: SchedulerLoad, recordings: int, most_recordings: int) -> list[Figure]:
+    """recordings: microphones being transcribed, of most_recordings at once."""
     return [
+        Figure("Live recordings", f"{recordings} / {most_recordings}", "microphones being transcribed"),
         Figure("In progress", f"{load.recordings + load.windows}",
                f"{load.recordings} files · {load.windows} live updates · {load.queued} waiting"),
         Figure("Batch", f"{load.rows} rows", "decoding together now"),

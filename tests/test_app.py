@@ -5,6 +5,7 @@ into the microphone through Chromium's fake capture device. `make install` provi
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -16,7 +17,8 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Iterator
+from types import SimpleNamespace
+from typing import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -27,7 +29,7 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
-from app.ui import transcribe_upload
+from app.ui import build, transcribe_upload
 from app.views import BEHIND_SECONDS, clock, live_html, live_status, stopped_html
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import load_pair
@@ -66,7 +68,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port, scratch = free_port(), tmp_path_factory.mktemp("app")
     (scratch / "tmp").mkdir()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "GRADIO_ANALYTICS_ENABLED": "False", "GRADIO_TEMP_DIR": str(scratch),
-           "TMPDIR": str(scratch / "tmp")}
+           "TMPDIR": str(scratch / "tmp"),
+           "GRADIO_HEARTBEAT_INTERVAL": "2"}  # a closed page noticed within 2 s, not 15: the tests wait less
     log = (scratch / "server.log").open("w")
     process = subprocess.Popen([sys.executable, "-m", "app", "--port", str(port)], cwd=REPO, env=env,
                                stdout=log, stderr=subprocess.STDOUT)
@@ -408,6 +411,51 @@ def test_a_live_session_on_a_server_too_slow_for_it_says_how_far_behind_it_is(en
     assert live_status(True, 11.0, 0.0, 900) == "finished"
 
 
+def microphone_handlers(engine: Engine, downloads: Path) -> dict[str, Callable]:
+    """The page's microphone handlers, called as Gradio calls them (by name: on_start, on_chunk, ...)."""
+    return {dependency.fn.__name__: dependency.fn for dependency in build(engine, downloads).fns.values()}
+
+
+def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_microphone_went_quiet(
+        engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Closing the page sends no Stop: the recording went on decoding its backlog, waited
+    IDLE_SECONDS and decoded a final pass, for nobody, holding one of the page's live
+    slots. A browser that stops sending chunks for IDLE_SECONDS (a stalled network, a
+    laptop asleep) ended the recording: the audio after it was dropped in silence while the
+    page still showed it recording, and Stop then moved the recording's end to its own time."""
+    handlers, running = microphone_handlers(engine, tmp_path), LiveSession.running()
+    settings = ("en", "transcribe", AUTO, "")
+    finals = []
+    finish = StreamingTranscriber.finish
+    monkeypatch.setattr(StreamingTranscriber, "finish", lambda self: finals.append(self) or finish(self))
+
+    visitor, live = SimpleNamespace(session_hash="leaves"), None
+    for chunk in browser_chunks(4.0):
+        live = handlers["on_chunk"](chunk, live, *settings, request=visitor)[2]
+    assert LiveSession.running() == running + 1
+    handlers["on_leave"](visitor)
+    live._worker.join(timeout=60)
+    assert live.finished and LiveSession.running() == running
+    assert not finals and not any(update.final for update in live.updates)  # no final decode for nobody
+
+    monkeypatch.setattr("app.live.IDLE_SECONDS", 2.0)
+    visitor, live, chunks = SimpleNamespace(session_hash="quiet"), None, browser_chunks()
+    for chunk in itertools.islice(chunks, 15):  # 1.5 s, then nothing
+        live = handlers["on_chunk"](chunk, live, *settings, request=visitor)[2]
+    live._worker.join(timeout=60)
+    assert live.finished and live.idle and live.last.final and finals
+    recorded = live.recorded_seconds()
+    assert recorded < 2.0  # to its last chunk (it was to when the worker began to wait, after its decode)
+    shown = handlers["on_chunk"](next(chunks), live, *settings, request=visitor)[0]  # the microphone is back
+    assert "without audio from the microphone" in shown and "Stop, then Record" in shown
+    handlers["on_stop"](live, request=visitor)
+    assert live.recorded_seconds() == recorded
+
+    # A chunk refused (floats far past full scale) starts no session: one per call was left waiting.
+    shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, np.full(1600, 100.0)), None, *settings, request=visitor)
+    assert live is None and "microphone chunk" in shown and LiveSession.running() == running
+
+
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
     page = live_html("ask not <b>", "what your", listening=True)
     assert '<span class="asr-committed">ask not &lt;b&gt;</span>' in page
@@ -585,3 +633,24 @@ def test_microphone_commits_live_while_another_visitor_uploads(server: str, brow
     assert all(phrase.search(committed.inner_text()) for phrase in EXPECTED_LIVE)
     for page in (speaker, other):
         page.context.close()
+
+
+def test_a_recording_whose_visitor_closes_the_page_frees_its_live_slot_at_once(server: str, browser: Browser) -> None:
+    """Closing the page sends no Stop: the recording held its slot (of 8) until 30 s
+    without chunks had passed and a final decode for nobody had run."""
+    speaker, watcher = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
+    for page in (speaker, watcher):
+        page.goto(server)
+    watcher.get_by_text("Server", exact=True).click()
+    live = watcher.locator("#server-figures .asr-figure").filter(has_text="Live recordings").locator(".asr-figure-value")
+    expect(live).to_have_text("0 / 8", timeout=30_000)
+    speaker.get_by_role("combobox", name="Language").fill("English")
+    speaker.get_by_role("option", name="English (en)").click()
+    speaker.get_by_role("tab", name="Microphone").click()
+    speaker.locator("#microphone").get_by_role("button", name="Record").click()
+    expect(speaker.locator("#live-transcript .asr-committed")).to_contain_text(EXPECTED_LIVE[0], timeout=TRANSCRIBE_MS)
+    expect(live).to_have_text("1 / 8", timeout=30_000)
+    speaker.context.close()
+    # Gradio notices within its heartbeat (2 s here), a decode under way ends, the panel refreshes every 5 s.
+    expect(live).to_have_text("0 / 8", timeout=20_000)
+    watcher.context.close()
