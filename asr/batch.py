@@ -93,7 +93,8 @@ class FolderRun:
 def transcript_settings(target: str, options: TranscribeOptions, layout: SubtitleLayout = SubtitleLayout()) -> dict:
     """The settings a file's transcript depends on, as .sources.jsonl records them. Not the
     draft, its length or the batch size (greedy output is the target's, whatever drafts for
-    it), nor the device and dtype (which can tip a near tie, but are not a choice of text)."""
+    it), nor the device and dtype (which can tip a near tie, but are not a choice of text).
+    The seed only where some temperature samples (a fallback's included)."""
     local = Path(target)  # a folder of weights, however it was named (./w, w/, /abs/w)
     settings = {"target": str(local.resolve()) if local.exists() else target,
                 "language": options.language or "detect", "task": options.task, "temperatures": list(options.temperatures),
@@ -102,7 +103,8 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 "condition_on_previous_text": options.condition_on_previous_text, "prompt": options.initial_prompt,
                 "without_timestamps": options.without_timestamps, "word_timestamps": options.word_timestamps,
                 "vad": options.vad_filter, "max_line_width": layout.max_line_width,
-                "max_line_count": layout.max_line_count}
+                "max_line_count": layout.max_line_count,
+                "seed": options.seed if any(t > 0 for t in options.temperatures) else None}
     return json.loads(json.dumps(settings))  # as read back: tuples are lists
 
 
@@ -338,12 +340,17 @@ class OutputError(RuntimeError):
 FULL = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}  # write errors after which no other file's would succeed
 
 
-def fingerprint(path: Path) -> str:
+def fingerprint(path: Path, sampled: bool = False) -> str:
     """Which recording a file holds, as a copy or a move keeps it: its size and a hash of its
-    start, middle and end (64 KiB each)."""
+    bytes. sampled: of its start, middle and end (64 KiB each), as records before 2026-11-29
+    hold it; a stretch muted in place, which keeps the size, went unseen."""
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
         digest = hashlib.sha256()
+        if not sampled:
+            while block := file.read(1 << 20):
+                digest.update(block)
+            return f"sha256:{size}:{digest.hexdigest()}"
         for offset in sorted({0, max(size // 2 - 32768, 0), max(size - 65536, 0)}):
             file.seek(offset)
             digest.update(file.read(65536))
@@ -422,7 +429,8 @@ class Sources:
             stat = item.source.stat()
             if [stat.st_size, stat.st_mtime_ns] == record.get("stat"):  # untouched since: no need to read it
                 return None
-            same = fingerprint(item.source) == record.get("fingerprint")
+            was = str(record.get("fingerprint"))
+            same = fingerprint(item.source, sampled=not was.startswith("sha256:")) == was
         except OSError:  # unreadable now: nothing says the outputs are not its
             return None
         return None if same else str(record.get("source"))
@@ -753,13 +761,14 @@ class _Recorder:
         """Counts a file skipped as done whose outputs were made with other settings than this
         run's; changed: each setting that differs, with the first such file's value."""
         # Outputs of an older run (or of the API without settings) record none: nothing says they differ.
-        was = next((was for fmt in self.run.formats
-                    if (was := self.sources.settings(item, fmt)) and self.run.settings and was != self.run.settings), None)
+        # A setting recorded only since a later version (seed) says nothing where it is missing.
+        differs = lambda was: any(name in was and was[name] != value for name, value in self.run.settings.items())  # noqa: E731
+        was = next((was for fmt in self.run.formats if (was := self.sources.settings(item, fmt)) and differs(was)), None)
         if was is None:
             return
         self.summary.skipped_other_settings += 1
         for name, value in self.run.settings.items():
-            if name not in changed and was.get(name) != value:
+            if name not in changed and name in was and was[name] != value:
                 changed[name] = f"{name} {json.dumps(was.get(name))}, now {json.dumps(value)}"
 
     def advanced(self, source: Path, seconds: float) -> None:

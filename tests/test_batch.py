@@ -532,6 +532,33 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
                                              "or give another --out-dir"}
 
 
+def test_a_recording_edited_in_place_keeping_its_size_is_not_taken_for_done(tmp_path: Path, pair):
+    """A changed file was told from its first transcript's by a hash of its start, middle
+    and end: a stretch muted in place (the size kept) was skipped as done, its transcript
+    of the audio before the edit. Records made so before 2026-11-29 still count."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    recording = source / "talk.wav"
+    shutil.copy(SHORT / "1995-1837-0001.wav", recording)  # 279 KB: bytes 66,000-106,000 lie in none of the three
+    out.mkdir()
+    as_written_by_a_run(recording, out, "talk", formats=("txt",))
+    (out / "talk.txt").write_text("its transcript\n")
+    record = json.loads((out / batch.SOURCES_FILE).read_text())
+    (out / batch.SOURCES_FILE).write_text(json.dumps({**record, "fingerprint": batch.fingerprint(recording, sampled=True)})
+                                          + "\n")  # as a run before 2026-11-29 recorded it
+    os.utime(recording, ns=(10**18, 10**18))  # touched, not changed: read to tell
+    run = lambda: transcribe_folder(FolderRun((source,), out, **quiet(("txt",))),  # noqa: E731
+                                    lambda: pytest.fail("a file was transcribed"))
+    assert (run().skipped, run().failed) == (1, 0)
+    as_written_by_a_run(recording, out, "talk", formats=("txt",))  # a run's record now: the whole file's hash
+    data = bytearray(recording.read_bytes())
+    data[66_000:106_000] = bytes(40_000)
+    recording.write_bytes(bytes(data))
+    summary = run()
+    assert (summary.skipped, summary.failed) == (0, 1)
+    assert "the transcript of an earlier version of this file" in errors_of(out)["talk.wav"]
+
+
 def test_a_recording_added_beside_a_finished_one_of_the_same_name_takes_nothing_of_it(tmp_path: Path, pair):
     """a.flac beside a finished a.wav: both failed (the first in name order claimed the
     outputs, which were a.wav's), and the --overwrite the message advised replaced a.wav's
@@ -1030,6 +1057,19 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     assert again(german, ("srt",)).skipped_other_settings == 0
     assert (again(german, ("txt", "srt")).skipped_other_settings, again(german).skipped_other_settings) == (1, 1)
     assert capsys.readouterr().err.count('(language "en", now "de"; prompt "", now "Hallo")') == 2
+    # The seed decides what sampling draws, a fallback's included: recorded (a run's
+    # before 2026-11-29 did not, and is not said to differ for want of it).
+    assert again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en", seed=1))
+                 ).skipped_other_settings == 1
+    assert 'seed 0, now 1' in capsys.readouterr().err
+    greedy = lambda seed: batch.transcript_settings("t", TranscribeOptions(temperatures=(0.0,), seed=seed))  # noqa: E731
+    assert greedy(0) == greedy(1)
+    records = [json.loads(line) for line in (out / batch.SOURCES_FILE).read_text().splitlines()]
+    for record in records:
+        for settings in (record["settings"], *record.get("kept", {}).values()):
+            del settings["seed"]
+    (out / batch.SOURCES_FILE).write_text("".join(json.dumps(record) + "\n" for record in records))
+    assert again(german, ("srt",)).skipped_other_settings == 0
     # A folder of weights is the same target however its path is written.
     weights = tmp_path / "weights"
     weights.mkdir()
