@@ -212,9 +212,10 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     candidates: list[PlannedFile] = []
     failures: list[FileResult] = []
     sources: set[Path] = set()  # the recordings' real paths
-    # A file met twice under one name (named, and inside a folder named) is done once; a link
-    # of another name to it gets its own outputs (b.wav -> a.wav named was dropped unsaid).
-    met: set[tuple[Path, str]] = set()
+    # A file met twice under one name from two inputs (named, and inside a folder named) is
+    # done once; a link of another name to it gets its own outputs (b.wav -> a.wav named was
+    # dropped unsaid), as does each path of a folder's tree (x/a.wav and y/a.wav linked to one).
+    met: dict[tuple[Path, str], Path] = {}  # -> the input it was met in
     for path in inputs:
         try:
             is_dir, exists = path.is_dir(), path.exists()
@@ -247,9 +248,8 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             if not regular:  # reading a named pipe would wait for a writer, and the run with it, for ever
                 failures.append(FileResult(str(source), error="not a regular file (a named pipe, socket or device)"))
                 continue
-            if (real, source.name) in met:
-                continue
-            met.add((real, source.name))  # a file failed here is reported once, too
+            if met.setdefault((real, source.name), path) is not path:
+                continue  # a file failed here is reported once, too
             sources.add(real)
             stem = out_dir / relative.parent / relative.stem
             if name_length(f"{stem.name}.{longest}") > NAME_MAX:
@@ -522,6 +522,14 @@ class ErrorLog:
         self._rewrite(self._elsewhere + self._earlier)  # lines not JSON go
         self._handle = None
 
+    def covers(self, files: Iterable[str]) -> None:
+        """Files the run found besides its inputs' own (in a linked folder, whose records lie
+        elsewhere): their earlier records are the run's to redo too. A fixed file's stayed,
+        and one still failing got one more record each run."""
+        found = {_where(file) for file in files}
+        self._earlier += [record for record in self._elsewhere if _record_where(record) in found]
+        self._elsewhere = [record for record in self._elsewhere if _record_where(record) not in found]
+
     def add(self, file: str, reason: str) -> None:
         record = {"file": file, "path": _where(file), "reason": reason,
                   "time": datetime.now(timezone.utc).isoformat(timespec="seconds")}
@@ -715,6 +723,7 @@ class _Recorder:
             fold_case = ignores_case(run.out_dir)
             self.sources = Sources(run.out_dir, fold_case)
             files, failures = plan_outputs(run.inputs, run.out_dir, run.formats, fold_case, self.sources.holds)
+            self.log.covers([str(item.source) for item in files] + [failure.source for failure in failures])
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
             remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now

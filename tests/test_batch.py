@@ -84,6 +84,8 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
     (source / "gone.wav").symlink_to(tmp_path / "deleted.wav")
     (source / "alias.ogg").symlink_to(source / "e.f.ogg")  # another name for it: outputs of its own (it was dropped)
+    (source / "x").mkdir()
+    (source / "x" / "e.f.ogg").symlink_to(source / "e.f.ogg")  # the same name elsewhere in the tree: its own (dropped)
     os.mkfifo(source / "a" / "pipe.wav")  # its first read would wait for a writer, and the run with it, for ever
     out = source / "out"  # inside the input: not walked
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
@@ -105,7 +107,8 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     monkeypatch.setattr(Path, "is_dir", sealed)
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
-        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("alias.ogg", "alias"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g")]
+        ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("alias.ogg", "alias"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g"),
+        ("x/e.f.ogg", "x/e.f")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
     assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav", "pipe.wav", "h.wav"}
@@ -753,6 +756,20 @@ def test_a_failure_recorded_from_another_folder_or_through_a_link_is_the_same_fi
     summary = transcribe_folder(FolderRun((tmp_path / "linked",), out, **quiet(("txt",))),
                                 lambda: pytest.fail("nothing to decode"))
     assert (summary.failed, summary.skipped) == (0, 1) and not (out / ERRORS_FILE).exists()
+
+
+def test_the_failure_of_a_file_in_a_linked_folder_is_redone_not_kept_beside_its_new_record(tmp_path: Path, pair):
+    """Its record's path is resolved through the link, outside the run's input: it was
+    taken for another folder's, and kept for good (one more each run it failed)."""
+    source, elsewhere, out = tmp_path / "in", tmp_path / "elsewhere", tmp_path / "out"
+    source.mkdir(), elsewhere.mkdir()
+    (source / "linked").symlink_to(elsewhere)
+    (elsewhere / "bad.wav").write_bytes(b"")
+    run = lambda: transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))  # noqa: E731
+    for _ in range(2):
+        assert run().failed == 1 and len((out / ERRORS_FILE).read_text().splitlines()) == 1
+    shutil.copy(SHORT / "LJ002-0020.wav", elsewhere / "bad.wav")
+    assert run().ok == 1 and not (out / ERRORS_FILE).exists()
 
 
 def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
