@@ -178,21 +178,31 @@ class FolderSummary:
 
 
 def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] | None = None) -> list[Path]:
-    """Audio files under root, recursively (linked folders too, each once), in a stable
+    """Audio files under root, recursively (linked folders outside it too, each once), in a stable
     order; `skip` (the output folder, when it lies inside) is not entered, nor are hidden
     files and folders (".git", macOS's "._NAME.wav" resource files beside real recordings).
     Folders that cannot be listed go to `unreadable`."""
     found = []
     skip = skip.resolve() if skip is not None else None
-    entered: set[Path] = set()
+
+    def visible(folder: str, subfolders: list[str]) -> list[str]:
+        return sorted(d for d in subfolders if not d.startswith(".") and (skip is None or (Path(folder) / d).resolve() != skip))
+
+    # The tree's own folders are walked under their own paths: a link to one that sorts
+    # first (a_view -> z) took its files, and moved their outputs, for as long as it stayed.
+    own: set[Path] = set()
+    for folder, subfolders, _ in os.walk(root):
+        own.add(Path(folder).resolve())
+        subfolders[:] = visible(folder, subfolders)
+    walked: set[Path] = set()
     walk = os.walk(root, followlinks=True, onerror=None if unreadable is None else unreadable.append)
     for folder, subfolders, names in walk:
-        if (real := Path(folder).resolve()) in entered:  # a link back up the tree
+        if (real := Path(folder).resolve()) in walked:  # a link back up the tree, or two links to one folder
             subfolders[:] = []
             continue
-        entered.add(real)
-        subfolders[:] = sorted(d for d in subfolders
-                               if not d.startswith(".") and (skip is None or (Path(folder) / d).resolve() != skip))
+        walked.add(real)
+        subfolders[:] = [d for d in visible(folder, subfolders)
+                         if not ((Path(folder) / d).is_symlink() and (Path(folder) / d).resolve() in own)]
         found += [Path(folder) / n for n in sorted(names)
                   if not n.startswith(".") and Path(n).suffix.lower() in AUDIO_EXTENSIONS]
     return found

@@ -81,6 +81,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "ext").symlink_to(tmp_path / "elsewhere")  # a linked folder is walked
     (source / "a" / "c" / "loop").symlink_to(source)  # a link back up the tree is not walked again
     (source / "z").symlink_to(source / "a" / "c")  # nor a folder already walked
+    (source / "0view").symlink_to(source / "a" / "c")  # nor one walked later: a/c's files stay its (they were 0view's)
     (source / "self.wav").symlink_to("self.wav")  # a link to itself fails alone (it raised out of the run)
     (source / "gone.wav").symlink_to(tmp_path / "deleted.wav")
     (source / "alias.ogg").symlink_to(source / "e.f.ogg")  # another name for it: outputs of its own (it was dropped)
