@@ -386,20 +386,27 @@ class Sources:
     fingerprint): recorders reuse names (REC001.wav every day), and a second day's folder
     into the same OUT would otherwise be skipped as done, or replace the first's transcript.
     Outputs it has no line for were not written by a run (a reference talk.txt beside
-    talk.wav, in the default --out-dir "."): not the file's to replace, nor done."""
+    talk.wav, in the default --out-dir "."): not the file's to replace, nor done. A line of
+    another OUT's file, in a folder above or below this OUT, counts too: `asr transcribe .`
+    in a folder, then in the folder above it, failed every file done the first time."""
 
     def __init__(self, out_dir: Path, fold_case: bool):
         self.out_dir, self.fold_case = out_dir, fold_case
         self.path = out_dir / SOURCES_FILE
-        self._known: dict[str, dict] = {}
-        lines = self.path.read_text(encoding="utf-8", errors="replace").splitlines() if self.path.is_file() else []
+        self._known, lines = self._read(self.path)
+        if len(lines) > 2 * len(self._known):  # two lines a file; files redone leave lines that no longer count
+            write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
+        self._others: dict[Path, dict[str, dict]] = {}  # the lines of other OUTs' files, by their folder
+        self._handle = None
+
+    def _read(self, path: Path) -> tuple[dict[str, dict], list[str]]:
+        known = {}
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines() if path.is_file() else []
         for line in lines:
             with contextlib.suppress(ValueError, KeyError, TypeError):  # a line cut short by a kill
                 record = json.loads(line)
-                self._known[self._key(record["stem"])] = record
-        if len(lines) > 2 * len(self._known):  # two lines a file; files redone leave lines that no longer count
-            write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
-        self._handle = None
+                known[self._key(record["stem"])] = record
+        return known, lines
 
     def _key(self, stem: str) -> str:
         return folded(stem) if self.fold_case else stem
@@ -408,7 +415,19 @@ class Sources:
         return item.stem.relative_to(self.out_dir).as_posix()
 
     def _record(self, item: PlannedFile) -> dict | None:
-        return self._known.get(self._key(self._stem(item)))
+        if (record := self._known.get(self._key(self._stem(item)))) is not None:
+            return record
+        stem, here = Path(os.path.abspath(item.stem)), Path(os.path.abspath(self.out_dir))
+        for folder in stem.parents:  # the nearest other OUT's line first
+            if folder != here:
+                if folder not in self._others:
+                    try:
+                        self._others[folder] = self._read(folder / SOURCES_FILE)[0]
+                    except OSError:  # unreadable: it tells nothing
+                        self._others[folder] = {}
+                if (record := self._others[folder].get(self._key(stem.relative_to(folder).as_posix()))) is not None:
+                    return record
+        return None
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""

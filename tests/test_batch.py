@@ -1095,6 +1095,22 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
             == batch.transcript_settings(f"{tmp_path}/./weights/", TranscribeOptions()))
 
 
+def test_outputs_a_run_wrote_into_a_folder_above_or_below_are_a_runs(tmp_path: Path, pair, monkeypatch):
+    """`asr transcribe .` in a folder, then in the folder above it (or the other way round):
+    the outputs of the first were listed only in its own .sources.jsonl, and every file done
+    failed as "does not list it as a run's output"."""
+    for first, then in (("sub", "."), (".", "sub")):
+        tree = tmp_path / f"tree-{len(first)}"
+        (tree / "sub").mkdir(parents=True)
+        shutil.copy(SHORT / "LJ002-0020.wav", tree / "sub" / "talk.wav")
+        monkeypatch.chdir(tree / first)
+        assert transcribe_folder(FolderRun((Path("."),), Path("."), **quiet(("txt",))), lambda: Transcriber(pair)).ok == 1
+        monkeypatch.chdir(tree / then)
+        summary = transcribe_folder(FolderRun((Path("."),), Path("."), **quiet(("txt",))),
+                                    lambda: pytest.fail("a file done was transcribed again"))
+        assert (summary.skipped, summary.failed) == (1, 0), (first, then)
+
+
 def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tmp_path: Path, pair):
     """A reference talk.txt beside talk.wav (corpora come so), transcribed into the default
     --out-dir ".": it was replaced by the transcript without a word, or, with --formats txt,
