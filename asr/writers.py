@@ -181,6 +181,10 @@ def to_json(transcript: Transcript) -> str:
             "draft_tokens_proposed": stats.draft_proposed,
             "draft_tokens_accepted": stats.draft_accepted,
             "acceptance_rate": None if stats.acceptance_rate is None else round(stats.acceptance_rate, 4),
+            # A fallback's retry proposes its failed attempt first: not draft tokens, but kept
+            # in fewer passes too (without them, tokens looked too many for the draft's share).
+            "hint_tokens_proposed": stats.hint_proposed,
+            "hint_tokens_accepted": stats.hint_accepted,
             "target_forward_passes": stats.target_passes,
             "tokens": stats.tokens,
             "windows": info.windows,

@@ -385,6 +385,7 @@ def test_writers_render_every_format(tmp_path: Path):
         "temperature": 0.0, "avg_logprob": -0.3, "compression_ratio": round(segment.compression_ratio, 4),
         "no_speech_prob": 0.02}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
+    assert document["stats"]["hint_tokens_proposed"] == 12  # a retry's, proposed from its failed attempt
 
 
 def test_a_cue_of_no_time_is_shown_at_its_own_time():
