@@ -147,6 +147,8 @@ class FolderSummary:
     failed: int = 0
     skipped: int = 0  # outputs already complete
     skipped_other_settings: int = 0  # of those, made with other settings (transcript_settings) than this run's
+    # Of those transcribed, files whose outputs in formats not asked for stay, made with other settings.
+    beside_other_settings: int = 0
     audio_seconds: float = 0.0  # of the files transcribed by this run
     wall_seconds: float = 0.0  # transcribing, after the models loaded
     load_seconds: float = 0.0  # loading the models (in this process; a Ray run's workers load in its wall time)
@@ -166,7 +168,9 @@ class FolderSummary:
     def describe(self) -> str:
         other = (f", {self.skipped_other_settings} of them with other settings: --overwrite redoes them"
                  if self.skipped_other_settings else "")
-        line = (f"{self.ok} transcribed, {self.failed} failed, {self.skipped} skipped (already done{other}); "
+        beside = (f" ({self.beside_other_settings} beside their outputs in other formats made with other settings: "
+                  "--overwrite redoes those too)" if self.beside_other_settings else "")
+        line = (f"{self.ok} transcribed{beside}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
         if self.load_seconds:
             line += f", after loading the models in {self.load_seconds:.1f} s"
@@ -799,15 +803,20 @@ class _Recorder:
         """Counts a file skipped as done whose outputs were made with other settings than this
         run's; changed: each setting that differs, with the first such file's value."""
         # Outputs of an older run (or of the API without settings) record none: nothing says they differ.
-        # A setting recorded only since a later version (seed) says nothing where it is missing.
-        differs = lambda was: any(name in was and was[name] != value for name, value in self.run.settings.items())  # noqa: E731
-        was = next((was for fmt in self.run.formats if (was := self.sources.settings(item, fmt)) and differs(was)), None)
+        was = next((was for fmt in self.run.formats if (was := self.sources.settings(item, fmt)) and self._differs(was)),
+                   None)
         if was is None:
             return
         self.summary.skipped_other_settings += 1
         for name, value in self.run.settings.items():
             if name not in changed and name in was and was[name] != value:
                 changed[name] = f"{name} {json.dumps(was.get(name))}, now {json.dumps(value)}"
+
+    def _differs(self, was: dict | None) -> bool:
+        """Whether outputs made with these recorded settings were made with others than this
+        run's (a setting recorded only since a later version, the seed, says nothing where missing)."""
+        return bool(was) and bool(self.run.settings) and any(
+            name in was and was[name] != value for name, value in self.run.settings.items())
 
     def advanced(self, source: Path, seconds: float) -> None:
         """A file in progress has `seconds` of its audio decoded (transcribe_files' on_progress)."""
@@ -850,6 +859,7 @@ class _Recorder:
                 for fmt in self.run.formats:
                     write_atomic(item.output(fmt), result.texts[fmt])
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
+                self.summary.beside_other_settings += any(self._differs(was) for was in kept.values())
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

@@ -1067,9 +1067,12 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     assert (out / "a.txt").read_text() == written
     # A format asked for later, with other settings: the txt kept is still known for English.
     # All a file's outputs were recorded as the last run's, whose note then named the wrong ones.
-    transcribe_folder(FolderRun((source,), out, ("srt",), echo=False, progress=False, settings=german),
-                      lambda: Transcriber(pair))
+    later = transcribe_folder(FolderRun((source,), out, ("srt",), echo=False, progress=False, settings=german),
+                              lambda: Transcriber(pair))
     assert (out / "a.txt").read_text() == written and (out / "a.srt").is_file()
+    # Said (the srt German beside the English txt was said nowhere until a later run skipped them).
+    assert later.beside_other_settings == 1 and later.describe().startswith(
+        "1 transcribed (1 beside their outputs in other formats made with other settings: --overwrite redoes those too)")
     capsys.readouterr()
     assert again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"))).skipped_other_settings == 0
     assert again(german, ("srt",)).skipped_other_settings == 0
