@@ -394,7 +394,11 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
         return (live_html(update.committed_text, update.tentative_text, listening=not update.final, ended=update.final),
                 figures_html(live_figures(live.summary(), recorded, status)), live)
 
-    def on_start() -> tuple[str, str, None]:
+    def on_start(request: gr.Request) -> tuple[str, str, None]:
+        # The last recording's must not be found by this one's Stop; if still running (its Stop
+        # queued, to find no session), nobody is left to see it.
+        if (last := recordings.pop(request.session_hash, None)) is not None:
+            last.cancel()
         if LiveSession.running() >= LIVE_SESSIONS:  # this recording's chunks wait in the queue, unheard, for a slot
             return error_html(f"All {LIVE_SESSIONS} live transcriptions are taken: what you say is not transcribed "
                               "until one ends (uploads still work)."), "", None
@@ -430,6 +434,8 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
         """Not an output: the session. Record pressed while this waits for the final decode has
         reset it for the next recording (on_start), and writing this finished one back would
         hand that recording's chunks to it, which takes no more audio."""
+        if live is None:  # Stop as the first chunk's handler was making it: not yet in the state, but here
+            live = recordings.get(request.session_hash)
         if live is None:  # stopped before a chunk arrived: nothing was heard
             return live_html("", "", listening=False), gr.skip()
         if recordings.get(request.session_hash) is live:

@@ -451,6 +451,14 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     handlers["on_stop"](live, request=visitor)
     assert live.recorded_seconds() == recorded
 
+    # Stop pressed as the first chunk's handler makes the session: Gradio hands Stop the state
+    # before that handler wrote it back. The session was left running, unheard, until it idled.
+    visitor = SimpleNamespace(session_hash="quick")
+    handlers["on_start"](visitor)
+    live = handlers["on_chunk"](next(chunks), None, *settings, request=visitor)[2]
+    handlers["on_stop"](None, request=visitor)
+    assert live.finished and live.last.final and LiveSession.running() == running
+
     # A chunk refused (floats far past full scale) starts no session: one per call was left waiting.
     shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, np.full(1600, 100.0)), None, *settings, request=visitor)
     assert live is None and "microphone chunk" in shown and LiveSession.running() == running
