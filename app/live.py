@@ -44,7 +44,7 @@ class LiveSession:
         self._stopping = False
         self._cancelled = False
         self._fed = time.monotonic()  # wall time of the last chunk
-        self.idle = False  # ended for want of chunks (IDLE_SECONDS)
+        self.idle: float | None = None  # ended after this many seconds without a chunk (IDLE_SECONDS)
         self._wake = threading.Condition()
         self.updates: list[StreamUpdate] = []  # appended by the worker only
         self.shown = 0  # updates the page has displayed (-1: it has displayed the error)
@@ -141,7 +141,7 @@ class LiveSession:
             with self._wake:
                 while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:
                     if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
-                        self._stopping, self._stopped, self.idle = True, self._fed, True
+                        self._stopping, self._stopped, self.idle = True, self._fed, IDLE_SECONDS
                     else:
                         self._wake.wait(IDLE_SECONDS - idle)
                 if self._cancelled:

@@ -22,8 +22,8 @@ import gradio as gr
 import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
-from app.live import IDLE_SECONDS, LiveSession
-from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status,
+from app.live import LiveSession
+from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status, notice_html,
                        progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures,
                        warnings_html)
 from asr import vad
@@ -376,23 +376,27 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
     recordings: dict[str, LiveSession] = {}
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
-        if live.error is not None or live.idle:  # shown once, above the text, where the speaker is looking
-            shown, live.shown, last = live.shown, -1, live.last
-            message = (f"The live transcription stopped: {live.error}" if live.error is not None else
-                       f"The recording ended after {IDLE_SECONDS:.0f} s without audio from the microphone; "
-                       "what came after it is not transcribed. Stop, then Record, to go on.")
-            return (gr.skip() if shown == -1 else stopped_html(message, last.committed_text if last else "",
-                                                                  last.tentative_text if last else ""), gr.skip(), live)
+        if live.shown == -1:  # an error or an idle end, shown once: the page keeps it
+            return gr.skip(), gr.skip(), live
+        if live.error is not None:  # above the text, where the speaker is looking
+            live.shown, last = -1, live.last
+            return (stopped_html(f"The live transcription stopped: {live.error}", last.committed_text if last else "",
+                                 last.tentative_text if last else ""), gr.skip(), live)
         shown = len(live.updates)  # read once: the worker may append meanwhile
         if not shown:
             return live_html("", "", listening=not live.finished), gr.skip(), live
-        if live.shown == shown:  # chunks come twice a second; decodes less often
+        # Ended for want of audio, its final decode done: a chunk now is the microphone back, unheard.
+        idle = live.idle if live.finished else None
+        if live.shown == shown and idle is None:  # chunks come twice a second; decodes less often
             return gr.skip(), gr.skip(), live
-        live.shown, update = shown, live.updates[shown - 1]
+        live.shown, update = shown if idle is None else -1, live.updates[shown - 1]
         recorded = live.recorded_seconds()
         status = live_status(update.final, recorded, live.waiting_seconds(), LIVE_TIME_LIMIT_S)
-        return (live_html(update.committed_text, update.tentative_text, listening=not update.final, ended=update.final),
-                figures_html(live_figures(live.summary(), recorded, status)), live)
+        text = live_html(update.committed_text, update.tentative_text, listening=not update.final, ended=update.final)
+        if idle is not None:
+            text = notice_html("The recording ended.", f"No audio came from the microphone for {idle:.0f} s; what "
+                                                       "came after is not transcribed. Stop, then Record, to go on.") + text
+        return text, figures_html(live_figures(live.summary(), recorded, status)), live
 
     def on_start(request: gr.Request) -> tuple[str, str, None]:
         # The last recording's must not be found by this one's Stop; if still running (its Stop

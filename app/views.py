@@ -49,10 +49,14 @@ def error_html(message: str) -> str:
     return f'<div class="asr-error" role="alert"><strong>Cannot transcribe.</strong> {html.escape(message)}</div>'
 
 
+def notice_html(title: str, message: str) -> str:
+    """Something the visitor should know, above the text it concerns: not an error."""
+    return f'<div class="asr-warning" role="status"><strong>{html.escape(title)}</strong> {html.escape(message)}</div>'
+
+
 def warnings_html(messages: Iterable[str]) -> str:
     """What reading an upload lost (TranscriptionInfo.warnings), above its transcript."""
-    return "".join(f'<div class="asr-warning" role="status"><strong>Part of the audio could not be read.</strong> '
-                   f'{html.escape(m)}</div>' for m in messages)
+    return "".join(notice_html("Part of the audio could not be read.", m) for m in messages)
 
 
 def transcript_html(transcript: Transcript) -> str:

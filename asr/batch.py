@@ -169,7 +169,7 @@ class FolderSummary:
         other = (f", {self.skipped_other_settings} of them with other settings: --overwrite redoes them"
                  if self.skipped_other_settings else "")
         beside = (f" ({self.beside_other_settings} beside their outputs in other formats made with other settings: "
-                  "--overwrite redoes those too)" if self.beside_other_settings else "")
+                  "ask for those formats too, with --overwrite, to redo them)" if self.beside_other_settings else "")
         line = (f"{self.ok} transcribed{beside}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
         if self.load_seconds:
@@ -229,8 +229,8 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     # A file met twice under one name from two inputs (named, and inside a folder named) is
     # done once; a link of another name to it gets its own outputs (b.wav -> a.wav named was
     # dropped unsaid), as does each path of a folder's tree (x/a.wav and y/a.wav linked to one).
-    met: dict[tuple[Path, str], Path] = {}  # -> the input it was met in
-    for path in inputs:
+    met: dict[tuple[Path, str], int] = {}  # -> the input it was met in
+    for index, path in enumerate(inputs):
         try:
             is_dir, exists = path.is_dir(), path.exists()
         except OSError as error:  # pathlib takes only a missing file for False: not a folder it may not enter
@@ -262,7 +262,7 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             if not regular:  # reading a named pipe would wait for a writer, and the run with it, for ever
                 failures.append(FileResult(str(source), error="not a regular file (a named pipe, socket or device)"))
                 continue
-            if met.setdefault((real, source.name), path) is not path:
+            if met.setdefault((real, source.name), index) != index:
                 continue  # a file failed here is reported once, too
             sources.add(real)
             stem = out_dir / relative.parent / relative.stem
@@ -400,8 +400,19 @@ class Sources:
         self._known, lines = self._read(self.path)
         if len(lines) > 2 * len(self._known):  # two lines a file; files redone leave lines that no longer count
             write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
-        self._others: dict[Path, dict[str, dict]] = {}  # the lines of other OUTs' files, by their folder
+        # Other OUTs' lines: of folders below this OUT (read as met), and above it, each with
+        # this OUT's path from there.
+        self._below: dict[Path, dict[str, dict]] = {}
+        here = Path(os.path.abspath(out_dir))
+        self._above = [(here.relative_to(folder).as_posix(), self._other(folder)) for folder in here.parents
+                       if (folder / SOURCES_FILE).is_file()]
         self._handle = None
+
+    def _other(self, folder: Path) -> dict[str, dict]:
+        try:
+            return self._read(folder / SOURCES_FILE)[0]
+        except OSError:  # unreadable: it tells nothing
+            return {}
 
     def _read(self, path: Path) -> tuple[dict[str, dict], list[str]]:
         known = {}
@@ -419,19 +430,18 @@ class Sources:
         return item.stem.relative_to(self.out_dir).as_posix()
 
     def _record(self, item: PlannedFile) -> dict | None:
-        if (record := self._known.get(self._key(self._stem(item)))) is not None:
+        stem = self._stem(item)
+        if (record := self._known.get(self._key(stem))) is not None:
             return record
-        stem, here = Path(os.path.abspath(item.stem)), Path(os.path.abspath(self.out_dir))
-        for folder in stem.parents:  # the nearest other OUT's line first
-            if folder != here:
-                if folder not in self._others:
-                    try:
-                        self._others[folder] = self._read(folder / SOURCES_FILE)[0]
-                    except OSError:  # unreadable: it tells nothing
-                        self._others[folder] = {}
-                if (record := self._others[folder].get(self._key(stem.relative_to(folder).as_posix()))) is not None:
-                    return record
-        return None
+        parts = stem.split("/")
+        for depth in range(len(parts) - 1, 0, -1):  # the nearest other OUT's line first
+            folder = self.out_dir.joinpath(*parts[:depth])
+            if folder not in self._below:
+                self._below[folder] = self._other(folder)
+            if (record := self._below[folder].get(self._key("/".join(parts[depth:])))) is not None:
+                return record
+        return next((record for prefix, ledger in self._above
+                     if (record := ledger.get(self._key(f"{prefix}/{stem}"))) is not None), None)
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
@@ -466,6 +476,9 @@ class Sources:
             same = fingerprint(item.source, sampled=not was.startswith("sha256:")) == was
         except OSError:  # unreadable now: nothing says the outputs are not its
             return None
+        if same and record is self._known.get(self._key(self._stem(item))):
+            # Copied without its times: recorded as it is now, so the next run need not read it whole again.
+            self._append({**record, "stat": [stat.st_size, stat.st_mtime_ns]})
         return None if same else str(record.get("source"))
 
     def settings(self, item: PlannedFile, fmt: str) -> dict | None:
@@ -483,6 +496,9 @@ class Sources:
                   **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
                   "formats": sorted(formats), "settings": settings, **({"kept": kept} if kept else {}),
                   **({"writing": True} if writing else {})}
+        self._append(record)
+
+    def _append(self, record: dict) -> None:
         self._known[self._key(record["stem"])] = record
         try:
             if self._handle is None:
@@ -559,6 +575,8 @@ class ErrorLog:
         """Files the run found besides its inputs' own (in a linked folder, whose records lie
         elsewhere): their earlier records are the run's to redo too. A fixed file's stayed,
         and one still failing got one more record each run."""
+        if not self._elsewhere:
+            return
         found = {_where(file) for file in files}
         self._earlier += [record for record in self._elsewhere if _record_where(record) in found]
         self._elsewhere = [record for record in self._elsewhere if _record_where(record) not in found]
