@@ -180,7 +180,9 @@ def calls(chunks: int) -> str:
              *(text for text, _ in planned), "",
              f"Before each call after the {chunks_word(chunks)}, ask `status`: where budget_left_s is under the "
              "call's timeout_s plus 60, lower CHECK_SECONDS by the difference (a machine that runs out of time "
-             "returns nothing).", "", "With device time to spare, in this order:", "",
+             "returns nothing). Where the tests part reports test_attention_by_row_lengths_on_cuda failed "
+             "(a kernel fault ends the whole process, and the benchmark's other rows with it), drop "
+             "--lengths-attention from the benchmark calls.", "", "With device time to spare, in this order:", "",
              *(line("-", [], parts, seconds)[0] for parts, seconds in SPARE), "",
              "Each call returns the report so far as check.tgz (gpu_check.md inside), also when gpu_check.py "
              "runs out of its CHECK_SECONDS. Give the machine back after the last. Then, here, the README's GPU "

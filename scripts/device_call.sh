@@ -62,7 +62,7 @@ fi
 export PYTHONPATH="$home/site${PYTHONPATH:+:$PYTHONPATH}"
 # The parts that need the weights and the dev set: on a machine that lacks them (a fresh one,
 # given after the chunk calls' machine went back) they would all skip, and the call's time be lost.
-if [[ ",$parts," =~ ,(evaluate|transcribe|stream|compile-evaluate), ]] \
+if [[ ",$parts," =~ ,(evaluate|transcribe|stream|compile-evaluate|lengths-evaluate), ]] \
     && ! { [ -e "$home/extras.installed" ] && [ -e "$home/weights.unpacked" ]; }; then
   echo "this machine lacks the extras or the packaged weights (a fresh one?): carry .device/extras and every" \
     ".device/w* again, back to back, before the parts $parts" >&2

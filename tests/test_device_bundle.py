@@ -123,6 +123,10 @@ def test_a_machine_without_the_weights_refuses_the_dev_set_parts_at_once(bundle,
     lose the call's minutes: it says so and stops."""
     done = call(tmp_path, packed(bundle, tmp_path)[0], "evaluate,tests,transcribe,stream")
     assert done.returncode == 3 and "carry .device/extras and every .device/w* again" in done.stderr
+    # The spare call's dev-set part too: it was run, skipped, and its minutes lost.
+    again = tmp_path / "again"
+    again.mkdir()
+    assert call(again, packed(bundle, again)[0], "lengths-evaluate").returncode == 3
 
 
 def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part(tmp_path, monkeypatch):
