@@ -94,7 +94,7 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
     """The settings a file's transcript depends on, as .sources.jsonl records them. Not the
     draft, its length or the batch size (greedy output is the target's, whatever drafts for
     it), nor the device and dtype (which can tip a near tie, but are not a choice of text).
-    The seed only where some temperature samples (a fallback's included)."""
+    The seed and best_of only where some temperature samples (a fallback's included)."""
     local = Path(target)  # a folder of weights, however it was named (./w, w/, /abs/w)
     settings = {"target": str(local.resolve()) if local.exists() else target,
                 "language": options.language or "detect", "task": options.task, "temperatures": list(options.temperatures),
@@ -104,7 +104,8 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 "without_timestamps": options.without_timestamps, "word_timestamps": options.word_timestamps,
                 "vad": options.vad_filter, "max_line_width": layout.max_line_width,
                 "max_line_count": layout.max_line_count,
-                "seed": options.seed if any(t > 0 for t in options.temperatures) else None}
+                **({"seed": options.seed, "best_of": options.best_of} if any(t > 0 for t in options.temperatures)
+                   else {"seed": None, "best_of": None})}
     return json.loads(json.dumps(settings))  # as read back: tuples are lists
 
 

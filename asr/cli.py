@@ -127,6 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    t.add_argument("--best-of", type=count(1), default=1, metavar="N",
+                   help="at a temperature above 0, sample N attempts side by side and keep the likeliest (Whisper's "
+                        "and faster-whisper's command lines default to 5; default: %(default)s)")
     t.add_argument("--overwrite", action="store_true", help="redo files whose outputs are complete (default: skip them)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (shown when stderr is a terminal)")
     t.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="ADDRESS",
@@ -297,6 +300,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         word_timestamps=args.word_timestamps,
         vad_filter=args.vad,
         seed=args.seed,
+        best_of=args.best_of,
         **engine_options(args),
     )
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,

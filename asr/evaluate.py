@@ -80,7 +80,7 @@ PEER_NOTES = {
     ],
     "faster-whisper": [
         "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
-        "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1, best_of=1), with the same language, task, temperatures, "
+        "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1), with the same language, task, temperatures, best_of, "
         "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
         "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
         "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
@@ -432,7 +432,8 @@ class FasterWhisperSystem(_OneFileAtATime):
         segments, seconds = self.process.transcribe(
             timeout=PEER_SECONDS + PEER_SECONDS_PER_AUDIO_SECOND * len(item.samples) / SAMPLE_RATE,
             audio=item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1,
-            best_of=1, temperature=list(options.temperatures), compression_ratio_threshold=options.compression_ratio_threshold,
+            best_of=options.best_of, temperature=list(options.temperatures),
+            compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
             vad_filter=options.vad_filter, word_timestamps=False)

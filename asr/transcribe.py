@@ -65,6 +65,9 @@ class TranscribeOptions:
     num_draft_tokens: int | None = None  # None: adaptive
     max_draft_tokens: int = 8
     seed: int = 0  # a sampled window's draws follow it, its seek and its attempt (asr/sampling.py)
+    # Sampled attempts per temperature above 0, the likeliest kept (Whisper's and faster-whisper's
+    # best_of, whose command lines default to 5): rows decoded side by side.
+    best_of: int = 1
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
     lengths_attention: bool = False  # on CUDA, attention by row lengths (SpeculativeDecoder's)
@@ -243,6 +246,8 @@ class _Job:
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
     failed: list[Sequence] = field(default_factory=list)  # the window's attempts that fell back
+    candidates: list[Sequence] = field(default_factory=list)  # the current attempt's samples decoded (best_of)
+    rows: int = 0  # the current attempt's rows still decoding
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
     result: WindowResult | None = None  # a window_only job's, once decoded
@@ -314,6 +319,8 @@ class Transcriber:
         self._check_language(options.language)
         if not options.temperatures:
             raise ValueError("temperatures: give at least one")
+        if options.best_of < 1:
+            raise ValueError(f"best_of must be at least 1, not {options.best_of}")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
@@ -725,10 +732,14 @@ class _Decoding:
     def busy(self) -> bool:
         return bool(self.jobs or self.waiting)
 
+    def members(self) -> list[_Job]:
+        """The jobs decoding (one row each, or best_of rows) and waiting, each once."""
+        return list({id(job): job for job in [*self.jobs.values(), *self.waiting]}.values())
+
     @property
     def recordings(self) -> int:
         """Recordings in progress (single windows not counted)."""
-        return sum(not job.window_only for job in [*self.jobs.values(), *self.waiting])
+        return sum(not job.window_only for job in self.members())
 
     def close(self) -> None:
         self.batch.close()
@@ -741,7 +752,7 @@ class _Decoding:
             self.batch.drop(set(rows))
         for tag in rows:
             del self.jobs[tag]
-        dropped, waiting, self.waiting = list(rows.values()), self.waiting, []
+        dropped, waiting, self.waiting = list({id(job): job for job in rows.values()}.values()), self.waiting, []
         for job in waiting:  # one read of each job's flag: cancel() may land meanwhile
             (dropped if job.audio.cancelled else self.waiting).append(job)
         return dropped
@@ -793,7 +804,7 @@ class _Decoding:
 
     def _add(self, jobs: list[_Job], cross: list[tuple[list[Tensor], list[Tensor]] | None] | None = None) -> None:
         """cross: each job's target cross-attention K/V where language detection computed them."""
-        windows = []
+        windows, owners = [], []
         for job, known in zip(jobs, cross or [None] * len(jobs)):
             t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
@@ -804,11 +815,15 @@ class _Decoding:
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
             # would sample, and a loop is then verified in a few passes instead of one per token.
             hint = job.failed[-1].tokens if job.failed else job.hint
-            # A sampled window's draws follow its own seed, whatever is batched beside it.
-            seed = sampling.seed_of(t.options.seed, job.seek, job.attempt)
-            windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded, known,
-                                  job.language, seed, stop_loops=job.window_only))
-        for job, tag in zip(jobs, self.batch.add(windows)):
+            # A sampled window's draws follow its own seed, whatever is batched beside it; each
+            # of best_of samples its own (the first as without best_of).
+            job.candidates, job.rows = [], t.options.best_of if temperature > 0 else 1
+            for sample in range(job.rows):
+                seed = sampling.seed_of(t.options.seed, job.seek, job.attempt, *([sample] if sample else []))
+                windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded,
+                                      known, job.language, seed, stop_loops=job.window_only))
+                owners.append(job)
+        for job, tag in zip(owners, self.batch.add(windows)):
             self.jobs[tag] = job
 
     def step(self) -> list[_Job]:
@@ -820,6 +835,12 @@ class _Decoding:
             t, temperatures = job.transcriber, job.transcriber.options.temperatures
             job.info.decoder_seconds += sequence.seconds
             job.info.stats.add(sequence.stats)  # every attempt's
+            job.candidates.append(sequence)
+            job.rows -= 1
+            if job.rows:
+                continue  # its other samples are decoding still
+            # Of best_of samples, the likeliest (Whisper ranks them by their log-probability per token).
+            sequence = max(job.candidates, key=lambda candidate: candidate.avg_logprob)
             if t._needs_fallback(sequence, temperatures[job.attempt], job.context):
                 job.failed.append(sequence)
                 if job.attempt + 1 < len(temperatures):
@@ -899,7 +920,7 @@ class Scheduler:
         return self._load
 
     def _measure(self) -> None:
-        jobs = [job for d in self._decodings.values() for job in (*d.jobs.values(), *d.waiting)]
+        jobs = [job for d in self._decodings.values() for job in d.members()]
         with self._wake:
             self._load = SchedulerLoad(
                 len(self._queue), sum(not j.window_only for j in jobs), sum(j.window_only for j in jobs),
@@ -1016,7 +1037,7 @@ class Scheduler:
         at a time (the windows before are kept; _rejoin): a job fails with the error its own
         batch raises, so one visitor's bad upload fails no one else's."""
         decoding = self._decodings[key]
-        members = [*decoding.jobs.values(), *decoding.waiting, *(args[0] if args else [])]
+        members = [*decoding.members(), *(args[0] if args else [])]
         try:
             done = work(*args) or []
         except Exception as error:

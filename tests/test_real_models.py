@@ -299,6 +299,30 @@ def test_one_seed_gives_one_transcript_whatever_the_adaptive_draft_length_measur
     assert texts[0] == texts[1]
 
 
+def test_best_of_keeps_the_likeliest_of_its_samples_in_a_batch_as_alone(base_pair):
+    """Whisper's and faster-whisper's best_of: at a temperature above 0, N attempts are
+    sampled (rows side by side) and the likeliest per token kept. The first sample is the
+    one best_of=1 draws; with a draft, the samples are the target's alone."""
+    spanish = load_audio(DEV / "multilingual" / "picovoice_test_es.wav")
+    options = TranscribeOptions(language="es", temperatures=(1.0,), seed=0)
+    one = Transcriber(base_pair, options).transcribe(spanish)
+    five = Transcriber(base_pair, replace(options, best_of=5)).transcribe(spanish)
+    alone = Transcriber(base_pair, replace(options, best_of=5, speculative=False)).transcribe(spanish)
+    assert [s.tokens for s in five.segments] == [s.tokens for s in alone.segments]
+    assert five.segments[0].avg_logprob > one.segments[0].avg_logprob  # seed 0's first draw is not the likeliest
+    assert five.info.stats.tokens > 3 * one.info.stats.tokens  # five samples decoded
+    # Beside another recording in a batch, and greedy windows unchanged by it.
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    batched = list(Transcriber(base_pair, replace(options, best_of=5, language=None), batch_size=4)
+                   .transcribe_many([spanish, jfk]))
+    assert batched[0].text == five.text and "ask not what your country" in batched[1].text.lower()
+    greedy = replace(options, temperatures=(0.0,))
+    assert (Transcriber(base_pair, replace(greedy, best_of=5)).transcribe(jfk).info.stats.tokens
+            == Transcriber(base_pair, greedy).transcribe(jfk).info.stats.tokens)
+    with pytest.raises(ValueError, match="best_of must be at least 1"):
+        Transcriber(base_pair, replace(options, best_of=0))
+
+
 def test_a_sampled_attempt_that_copies_its_previous_text_fails(base_pair):
     """The sonnet's 0.3 s tail loops when greedy; conditioned on the lines before, its sampled
     retries copied them with a confident log-probability, which Whisper's rules keep: 5 of 8
