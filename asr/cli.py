@@ -128,8 +128,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "times stay the recording's")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     t.add_argument("--best-of", type=count(1), default=1, metavar="N",
-                   help="at a temperature above 0, sample N attempts side by side and keep the likeliest (Whisper's "
-                        "and faster-whisper's command lines default to 5; default: %(default)s)")
+                   help="at a temperature above 0, sample N attempts side by side (rows beyond --batch-size) and keep the "
+                        "likeliest (Whisper's command line and faster-whisper default to 5; default: %(default)s)")
     t.add_argument("--overwrite", action="store_true", help="redo files whose outputs are complete (default: skip them)")
     t.add_argument("--no-progress", action="store_true", help="no progress bar (shown when stderr is a terminal)")
     t.add_argument("--ray", nargs="?", const=LOCAL_RAY, metavar="ADDRESS",

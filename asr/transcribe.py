@@ -66,7 +66,7 @@ class TranscribeOptions:
     max_draft_tokens: int = 8
     seed: int = 0  # a sampled window's draws follow it, its seek and its attempt (asr/sampling.py)
     # Sampled attempts per temperature above 0, the likeliest kept (Whisper's and faster-whisper's
-    # best_of, whose command lines default to 5): rows decoded side by side.
+    # best_of, 5 by default there): rows decoded side by side, beyond the batch's rows.
     best_of: int = 1
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
@@ -839,8 +839,9 @@ class _Decoding:
             job.rows -= 1
             if job.rows:
                 continue  # its other samples are decoding still
-            # Of best_of samples, the likeliest (Whisper ranks them by their log-probability per token).
-            sequence = max(job.candidates, key=lambda candidate: candidate.avg_logprob)
+            # Of best_of samples, the likeliest: Whisper's ranking (length_penalty None), the
+            # log-probability (end-of-text's included) over the tokens (end-of-text not counted).
+            sequence = max(job.candidates, key=lambda candidate: candidate.sum_logprob / max(len(candidate.tokens), 1))
             if t._needs_fallback(sequence, temperatures[job.attempt], job.context):
                 job.failed.append(sequence)
                 if job.attempt + 1 < len(temperatures):
@@ -883,8 +884,9 @@ class Scheduler:
     """One worker thread decodes the work that any thread hands it, together: uploads and
     live microphone windows from many visitors share engine batches, as transcribe_many's
     recordings do (a row whose window is done takes the next one at once), rather than
-    taking turns on the models. One batch per Transcriber.batch_key. Recordings take at most
-    `rows` rows of their batch, queued ones long-first (_admit); single windows (a live
+    taking turns on the models. One batch per Transcriber.batch_key. At most `rows` recordings
+    decode in a batch (each a row, or best_of rows while it samples), queued ones long-first
+    (_admit); single windows (a live
     stream's updates, which a speaker waits for) join at once, ahead of queued recordings."""
 
     def __init__(self, rows: int = 8):
