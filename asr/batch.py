@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import unicodedata
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -372,12 +373,17 @@ def fingerprint(path: Path, sampled: bool = False) -> str:
     return f"{size}:{digest.hexdigest()[:32]}"
 
 
-def recording_of(path: Path) -> dict | None:
+def recording_of(path: Path, stat: list[int] | None = None) -> dict | None:
     """What Sources records of a file: its size and modification time, and its fingerprint;
-    None where it cannot be read."""
+    None where it cannot be read. stat: its size and time when it was read, hashed since (in
+    a thread): a file changed meanwhile gets a fingerprint that matches none, so that a later
+    run does not take its outputs, of the audio read, for the file's now."""
     try:
-        stat = path.stat()
-        return {"stat": [stat.st_size, stat.st_mtime_ns], "fingerprint": fingerprint(path)}
+        now = [(taken := path.stat()).st_size, taken.st_mtime_ns]
+        digest = fingerprint(path)
+        if stat is not None and (stat != now or stat != [(taken := path.stat()).st_size, taken.st_mtime_ns]):
+            digest = "changed while it was read"
+        return {"stat": stat or now, "fingerprint": digest}
     except OSError:
         return None
 
@@ -661,10 +667,17 @@ def transcribe_files(
     queue = iter(files)
     unreadable: list[FileResult] = []
     in_flight: dict[str, Path] = {}  # name given to the transcriber -> source
-    recordings: dict[Path, dict | None] = {}  # each file's as it was read
+    # Each file's as it was read (recording_of), in a thread: hashing a large video whole
+    # held up the batch's decoding, which waits for the next file's read.
+    hashing = ThreadPoolExecutor(1, thread_name_prefix="asr-hash")
+    recordings: dict[Path, Future[dict | None]] = {}
 
     def read(path: Path) -> AudioInput | FileResult:
-        recordings[path] = recording_of(path)
+        try:
+            stat = [(taken := path.stat()).st_size, taken.st_mtime_ns]
+        except OSError:
+            stat = None
+        recordings[path] = hashing.submit(recording_of, path, stat)
         try:
             audio = transcriber.read(path, stream_above_seconds=stream_above_seconds)
         except Exception as error:  # AudioError names the problem; anything else is still this file's
@@ -683,33 +696,36 @@ def transcribe_files(
             in_flight[audio.name] = path
             yield audio
 
-    while True:
-        try:
-            for transcript in transcriber.transcribe_many(inputs()):
+    try:
+        while True:
+            try:
+                for transcript in transcriber.transcribe_many(inputs()):
+                    yield from _drain(unreadable)
+                    source = in_flight[transcript.source]
+                    rendered = _rendered(transcript, source, formats, layout, recordings.pop(source).result(), typed)
+                    del in_flight[transcript.source]  # only now: a file whose rendering raised is retried, then reported
+                    yield rendered
                 yield from _drain(unreadable)
-                source = in_flight[transcript.source]
-                rendered = _rendered(transcript, source, formats, layout, recordings.pop(source), typed)
-                del in_flight[transcript.source]  # only now: a file whose rendering raised is retried, then reported
-                yield rendered
-            yield from _drain(unreadable)
-            return
-        except Exception:  # in decoding: retry this batch's files alone, then go on
-            if not in_flight:
-                raise  # not about any file
-            yield from _drain(unreadable)
-            alone = Transcriber(transcriber.models, transcriber.options, batch_size=1)
-            stuck = list(in_flight.values())
-            in_flight.clear()
-            for source in stuck:
-                audio = read(source)
-                if isinstance(audio, FileResult):
-                    yield audio
-                    continue
-                try:
-                    transcript = next(iter(alone.transcribe_many([audio])))
-                    yield _rendered(transcript, source, formats, layout, recordings.pop(source), typed)
-                except Exception as again:
-                    yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
+                return
+            except Exception:  # in decoding: retry this batch's files alone, then go on
+                if not in_flight:
+                    raise  # not about any file
+                yield from _drain(unreadable)
+                alone = Transcriber(transcriber.models, transcriber.options, batch_size=1)
+                stuck = list(in_flight.values())
+                in_flight.clear()
+                for source in stuck:
+                    audio = read(source)
+                    if isinstance(audio, FileResult):
+                        yield audio
+                        continue
+                    try:
+                        transcript = next(iter(alone.transcribe_many([audio])))
+                        yield _rendered(transcript, source, formats, layout, recordings.pop(source).result(), typed)
+                    except Exception as again:
+                        yield FileResult(str(source), error=f"transcription failed: {_reason(again, source)}")
+    finally:
+        hashing.shutdown(wait=False, cancel_futures=True)
 
 
 def printable(name: str) -> str:
