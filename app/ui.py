@@ -14,6 +14,7 @@ import threading
 import time
 import traceback
 import uuid
+from collections import OrderedDict
 from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Callable, Iterator, TypeVar
@@ -38,6 +39,7 @@ MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous tex
 # Each live recording holds a queue slot for as long as it lasts, so this is how many
 # people can speak at once; their windows decode in the scheduler's batches.
 LIVE_SESSIONS = 8
+DEPARTED_KEPT = 1024  # visitors gone, remembered for a first chunk's handler still running
 # Transcriptions accepted at once: their audio is read in parallel, then they decode together
 # (up to the scheduler's rows; the rest wait there for a row), or take turns without batching.
 UPLOADS = 16
@@ -374,6 +376,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
     # The same, by Gradio's session: a visitor who closes the page sends no Stop, and Gradio
     # hands an unload handler no State.
     recordings: dict[str, LiveSession] = {}
+    departed: OrderedDict[str, None] = OrderedDict()  # the last visitors gone: their first chunk's handler may run still
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
         if live.shown == -1:  # an error or an idle end, shown once: the page keeps it
@@ -411,6 +414,8 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
                  draft_length: str, prompt: str, request: gr.Request) -> tuple[str | dict, str | dict, LiveSession | None]:
         if live is None:
+            if request.session_hash in departed:
+                return gr.skip(), gr.skip(), None
             if chunk is None:
                 return live_html("", "", listening=True), gr.skip(), None
             try:
@@ -420,6 +425,10 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
             recordings[request.session_hash] = live
+            if request.session_hash in departed:  # the visitor left as this made it: on_leave found none
+                del recordings[request.session_hash]
+                live.cancel()
+                return gr.skip(), gr.skip(), None
             live.feed(rate, samples)
             return show(live)
         if live.finished:  # a chunk late for a stopped recording: its final transcript (or error) stays
@@ -449,6 +458,9 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
 
     def on_leave(request: gr.Request) -> None:
         # Nobody sees what a decode would show: the recording's slot and the batch's rows are freed now.
+        departed[request.session_hash] = None  # before the lookup: a session made meanwhile finds it
+        if len(departed) > DEPARTED_KEPT:
+            departed.popitem(last=False)
         if (live := recordings.pop(request.session_hash, None)) is not None:
             live.cancel()
 

@@ -461,6 +461,12 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     handlers["on_stop"](None, request=visitor)
     assert live.finished and live.last.final and LiveSession.running() == running
 
+    # A visitor who left as their first chunk's handler was making the session: found by neither.
+    gone = SimpleNamespace(session_hash="gone")
+    handlers["on_leave"](gone)
+    assert handlers["on_chunk"](next(chunks), None, *settings, request=gone)[2] is None
+    assert LiveSession.running() == running
+
     # A chunk refused (floats far past full scale) starts no session: one per call was left waiting.
     shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, np.full(1600, 100.0)), None, *settings, request=visitor)
     assert live is None and "microphone chunk" in shown and LiveSession.running() == running
