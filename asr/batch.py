@@ -410,7 +410,6 @@ class Sources:
         # Other OUTs' lines: of folders below this OUT (read as met), and above it, each with
         # this OUT's path from there.
         self._below: dict[Path, dict[str, dict]] = {}
-        self._told: dict[tuple[int, str], tuple[dict, bool]] = {}  # (line, file) -> the line, whether it is the file's
         here = Path(os.path.abspath(out_dir))
         self._above = [(here.relative_to(folder).as_posix(), self._other(folder)) for folder in here.parents
                        if (folder / SOURCES_FILE).is_file()]
@@ -437,33 +436,19 @@ class Sources:
     def _stem(self, item: PlannedFile) -> str:
         return item.stem.relative_to(self.out_dir).as_posix()
 
-    def _records(self, item: PlannedFile) -> Iterator[dict]:
-        """The lines of item's outputs: this OUT's, then other OUTs' below it, then above it, nearest first."""
+    def _record(self, item: PlannedFile) -> dict | None:
         stem = self._stem(item)
         if (record := self._known.get(self._key(stem))) is not None:
-            yield record
+            return record
         parts = stem.split("/")
-        for depth in range(len(parts) - 1, 0, -1):
+        for depth in range(len(parts) - 1, 0, -1):  # the nearest other OUT's line first
             folder = self.out_dir.joinpath(*parts[:depth])
             if folder not in self._below:
                 self._below[folder] = self._other(folder)
             if (record := self._below[folder].get(self._key("/".join(parts[depth:])))) is not None:
-                yield record
-        yield from (record for prefix, ledger in self._above
-                    if (record := ledger.get(self._key(f"{prefix}/{stem}"))) is not None)
-
-    def _find(self, item: PlannedFile) -> tuple[dict | None, bool]:
-        """The first line of item's outputs that is of this recording (a run in a folder below
-        may have redone them since this OUT's line), else the first; and whether it is."""
-        first = None
-        for record in self._records(item):
-            if self._of_this(item, record):
-                return record, True
-            first = first or record
-        return first, first is None
-
-    def _record(self, item: PlannedFile) -> dict | None:
-        return self._find(item)[0]
+                return record
+        return next((record for prefix, ledger in self._above
+                     if (record := ledger.get(self._key(f"{prefix}/{stem}"))) is not None), None)
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
@@ -487,29 +472,21 @@ class Sources:
 
     def other_recording(self, item: PlannedFile) -> str | None:
         """The source of another recording whose transcript item's outputs hold, or None."""
-        record, same = self._find(item)
-        return None if same else str(record.get("source"))
-
-    def _of_this(self, item: PlannedFile, record: dict) -> bool:
-        """Whether a line of item's outputs is of item's recording as it is now (so where
-        nothing can tell: unreadable then or now)."""
-        if record.get("fingerprint") is None:  # unreadable when recorded: nothing to compare
-            return True
-        if (told := self._told.get((id(record), str(item.source)))) is not None:  # read whole once a run
-            return told[1]
+        record = self._record(item)
+        if record is None or record.get("fingerprint") is None:  # unreadable when recorded: nothing to compare
+            return None
         try:
             stat = item.source.stat()
             if [stat.st_size, stat.st_mtime_ns] == record.get("stat"):  # untouched since: no need to read it
-                return True
+                return None
             was = str(record.get("fingerprint"))
             same = fingerprint(item.source, sampled=not was.startswith("sha256:")) == was
         except OSError:  # unreadable now: nothing says the outputs are not its
-            return True
+            return None
         if same and record is self._known.get(self._key(self._stem(item))):
             # Copied without its times: recorded as it is now, so the next run need not read it whole again.
             self._append({**record, "stat": [stat.st_size, stat.st_mtime_ns]})
-        self._told[(id(record), str(item.source))] = (record, same)  # the record kept: its id is not reused
-        return same
+        return None if same else str(record.get("source"))
 
     def settings(self, item: PlannedFile, fmt: str) -> dict | None:
         """The settings item's output in this format was made with (transcript_settings), where recorded."""
