@@ -376,7 +376,8 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
     # The same, by Gradio's session: a visitor who closes the page sends no Stop, and Gradio
     # hands an unload handler no State.
     recordings: dict[str, LiveSession] = {}
-    departed: OrderedDict[str, None] = OrderedDict()  # the last visitors gone: their first chunk's handler may run still
+    # The last visitors gone, with when: a first chunk's handler may be making their session still.
+    departed: OrderedDict[str, float] = OrderedDict()
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
         if live.shown == -1:  # an error or an idle end, shown once: the page keeps it
@@ -414,8 +415,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
                  draft_length: str, prompt: str, request: gr.Request) -> tuple[str | dict, str | dict, LiveSession | None]:
         if live is None:
-            if request.session_hash in departed:
-                return gr.skip(), gr.skip(), None
+            began = time.monotonic()
             if chunk is None:
                 return live_html("", "", listening=True), gr.skip(), None
             try:
@@ -425,8 +425,10 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
             recordings[request.session_hash] = live
-            if request.session_hash in departed:  # the visitor left as this made it: on_leave found none
-                del recordings[request.session_hash]
+            # The visitor left as this made it, and on_leave found none. (One gone before: a tab
+            # whose connection dropped and came back records anew.)
+            if departed.get(request.session_hash, 0.0) >= began:
+                recordings.pop(request.session_hash, None)
                 live.cancel()
                 return gr.skip(), gr.skip(), None
             live.feed(rate, samples)
@@ -458,7 +460,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
 
     def on_leave(request: gr.Request) -> None:
         # Nobody sees what a decode would show: the recording's slot and the batch's rows are freed now.
-        departed[request.session_hash] = None  # before the lookup: a session made meanwhile finds it
+        departed[request.session_hash] = time.monotonic()  # before the lookup: a session made meanwhile finds it
         if len(departed) > DEPARTED_KEPT:
             departed.popitem(last=False)
         if (live := recordings.pop(request.session_hash, None)) is not None:

@@ -384,8 +384,8 @@ def recording_of(path: Path, stat: list[int] | None = None) -> dict | None:
         if stat is not None and (stat != now or stat != [(taken := path.stat()).st_size, taken.st_mtime_ns]):
             digest = "changed while it was read"
         return {"stat": stat or now, "fingerprint": digest}
-    except OSError:
-        return None
+    except OSError:  # gone or unreadable since it was read (moved away, a new one in its place): no match either
+        return None if stat is None else {"stat": stat, "fingerprint": "unreadable after it was read"}
 
 
 class Sources:
@@ -681,7 +681,7 @@ def transcribe_files(
         try:
             audio = transcriber.read(path, stream_above_seconds=stream_above_seconds)
         except Exception as error:  # AudioError names the problem; anything else is still this file's
-            recordings.pop(path)
+            recordings.pop(path).cancel()  # not hashed for nothing, ahead of the next files'
             return FileResult(str(path), error=_reason(error, path))
         if on_progress is None:
             return audio

@@ -462,10 +462,19 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     assert live.finished and live.last.final and LiveSession.running() == running
 
     # A visitor who left as their first chunk's handler was making the session: found by neither.
-    gone = SimpleNamespace(session_hash="gone")
-    handlers["on_leave"](gone)
-    assert handlers["on_chunk"](next(chunks), None, *settings, request=gone)[2] is None
+    gone, make = SimpleNamespace(session_hash="gone"), LiveSession.__init__
+    with monkeypatch.context() as patch:
+        patch.setattr(LiveSession, "__init__", lambda self, *args: (make(self, *args), handlers["on_leave"](gone))[0])
+        assert handlers["on_chunk"](next(chunks), None, *settings, request=gone)[2] is None
+    deadline = time.monotonic() + 60
+    while LiveSession.running() != running and time.monotonic() < deadline:  # its worker ends at once
+        time.sleep(0.05)
     assert LiveSession.running() == running
+    # A tab whose connection dropped (Gradio's unload) and came back records anew.
+    again = handlers["on_chunk"](next(chunks), None, *settings, request=gone)[2]
+    assert again is not None and not again.finished
+    handlers["on_leave"](gone)
+    again._worker.join(timeout=60)
 
     # A chunk refused (floats far past full scale) starts no session: one per call was left waiting.
     shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, np.full(1600, 100.0)), None, *settings, request=visitor)

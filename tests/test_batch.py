@@ -608,19 +608,30 @@ def test_a_recording_replaced_while_it_was_transcribed_is_not_taken_for_done(tmp
     # The file is hashed in a thread (a large video's hash held up the batch): here, as slowly
     # as a large file's, its hash comes after the new file was copied in.
     replaced, whole = threading.Event(), batch.fingerprint
-    for slow_hash in (False, True):
+    def moved_away(path, *args, **kwargs):  # once read, before its hash: then a new recording under its name
+        replaced.wait(30)
+        path.unlink()
+        return whole(path, *args, **kwargs)
+
+    for hashed in ("at once", "after the new file came", "after the file was moved away"):
         replaced.clear()
         shutil.rmtree(out, ignore_errors=True)
         shutil.copy(SHORT / "LJ002-0020.wav", source / "REC001.wav")
         with monkeypatch.context() as patch:
-            patch.setattr(Transcriber, "read", lambda self, path, **options: (
-                read_then_replaced(self, path, **options), replaced.set())[0])
-            if slow_hash:
+            if hashed == "after the file was moved away":
+                patch.setattr(batch, "fingerprint", moved_away)
+                patch.setattr(Transcriber, "read", lambda self, path, **options: (
+                    read(self, path, **options), replaced.set())[0])
+            else:
+                patch.setattr(Transcriber, "read", lambda self, path, **options: (
+                    read_then_replaced(self, path, **options), replaced.set())[0])
+            if hashed == "after the new file came":
                 patch.setattr(batch, "fingerprint", lambda *args, **kwargs: (replaced.wait(30), whole(*args, **kwargs))[1])
             assert transcribe_folder(run, lambda: Transcriber(pair)).ok == 1
+        shutil.copy(SHORT / "LJ002-0035.wav", source / "REC001.wav")
         assert "1813" in (out / "REC001.txt").read_text()
         again = transcribe_folder(run, lambda: pytest.fail("nothing to decode"))
-        assert (again.ok, again.failed, again.skipped) == (0, 1, 0), slow_hash
+        assert (again.ok, again.failed, again.skipped) == (0, 1, 0), hashed
         assert "the transcript of an earlier version of this file" in errors_of(out)["REC001.wav"]
 
 
