@@ -373,15 +373,21 @@ def fingerprint(path: Path, sampled: bool = False) -> str:
     return f"{size}:{digest.hexdigest()[:32]}"
 
 
+def size_and_time(path: Path) -> list[int]:
+    """A file's size and modification time (ns), as Sources records them."""
+    stat = path.stat()
+    return [stat.st_size, stat.st_mtime_ns]
+
+
 def recording_of(path: Path, stat: list[int] | None = None) -> dict | None:
     """What Sources records of a file: its size and modification time, and its fingerprint;
     None where it cannot be read. stat: its size and time when it was read, hashed since (in
     a thread): a file changed meanwhile gets a fingerprint that matches none, so that a later
     run does not take its outputs, of the audio read, for the file's now."""
     try:
-        now = [(taken := path.stat()).st_size, taken.st_mtime_ns]
+        now = size_and_time(path)
         digest = fingerprint(path)
-        if stat is not None and (stat != now or stat != [(taken := path.stat()).st_size, taken.st_mtime_ns]):
+        if stat is not None and (stat != now or stat != size_and_time(path)):
             digest = "changed while it was read"
         return {"stat": stat or now, "fingerprint": digest}
     except OSError:  # gone or unreadable since it was read (moved away, a new one in its place): no match either
@@ -674,7 +680,7 @@ def transcribe_files(
 
     def read(path: Path) -> AudioInput | FileResult:
         try:
-            stat = [(taken := path.stat()).st_size, taken.st_mtime_ns]
+            stat = size_and_time(path)
         except OSError:
             stat = None
         recordings[path] = hashing.submit(recording_of, path, stat)
