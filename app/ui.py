@@ -454,7 +454,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
         if live is None:  # stopped before a chunk arrived: nothing was heard
             return live_html("", "", listening=False), gr.skip()
         if recordings.get(request.session_hash) is live:
-            del recordings[request.session_hash]
+            recordings.pop(request.session_hash, None)  # the unload may have taken it meanwhile
         live.finish()
         return show(live)[:2]
 
