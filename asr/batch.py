@@ -288,6 +288,13 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
     # talk.json named, transcribed beside itself: --overwrite replaced the recording with its
     # transcript. Only inputs named like an output can be one (an output's path resolved each).
     named_like_outputs = {same_file_key(s) for s in sources if s.suffix[1:].lower() in formats}
+    # a.wav's a.txt and the folder a.txt/ of a mirrored tree cannot both be: told before transcribing, not after.
+    def name_key(path: Path) -> str:
+        return folded(str(path)) if fold_case else str(path)
+    folders = set()
+    for item in candidates:
+        parts = item.stem.parent.relative_to(out_dir).parts
+        folders.update(name_key(out_dir.joinpath(*parts[:depth])) for depth in range(1, len(parts) + 1))
     planned = []
     for item in candidates:
         owner = owners[key(item)]
@@ -295,6 +302,10 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
                 (fmt for fmt in formats if same_file_key(item.output(fmt)) in named_like_outputs), None)):
             failures.append(FileResult(str(item.source), error=f"its {replaced} output would be {item.output(replaced)}, "
                                                                "a file also given to transcribe: give another --out-dir"))
+        elif folder := next((item.output(fmt) for fmt in formats if name_key(item.output(fmt)) in folders
+                             or item.output(fmt).is_dir()), None):
+            failures.append(FileResult(str(item.source), error=f"its output {folder} would be a file where a folder of "
+                                                               "outputs is: rename one, or give another --out-dir"))
         elif owner is item:
             planned.append(item)
         else:

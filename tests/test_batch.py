@@ -155,6 +155,22 @@ def test_names_too_long_for_outputs_and_names_alike_but_for_case_fail_before_dec
     assert remove_partials([item], ["json"]) == 1 and not stale.exists()
 
 
+def test_an_output_named_as_a_folder_of_outputs_fails_before_decoding(tmp_path: Path):
+    """a.flac's a.txt and the tree's folder a.txt/ (b.wav's outputs go in it) cannot both be:
+    whichever came second failed after it was transcribed, and which one depended on length."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    (source / "a.txt").mkdir(parents=True), (source / "c.srt").mkdir(), (out / "d.json").mkdir(parents=True)
+    for name in ["a.flac", "a.txt/b.wav", "c.srt/e.wav", "d.wav", "f.wav"]:
+        (source / name).write_bytes(b"x")
+    planned, failures = plan_outputs([source], out, ["txt", "json"])
+    assert sorted(p.stem.relative_to(out).as_posix() for p in planned) == ["a.txt/b", "c.srt/e", "f"]
+    assert [(Path(f.source).name, f.error) for f in failures] == [
+        ("a.flac", f"its output {out / 'a.txt'} would be a file where a folder of outputs is: rename one, "
+                   "or give another --out-dir"),
+        ("d.wav", f"its output {out / 'd.json'} would be a file where a folder of outputs is: rename one, "
+                  "or give another --out-dir")]  # a folder there already: as much in the way
+
+
 def test_partial_outputs_are_removed_and_complete_ones_recognised(tmp_path: Path):
     item = PlannedFile(tmp_path / "in.flac", tmp_path / "out" / "talk")
     item.stem.parent.mkdir()
