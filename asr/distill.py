@@ -26,6 +26,7 @@ from asr.audio import AudioError, load_audio
 from asr.batch import find_audio
 from asr.decoder import DecoderRunner
 from asr.features import WINDOW_FRAMES, log_mel
+from asr.metrics import manifest_rows
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
 from asr.speculative import SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
@@ -39,16 +40,8 @@ def list_audio(source: Path) -> list[Path]:
         raise ValueError(f"{source}: no such folder or manifest")
     if source.is_dir():
         files = find_audio(source)  # as `asr transcribe` walks folders
-    elif source.suffix == ".tsv":
-        lines = source.read_text(encoding="utf-8").splitlines()
-        header = lines[0].split("\t") if lines else []
-        if "file" not in header:
-            raise ValueError(f"{source}: its first line names no 'file' column")
-        column = header.index("file")
-        rows = [line.split("\t") for line in lines[1:] if line.strip()]
-        if short := next((n for n, row in enumerate(rows, 2) if len(row) <= column), None):
-            raise ValueError(f"{source}: line {short} has no 'file' column")
-        files = [source.parent / row[column].strip() for row in rows]
+    elif source.suffix == ".tsv":  # read as `asr evaluate` reads one, a reference column not needed
+        files = [source.parent / row["file"].strip() for _, row in manifest_rows(source, ("file",))]
     else:
         raise ValueError(f"{source}: expected a folder of audio files or a .tsv manifest with a 'file' column")
     if not files:
@@ -84,7 +77,10 @@ class PseudoLabels:
                 saved = torch.load(self.path, weights_only=True)
         if saved["files"] != self.files[: len(saved["files"])]:
             raise ValueError(f"{work}: labelled for other audio (more audio may only be appended to the list)")
-        if saved.get("made_for", made_for) != made_for:  # its encoder outputs and labels would be another model's
+        was = saved.get("made_for", made_for)  # a work folder of before 2026-11-29 has a fingerprint of fewer samples
+        if was["language"] != made_for["language"] or any(was["target"].get(key, value) != value
+                                                          for key, value in made_for["target"].items()):
+            # its encoder outputs and labels would be another model's
             raise ValueError(f"{work}: labelled by another target or in another language than "
                              f"{made_for['language']!r}: resume with the same --target and --language")
         encoder_file = work / "encoder.f16"
@@ -169,8 +165,9 @@ def teacher_forced_logits(runner: DecoderRunner, encoded: Tensor, rows: list[lis
 
 class DraftDecoder(nn.Module):
     """The student: a few of the target's decoder layers, its token and position
-    embeddings shared and frozen, and an output head over `head_token_ids` only (rows of
-    the shared embedding, as Whisper ties its head to it).
+    embeddings shared and frozen, and an output head over `head_token_ids` only: those rows
+    of the target's own output head, frozen, as the loaded draft decodes with them (Whisper
+    ties its head to the embedding; a target that does not was trained for a head it never ran).
 
     share_cross_kv: keep each layer's cross-attention key/value projections frozen at the
     target layer it starts from, so that decoding reuses the target's cross-attention K/V
@@ -191,6 +188,7 @@ class DraftDecoder(nn.Module):
         self.decoder.embed_tokens.weight = nn.Parameter(source.embed_tokens.weight.detach(), requires_grad=False)
         self.decoder.embed_positions.weight = nn.Parameter(source.embed_positions.weight.detach(), requires_grad=False)
         self.register_buffer("head_token_ids", head_token_ids.long())
+        self.register_buffer("head", target.model.proj_out.weight.detach()[head_token_ids], persistent=False)
         self.layers_from = layers
         self.share_cross_kv = share_cross_kv
         if share_cross_kv:
@@ -201,7 +199,7 @@ class DraftDecoder(nn.Module):
     def forward(self, input_ids: Tensor, encoder_output: Tensor) -> Tensor:
         """Teacher-forced logits over the head's tokens [B, T, len(head_token_ids)]."""
         hidden = self.decoder(input_ids=input_ids, encoder_hidden_states=encoder_output, use_cache=False).last_hidden_state
-        return hidden @ self.decoder.embed_tokens.weight[self.head_token_ids].t()
+        return hidden @ self.head.t()
 
     def trainable_state(self) -> dict[str, Tensor]:
         """What the draft stores: everything but the frozen, shared weights (embeddings, and
@@ -280,7 +278,8 @@ def make_batch(labels: list[Label], indices: list[int], store: PseudoLabels, hea
 def previous_text_prompts(labels: list[Label], rows: list[int], pool: list[int], fraction: float, rng: random.Random,
                           sot_prev: int, eot: int, max_positions: int) -> list[list[int]]:
     """For about `fraction` of the rows, a previous-text prompt made of other clips'
-    transcripts (text tokens only, up to the 223 Whisper keeps): the draft learns to read
+    transcripts (their text and timestamp tokens, as long-form transcription keeps the last
+    window's, up to the 223 Whisper keeps): the draft learns to read
     past a prompt, at the later positions prompted windows use. The target's labels were
     made without one, so the text the draft learns to predict is approximately, not
     exactly, what the target says after that prompt."""
@@ -295,7 +294,7 @@ def previous_text_prompts(labels: list[Label], rows: list[int], pool: list[int],
             if len(text) >= length:
                 break
             other = labels[rng.choice(pool)]
-            text = [t for t in other.tokens[other.prompt_length :] if t < eot] + text
+            text = [t for t in other.tokens[other.prompt_length :] if t != eot] + text  # labels hold no other special token
         prompts.append([sot_prev] + text[-length:] if text else [])
     return prompts
 
@@ -350,23 +349,34 @@ def length_batches(lengths: list[int], batch_size: int, rng: random.Random) -> l
 def split_holdout(count: int, fraction: float, seed: int) -> tuple[list[int], list[int]]:
     order = list(range(count))
     random.Random(seed).shuffle(order)
-    held = max(1, round(count * fraction)) if count > 1 else 0
+    held = max(1, round(count * fraction)) if count > 1 and fraction > 0 else 0
     return sorted(order[held:]), sorted(order[:held])
 
 
 @torch.inference_mode()
-def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str, batch_size: int = 8) -> tuple[int, int]:
+def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str,
+                             batch_size: int = 8) -> tuple[int, int, int]:
     """How often the draft, fed the target's own greedy transcript of each clip's first
-    window, predicts the target's next token (end-of-text included). Returns (hits, tokens)."""
+    window, predicts the target's next token (end-of-text included). Returns (hits, tokens,
+    clips); a clip that cannot be read is skipped, saying why."""
     target, draft = pair.target, pair.draft
     rules = Transcriber(ModelPair(target, None), TranscribeOptions(language=language)).rules(timestamps=True)
     prompt = target.vocab.sot_sequence(language, "transcribe")
-    hits = total = 0
+    hits = total = clips = 0
     for start in range(0, len(files), batch_size):
-        windows = [log_mel(load_audio(p), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for p in files[start : start + batch_size]]
+        windows = []
+        for path in files[start : start + batch_size]:
+            try:
+                windows.append(log_mel(load_audio(path), target.config.num_mel_bins)[:, :WINDOW_FRAMES])
+            except AudioError as error:
+                tqdm.write(f"skipped: {error}")
+        if not windows:
+            continue
+        clips += len(windows)
         features = torch.stack(windows)
         encoded = target.encode(features)
-        sequences = SpeculativeDecoder(target.runner).decode(encoded, [prompt] * len(windows), rules)
+        max_new = min(224, target.runner.max_positions - 1 - len(prompt))  # as pseudo_label labels them
+        sequences = SpeculativeDecoder(target.runner).decode(encoded, [prompt] * len(windows), rules, max_new_tokens=max_new)
         rows = [prompt + s.tokens + [target.vocab.eot] for s in sequences]
         draft_encoded = draft.encode(features) if pair.draft_has_own_encoder else encoded
         predicted = teacher_forced_logits(draft.runner, draft_encoded, rows, target.vocab.eot).argmax(-1)
@@ -374,4 +384,4 @@ def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str, 
             expected = torch.tensor(row[len(prompt) :], device=predicted.device)
             hits += int((predicted[i, len(prompt) - 1 : len(row) - 1] == expected).sum())
             total += len(expected)
-    return hits, total
+    return hits, total, clips

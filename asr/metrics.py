@@ -95,11 +95,10 @@ class LabelledClip:
     language: str = "en"
 
 
-def read_manifest(path: Path, default_language: str = "en", limit: int | None = None) -> list[LabelledClip]:
-    """A tab-separated UTF-8 file with a header and at least the columns file and reference
-    (files relative to the manifest's folder; an empty reference is a clip without speech).
-    Optional: duration_seconds, and the clip's language as a language column or "lang=de"
-    in a notes column (default: English). A row that does not fit is an error naming its line.
+def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = None) -> list[tuple[int, dict]]:
+    """The rows of a tab-separated UTF-8 file with a header naming at least the columns
+    `required` (in any case; a byte-order mark before it is no part of it), each with its
+    line number and a non-empty file. A row that does not fit is an error naming its line.
     limit: only the first rows are read (a bad row after them is not looked at)."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
     data = path.read_bytes()
@@ -113,23 +112,32 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
     # A spreadsheet's "Language" column was ignored: its clips were decoded as English.
     columns = reader.fieldnames = [c.strip().lower() for c in reader.fieldnames or []]
-    missing = {"file", "reference"} - set(columns)
+    missing = set(required) - set(columns)
     if missing:
-        raise ValueError(f"{path}: a manifest needs the columns file and reference (tab-separated); "
-                         f"missing {', '.join(sorted(missing))}")
+        raise ValueError(f"{path}: a manifest needs the column{'s' * (len(required) > 1)} {' and '.join(required)} "
+                         f"(tab-separated); missing {', '.join(sorted(missing))}")
     # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
     if repeated := sorted({c for c in columns if c.strip() and columns.count(c) > 1}):
         raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
     rows = [(reader.line_num, row) for row in itertools.islice(reader, limit)]
-    clips = []
     for line, row in rows:
         extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field
-        if extra or row["reference"] is None or row["file"] is None:
+        if extra or any(row[column] is None for column in required):
             found = len(columns) + len(extra) - sum(v is None for v in row.values())
             why = "a tab inside the reference splits it" if extra else "a column is missing"
             raise ValueError(f"{path}:{line}: {found} tab-separated fields where the header has {len(columns)} ({why})")
         if not row["file"].strip():
             raise ValueError(f"{path}:{line}: no file named")
+    return rows
+
+
+def read_manifest(path: Path, default_language: str = "en", limit: int | None = None) -> list[LabelledClip]:
+    """A manifest (manifest_rows) with at least the columns file and reference (files
+    relative to the manifest's folder; an empty reference is a clip without speech).
+    Optional: duration_seconds, and the clip's language as a language column or "lang=de"
+    in a notes column (default: English)."""
+    clips = []
+    for line, row in manifest_rows(path, ("file", "reference"), limit):
         hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
         language = language_code((row.get("language") or "").strip() or (hint.group(1) if hint else default_language))
         duration = (row.get("duration_seconds") or "").strip()

@@ -362,10 +362,15 @@ def _weights_of(directory: Path) -> Iterator[None]:
 
 def encoder_fingerprint(encoder: nn.Module) -> dict:
     """Identifies the encoder a distilled draft was trained on: its first convolution's
-    shape and 64 of its weights, spread over it (compared by encoder_matches)."""
-    weight = encoder.conv1.weight.detach()
-    flat = weight.to("cpu", torch.float32).flatten()
-    return {"shape": list(weight.shape), "sample": flat[torch.linspace(0, len(flat) - 1, 64).long()].tolist()}
+    shape and 64 of its weights, and 64 of its last layer's and final norm's, each spread
+    over its tensor (a fine-tune may leave the first convolution as it was; compared by
+    encoder_matches)."""
+    def sample(weight: Tensor) -> list[float]:
+        flat = weight.detach().to("cpu", torch.float32).flatten()
+        return flat[torch.linspace(0, len(flat) - 1, 64).long()].tolist()
+
+    return {"shape": list(encoder.conv1.weight.shape), "sample": sample(encoder.conv1.weight),
+            "last": sample(encoder.layers[-1].fc2.weight) + sample(encoder.layer_norm.weight)}
 
 
 def encoder_matches(fingerprint: object, encoder: nn.Module) -> bool:
@@ -378,7 +383,10 @@ def encoder_matches(fingerprint: object, encoder: nn.Module) -> bool:
     ours = encoder_fingerprint(encoder)
     if not isinstance(fingerprint, dict) or fingerprint.get("shape") != ours["shape"]:
         return False
-    return torch.allclose(torch.tensor(fingerprint["sample"]), torch.tensor(ours["sample"]), rtol=2**-6, atol=1e-6)
+    # A draft distilled before 2026-11-29 sampled the first convolution only.
+    return all(len(fingerprint[key]) == len(ours[key]) and torch.allclose(
+        torch.tensor(fingerprint[key]), torch.tensor(ours[key]), rtol=2**-6, atol=1e-6)
+        for key in ("sample", "last") if key in fingerprint)
 
 
 def _load_distilled_draft(

@@ -115,6 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     draft = DraftDecoder(target, layers, head, args.dropout, share_cross_kv=not args.train_cross_kv)
     print(f"draft: target layers {layers}, head of {len(head)} tokens; {len(train)} clips to train on, {len(held)} held back")
 
+    def measure(when: str) -> str:
+        draft.eval()  # dropout off: the same draft measured twice gave two figures
+        if not held:
+            return f"{when}: no clip held back (--holdout 0) to measure agreement on"
+        return f"{when}: held-out agreement (teacher-forced) {agreement(draft, labels, held, store, head_index, eot):.1%}"
+
+
     parameters = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01)
     steps_per_epoch = -(-len(train) // args.batch_size)
@@ -145,9 +152,17 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         schedule.load_state_dict(state["schedule"])
         first_epoch = state["epoch"]
-        print(f"resumed after epoch {first_epoch}")
+        if "rng" in state:  # dropout's draws go on as in a run never stopped
+            torch.set_rng_state(state["rng"])
+        # The schedule as this run's --lr and --epochs make it: the saved rate had decayed to 0
+        # at the last epoch (the first step of more --epochs ran at 0), and --lr was ignored.
+        schedule.base_lrs = [args.lr for _ in schedule.base_lrs]
+        for group in optimizer.param_groups:
+            group["lr"], group["initial_lr"] = args.lr * schedule.lr_lambdas[0](schedule.last_epoch), args.lr
+        was = state.get("lr", args.lr)
+        print(f"resumed after epoch {first_epoch}" + (f", at --lr {args.lr} (it was {was})" if was != args.lr else ""))
     if first_epoch == 0:
-        print(f"agreement before training (held-out, teacher-forced): {agreement(draft, labels, held, store, head_index, eot):.1%}")
+        print(measure("before training"))
 
     for epoch in range(first_epoch, args.epochs):
         batches = length_batches([len(labels[i].tokens) for i in train], args.batch_size, random.Random(args.seed * 1000 + epoch))
@@ -167,14 +182,12 @@ def main(argv: list[str] | None = None) -> int:
             optimizer.step()
             schedule.step()
             progress.set_postfix(loss=f"{loss.item():.3f}")
-        draft.eval()
-        score = agreement(draft, labels, held, store, head_index, eot)
-        print(f"epoch {epoch + 1}: held-out agreement {score:.1%} ({time.perf_counter() - started:.0f} s)")
+        print(f"{measure(f'epoch {epoch + 1}')} ({time.perf_counter() - started:.0f} s)")
         draft.save(args.out, target)
         temporary = checkpoint.with_suffix(".part")
         torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                     "epoch": epoch + 1, "head": head, "files": store.files, "train": train, "seed": args.seed,
-                    "holdout": args.holdout}, temporary)
+                    "holdout": args.holdout, "lr": args.lr, "rng": torch.get_rng_state()}, temporary)
         temporary.replace(checkpoint)
     print(f"draft saved to {args.out}")
     return 0

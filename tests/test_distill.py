@@ -17,11 +17,12 @@ import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
-from asr.distill import length_batches, split_holdout
-from asr.models import IncompatibleModels, load_pair
+from asr.distill import (DraftDecoder, Label, length_batches, list_audio, previous_text_prompts, split_holdout,
+                         teacher_forced_logits)
+from asr.models import IncompatibleModels, load_model, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 from asr.features import WINDOW_FRAMES, log_mel
-from conftest import REPO, end_rows_at_different_lengths, save_tiny, tiny_target
+from conftest import EOT, REPO, end_rows_at_different_lengths, save_tiny, tiny_target
 
 
 def current_umask() -> int:
@@ -30,14 +31,19 @@ def current_umask() -> int:
     return mask
 
 
-def distill_main():
-    spec = importlib.util.spec_from_file_location("distill_draft", REPO / "scripts" / "distill_draft.py")
+def script_main(name: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.main
 
 
-def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, capsys):
+def distill_main():
+    return script_main("distill_draft")
+
+
+def tiny_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """Six tones in noise, and a tiny target that ends its transcripts of them: (audio, target)."""
     audio_dir = tmp_path / "audio"
     audio_dir.mkdir()
     rng = np.random.default_rng(0)
@@ -50,7 +56,11 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     model = tiny_target(0, dtype=torch.float32, frames=3000)
     # A random model rarely ends a transcript, and clips that never end are not learnt from.
     end_rows_at_different_lengths(model, torch.stack([log_mel(clip, 80)[:, :WINDOW_FRAMES] for clip in clips]))
-    target_dir = save_tiny(model, tmp_path / "target")
+    return audio_dir, save_tiny(model, tmp_path / "target")
+
+
+def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, capsys):
+    audio_dir, target_dir = tiny_corpus(tmp_path)
     (audio_dir / "broken.wav").write_bytes(b"not audio")
     out = tmp_path / "draft"
     main = distill_main()
@@ -124,6 +134,29 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
         load_pair(str(other), str(out))
 
 
+def test_a_resumed_training_ends_as_one_never_stopped_at_the_rate_asked_for(tmp_path: Path, capsys):
+    """Dropout's random draws started again from the seed on --resume, so the draft differed
+    from an unbroken run's; --lr was ignored, and more --epochs began at the rate 0."""
+    audio_dir, target_dir = tiny_corpus(tmp_path)
+    main = distill_main()
+    common = ["--target", str(target_dir), "--audio", str(audio_dir), "--layers", "1", "--batch-size", "2",
+              "--dropout", "0.3", "--previous-text", "0"]
+    assert main(common + ["--out", str(tmp_path / "whole"), "--epochs", "2"]) == 0
+    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "1"]) == 0
+    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "2", "--resume"]) == 0
+    whole, parts = ((tmp_path / name / "model.safetensors").read_bytes() for name in ("whole", "parts"))
+    assert whole == parts
+    capsys.readouterr()
+    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "3", "--resume", "--lr", "0.001"]) == 0
+    assert "resumed after epoch 2, at --lr 0.001 (it was 0.0003)" in capsys.readouterr().out
+    state = torch.load(tmp_path / "parts" / "work" / "checkpoint.pt", weights_only=True)
+    assert state["optimizer"]["param_groups"][0]["initial_lr"] == 0.001 and state["lr"] == 0.001
+    assert (tmp_path / "parts" / "model.safetensors").read_bytes() != parts  # epoch 3 trained, at a rate above 0
+    assert main(common + ["--out", str(tmp_path / "all"), "--epochs", "1", "--holdout", "0"]) == 0
+    said = capsys.readouterr().out
+    assert "0 held back" in said and "epoch 1: no clip held back (--holdout 0) to measure agreement on" in said
+
+
 def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_draft(tmp_path: Path, capsys):
     target = str(save_tiny(tiny_target(0, dtype=torch.float32, frames=3000), tmp_path / "target"))
     main = distill_main()
@@ -146,7 +179,17 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     manifest = tmp_path / "list.tsv"
     manifest.write_text("path\ttext\nclip.wav\thello\n")
     assert main(["--target", target, "--audio", str(manifest), "--out", str(tmp_path / "b")]) == 2
-    assert f"{manifest}: its first line names no 'file' column" in capsys.readouterr().err
+    assert f"{manifest}: a manifest needs the column file (tab-separated); missing file" in capsys.readouterr().err
+    # Read as `asr evaluate` reads one: a spreadsheet's byte-order mark and "File" header were
+    # refused, a row without a file became the manifest's folder, Latin-1 failed naming no file.
+    manifest.write_bytes(b"\xef\xbb\xbfFile\tnotes\na.wav\tx\nsub/b.wav\n")
+    assert list_audio(manifest) == [tmp_path / "a.wav", tmp_path / "sub" / "b.wav"]
+    manifest.write_text("file\na.wav\n\t\n")
+    with pytest.raises(ValueError, match=f"{manifest}:3: no file named"):
+        list_audio(manifest)
+    manifest.write_bytes("file\nsof\u00eda.wav\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=f"{manifest}:2: not UTF-8 text"):
+        list_audio(manifest)
     assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(audio), "--out", str(tmp_path / "c")]) == 2
     assert "nowhere" in capsys.readouterr().err
     # Values that failed late (a ZeroDivisionError after the labelling) or saved a draft that could not decode.
@@ -177,3 +220,68 @@ def test_length_batches_cover_every_index_once_in_batches_of_similar_length():
     assert all(len(batch) <= 16 for batch in batches)
     spread = np.mean([max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches])
     assert spread < 20  # random batches of 16 would spread over ~180
+
+
+def test_the_draft_learns_the_head_it_decodes_with_and_knows_its_target_by_more_than_the_first_layer(tmp_path: Path,
+                                                                                                      capsys):
+    """A draft of every layer of a target whose head is not tied to its embedding (as the
+    tiny targets are) predicts as the target, in training and once saved and loaded: it was
+    trained through the embedding's rows, a head the loaded draft never ran, and agreed
+    with its own target on none of its tokens. A target whose encoder differs past its first
+    convolution (a fine-tune) was taken for the one the draft was distilled on."""
+    target_dir = save_tiny(tiny_target(0, dtype=torch.float32, frames=3000), tmp_path / "target")
+    target = load_model(str(target_dir))
+    assert not torch.equal(target.model.proj_out.weight, target.decoder.embed_tokens.weight)
+    head = torch.tensor(sorted({EOT, *range(300, 700)}))
+    draft = DraftDecoder(target, [0, 1], head).eval()
+    encoded = target.encode(torch.randn(2, 80, 3000))
+    rows = [[50258, 50259, 50359, 50363] + list(range(300, 300 + n)) for n in (9, 5)]
+    wanted = teacher_forced_logits(target.runner, encoded, rows, EOT)[..., head]
+    width = max(map(len, rows))
+    with torch.no_grad():
+        got = draft(torch.tensor([r + [EOT] * (width - len(r)) for r in rows]), encoded)
+    assert torch.allclose(got, wanted, atol=1e-3)
+    draft.save(tmp_path / "draft", target)
+    pair = load_pair(str(target_dir), str(tmp_path / "draft"))
+    loaded = teacher_forced_logits(pair.draft.runner, encoded, rows, EOT)  # int8 on a CPU: the same choices
+    assert (loaded.argmax(-1) == head[wanted.argmax(-1)]).float().mean() > 0.95  # in token ids
+
+    tuned = tiny_target(0, dtype=torch.float32, frames=3000)
+    with torch.no_grad():
+        tuned.model.encoder.layers[-1].fc2.weight.mul_(1.1)
+    save_tiny(tuned, tmp_path / "tuned")
+    with pytest.raises(IncompatibleModels, match="distilled for"):
+        load_pair(str(tmp_path / "tuned"), str(tmp_path / "draft"))
+    # A draft distilled before 2026-11-29 recorded the first convolution only: still loads.
+    config = json.loads((tmp_path / "draft" / "config.json").read_text())
+    del config["asr_draft"]["target_encoder"]["last"]
+    (tmp_path / "draft" / "config.json").write_text(json.dumps(config))
+    assert load_pair(str(tmp_path / "tuned"), str(tmp_path / "draft")).draft.head_token_ids is not None
+
+    # scripts/draft_agreement.py: a clip it cannot read is skipped, saying so (a traceback
+    # after the models loaded); a language given by name is taken, one unknown told.
+    audio = tmp_path / "audio"
+    audio.mkdir()
+    soundfile.write(audio / "a.wav", (0.3 * np.sin(np.arange(SAMPLE_RATE) / 20)).astype(np.float32), SAMPLE_RATE)
+    (audio / "b.wav").write_bytes(b"not audio")
+    agreement = script_main("draft_agreement")
+    assert agreement(["--target", str(target_dir), "--draft", str(tmp_path / "draft"), "--audio", str(audio)]) == 0
+    said = capsys.readouterr()
+    assert "over 1 clips (1 skipped)" in said.out and "b.wav" in said.out + said.err
+    assert agreement(["--target", str(target_dir), "--draft", str(tmp_path / "draft"), "--audio", str(audio),
+                      "--language", "English"]) == 0
+    assert agreement(["--target", str(target_dir), "--draft", str(tmp_path / "draft"), "--audio", str(audio),
+                      "--language", "klingon"]) == 2
+    assert "unknown language 'klingon'" in capsys.readouterr().err
+
+
+def test_previous_text_prompts_keep_timestamps_as_long_form_transcription_does():
+    """Long-form transcription conditions a window on the last one's tokens, timestamps
+    included; the draft was trained on prompts without them."""
+    prompt, begin = [50258, 50259, 50359], 50364
+    labels = [Label(f"{i}.wav", prompt + [begin, 400 + i, 401 + i, begin + 50, EOT], len(prompt), torch.zeros(0),
+                    torch.zeros(0)) for i in range(4)]
+    prompts = previous_text_prompts(labels, [0, 1, 2], [0, 1, 2, 3], 1.0, random.Random(0), 50361, EOT, 64)
+    assert all(p[0] == 50361 and EOT not in p for p in prompts)
+    assert any(t >= begin for p in prompts for t in p[1:]) and any(t < EOT for p in prompts for t in p[1:])
+    assert split_holdout(10, 0.0, 0) == (list(range(10)), [])  # --holdout 0 held one back
