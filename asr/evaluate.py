@@ -22,7 +22,7 @@ import torch
 import transformers
 from torch import nn
 from tqdm import tqdm
-from transformers import GenerationConfig, WhisperForCausalLM
+from transformers import GenerationConfig, GenerationMixin, WhisperForCausalLM, WhisperForConditionalGeneration
 from transformers.generation.streamers import BaseStreamer
 
 from asr import vad
@@ -72,6 +72,8 @@ PEER_NOTES = {
         "its own, up to the decoder's 448 positions less the prompt, which a window that loops until its limit reaches.",
         "transformers drops Whisper's begin-suppress rule when an assistant model is given, so its assisted "
         "transcripts can differ from its own target-only ones.",
+        "For its no-speech check transformers runs the model again from the audio features: its encoder seconds "
+        "count one more encoder pass per window than ours, two more with an assistant.",
         "transformers' assistant is the draft as a WhisperForCausalLM; a draft distilled by this project scores only "
         "the tokens its target emitted (a reduced head), and transformers cannot restrict a head, so there it scores "
         "every token with the shared (tied) embedding as its head.",
@@ -284,14 +286,26 @@ class _Assistant(WhisperForCausalLM):
         return super().prepare_inputs_for_generation(*args, **kwargs)
 
 
+class _WholeAssistant(WhisperForConditionalGeneration):
+    """A draft with an encoder of its own, as transformers' assistant: candidates come from
+    plain `generate`. Whisper's own ran its no-speech check on the candidates, calling the
+    model without the audio features, and failed on every file."""
+
+    def generate(self, *args, **kwargs):
+        return GenerationMixin.generate(self, *args, **kwargs)
+
+
 def transformers_assistant(pair: ModelPair) -> nn.Module:
     """Our draft as transformers' `assistant_model`. A draft that runs its own encoder is a
-    whole Whisper; any other (a decoder-only draft, or a full checkpoint whose encoder copy
-    was freed because it shares the target's) becomes a WhisperForCausalLM view over its
-    decoder and head, which transformers gives the target's encoder output."""
+    whole Whisper; any other (a decoder-only draft, a full checkpoint whose encoder copy was
+    freed because it shares the target's, or the target itself) becomes a WhisperForCausalLM
+    view over its decoder and head, which transformers gives the target's encoder output."""
     draft = pair.draft
-    if draft.encoder is not None:
-        return draft.model
+    if pair.draft_has_own_encoder:
+        with torch.device("meta"):
+            whole = _WholeAssistant(copy.deepcopy(draft.config))
+        whole.model, whole.proj_out, whole.generation_config = draft.model.model, draft.model.proj_out, draft.model.generation_config
+        return whole.eval()
     with torch.device("meta"):
         view = _Assistant(copy.deepcopy(draft.config))  # its __init__ edits the config it is given
     view.model.decoder = draft.decoder

@@ -734,6 +734,24 @@ def test_a_full_checkpoint_draft_sharing_the_encoder_becomes_a_causal_lm_assista
     torch.testing.assert_close(got, expected)
 
 
+def test_transformers_assists_with_a_draft_of_its_own_encoder_and_with_the_target_itself(tmp_path: Path):
+    """Such an assistant was handed over whole, and Whisper's generate then ran its
+    no-speech check on the candidates, calling the model without the audio features:
+    transformers assisted failed on every file with `--draft target` or a smaller Whisper."""
+    big = dict(dtype=torch.float32, frames=3000, max_target_positions=448)
+    target = str(save_tiny(tiny_target(0, **big), tmp_path / "target"))
+    path = DEV / "en_short" / CLIPS[0]
+    audio = AudioInput(str(path), load_audio(path))
+    for draft in (str(save_tiny(tiny_target(1, **big), tmp_path / "draft")), "target"):
+        pair = load_pair(target, draft)
+        assert pair.draft_has_own_encoder == (draft != "target")
+        greedy = TranscribeOptions(language="en", temperatures=(0.0,))  # a random model falls back to sampling
+        plain, assisted = (TransformersSystem(pair, greedy, assisted=flag).run([audio], "en")[0]
+                           for flag in (False, True))
+        assert assisted.error is None and plain.error is None, assisted.error
+        assert assisted.tokens == plain.tokens and assisted.stats.draft_proposed > 0
+
+
 def test_normalisers_and_minimal_manifests(tmp_path: Path):
     assert normalize("The colour of the theatre, Mr. Smith.") == "the color of the theater mister smith"
     assert normalize("Sous le consulat, il devient conservateur des eaux et forêts.", "fr") == (
