@@ -349,6 +349,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run
             raise ValueError(f"--out {args.out}: {problem}")
+        if missing := [c.path for c in clips if not c.path.exists()]:  # told at the end only, after every other file
+            print(f"asr: warning: {len(missing)} of the manifest's files do not exist (the first: {missing[0]}); "
+                  "they are left out of every figure and listed as failed", file=sys.stderr)
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)
         vocab = pair.target.vocab

@@ -638,6 +638,23 @@ def test_a_finished_evaluation_is_written_and_shown_under_an_ascii_locale_from_a
     assert "bad\\udcffdir" in (folder / "out" / "report.md").read_text(encoding="utf-8")
 
 
+def test_files_the_manifest_names_that_do_not_exist_are_told_before_the_models_load(tmp_path: Path, capsys,
+                                                                                     monkeypatch):
+    """They were told only at the end, after every other file had been decoded."""
+    manifest = write_manifest(tmp_path, [CLIPS[0]])
+    with manifest.open("a") as out:
+        out.write("gone.wav\tsome words\nalso-gone.wav\tmore words\n")
+
+    def stop(*args, **kwargs):
+        raise ValueError("no model loads in this test")
+
+    monkeypatch.setattr("asr.cli.load_pair", stop)
+    assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"asr: warning: 2 of the manifest's files do not exist (the first: {tmp_path / 'gone.wav'}); they are left out "
+        "of every figure and listed as failed", "asr: no model loads in this test"]
+
+
 def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_run(tmp_path: Path, capsys, monkeypatch):
     """... or a report folder that cannot be written (a run of hours would be lost at its end)."""
     (tmp_path / "empty.tsv").write_text("file\treference\n")
