@@ -23,6 +23,13 @@ FFMPEG_FORMATS = {"MP3"}
 # A file whose header states this much more audio than it holds was cut short (a copy or
 # download interrupted): its transcript would be of a part, and a folder run would skip it as done.
 TRUNCATED_SECONDS = 0.5
+# Audio missing inside a stream (a damaged FLAC stretch the decoder resyncs past, packets that
+# fail to decode) shows as a jump in its frames' times: filled with silence from this long,
+# so that the times after it stay the recording's (subtitles would run early by the loss).
+GAP_SECONDS = 0.05
+# Containers whose frame times count samples exactly: a jump there is audio lost, never a
+# clock's jitter (a browser's webm), which other containers fill only after a lost packet.
+EXACT_TIMES = {"flac", "mp3", "wav"}
 UNSIZED_WAV = 0x7FFF0000
 
 
@@ -372,6 +379,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
     size = 0
     lost: list[tuple[float, str]] = []  # each packet that could not be decoded: where it starts (s), the error
     ends_lost = [False]  # whether no packet decoded after the last lost one
+    gaps: list[tuple[float, float]] = []  # audio missing between frames, filled with silence: where (s), how long (s)
     decoded = 0
     try:
         with av.open(_for_ffmpeg(path), metadata_errors="ignore") as container:
@@ -383,8 +391,12 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                 pending.append(np.zeros(lead, dtype=np.float32))
                 size += lead
 
-            def resampled():
+            exact = container.format.name in EXACT_TIMES
+
+            def resampled() -> Iterator[np.ndarray]:
                 resampler, setup = None, None
+                due = None  # where the next frame starts if nothing is missing (s)
+                lost_since = False  # a packet lost since the last frame decoded
                 for packet in container.demux(container.streams.audio[0]):
                     try:
                         frames = packet.decode()
@@ -393,25 +405,38 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         # ffmpeg command (a whole file failed on one bad packet).
                         at = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
                         lost.append((at, str(error)))
-                        ends_lost[0] = True
+                        ends_lost[0] = lost_since = True
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:
+                        start = float(frame.pts * frame.time_base) if frame.pts is not None and frame.time_base else None
+                        if None not in (start, due) and start - due >= GAP_SECONDS and (exact or lost_since):
+                            if resampler is not None:  # what it holds is from before the gap
+                                yield from (out.to_ndarray().mean(axis=0, dtype=np.float32)
+                                            for out in resampler.resample(None))
+                                resampler, setup = None, None
+                            gaps.append((due, start - due))
+                            for piece in range(0, round((start - due) * SAMPLE_RATE), 30 * SAMPLE_RATE):
+                                yield np.zeros(min(30 * SAMPLE_RATE, round((start - due) * SAMPLE_RATE) - piece),
+                                               dtype=np.float32)
+                        lost_since = False
+                        due = (start if start is not None else due or 0.0) + frame.samples / frame.sample_rate
                         # MP3s joined with `cat`, a broadcast's AAC: the rate or channels can change
                         # midway, and a resampler takes only the frames it was set up with.
                         if setup != (frame.format.name, frame.layout.name, frame.sample_rate):
                             if resampler is not None:
-                                yield from resampler.resample(None)
+                                yield from (out.to_ndarray().mean(axis=0, dtype=np.float32)
+                                            for out in resampler.resample(None))
                             # Channels kept and averaged below, as soundfile's are: FFmpeg's own stereo-to-mono
                             # mix sums them at 0.707 each, 3 dB louder than the same recording as a WAV.
                             resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
                             setup = (frame.format.name, frame.layout.name, frame.sample_rate)
-                        yield from resampler.resample(frame)
+                        yield from (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(frame))
                 if resampler is not None:
-                    yield from resampler.resample(None)
+                    yield from (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None))
 
             for out in resampled():
-                pending.append(out.to_ndarray().mean(axis=0, dtype=np.float32))
+                pending.append(out)
                 size += len(pending[-1])
                 decoded += len(pending[-1])
                 if size >= block_seconds * SAMPLE_RATE:
@@ -433,9 +458,15 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
         # FFmpeg's own message names the file as it was opened (absolute): the path leads already.
         detail = getattr(error, "strerror", None) if isinstance(error, av.error.FFmpegError) else None
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {detail or error})") from error
-    if lost:
-        notice = (f"{path}: {len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be "
-                  f"decoded and were skipped ({lost[0][1]})")
+    if lost or gaps:
+        told = [f"{len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be decoded and were "
+                f"skipped ({lost[0][1]})"] if lost else []
+        if gaps:
+            where = (f"at {gaps[0][0]:.2f} s" if len(gaps) == 1 else
+                     f"in {len(gaps)} stretches, the first at {gaps[0][0]:.2f} s,")
+            told.append(f"{sum(length for _, length in gaps):.2f} s of audio missing {where} (damaged), replaced by "
+                        "silence so that later times stay the recording's")
+        notice = f"{path}: {'; '.join(told)}"
         if notices is None:
             warnings.warn(notice, AudioWarning, stacklevel=2)
         else:

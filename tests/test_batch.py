@@ -219,9 +219,11 @@ def test_a_damaged_frame_in_a_streamed_recording_is_read_past_as_a_whole_read_do
     path.write_bytes(data)
     with pytest.raises(soundfile.LibsndfileError, match="lost sync"):
         soundfile.read(path)
-    whole = load_audio(path)
-    assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
-    assert 3 * len(clip) - SAMPLE_RATE < len(whole) < 3 * len(clip)  # the damaged frame's samples only are lost
+    with pytest.warns(AudioWarning, match="s of audio missing at .* replaced by silence"):
+        whole = load_audio(path)
+    with pytest.warns(AudioWarning, match="s of audio missing at .* replaced by silence"):
+        assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
+    assert len(whole) == 3 * len(clip)  # the damaged frame's samples are silence: the times after it are kept
 
 
 def encoded(path: Path, parts: list[tuple[np.ndarray, int, str]], codec: str, container: str) -> Path:

@@ -118,6 +118,32 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
         load_audio(garbage)
 
 
+def test_a_flac_damaged_midway_keeps_its_length_and_times_and_says_what_was_lost(tmp_path: Path):
+    """libsndfile stops at the damage and FFmpeg resyncs past it: the frames it skipped were
+    lost without a word, and every time after them (subtitles) came early by as much."""
+    audio = np.tile(load_audio(DEV / "en_short" / "jfk.flac"), 3)  # 33 s
+    soundfile.write(tmp_path / "whole.flac", audio, SAMPLE_RATE)
+    data = bytearray((tmp_path / "whole.flac").read_bytes())
+    data[int(0.6 * len(data)) : int(0.6 * len(data)) + 20_000] = random.Random(0).randbytes(20_000)
+    damaged = tmp_path / "damaged.flac"
+    damaged.write_bytes(bytes(data))
+    audio = load_audio(tmp_path / "whole.flac")  # as 16-bit FLAC keeps it
+    for read in (lambda notices: load_audio(damaged, notices=notices),
+                 lambda notices: np.concatenate(list(stream_audio(damaged, 7.3, notices=notices)))):
+        notices = []
+        got = read(notices)
+        assert len(got) == len(audio)
+        told = re.fullmatch(rf"{re.escape(str(damaged))}: (\d+\.\d\d) s of audio missing at (\d+\.\d\d) s \(damaged\), "
+                            "replaced by silence so that later times stay the recording's", " ".join(notices))
+        assert len(notices) == 1 and told, notices
+        lost, at = map(float, told.groups())
+        start, stop = round((at + 0.01) * SAMPLE_RATE), round((at + lost + 0.01) * SAMPLE_RATE)  # told to 0.01 s
+        assert 0.1 < lost < 3 and 15 < at < 25 and not got[start : stop - SAMPLE_RATE // 50].any()
+        # The frame before the gap may decode as noise (FFmpeg decodes a damaged frame it can parse).
+        assert np.array_equal(got[: start - SAMPLE_RATE // 2], audio[: start - SAMPLE_RATE // 2])
+        assert np.array_equal(got[stop:], audio[stop:])  # in place: the times after the gap are the recording's
+
+
 def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Path):
     """libsndfile and FFmpeg read a WAV or MP3 cut short (a copy or download interrupted) to
     its end, silently: a folder run wrote the transcript of a part of it, exit 0, and skipped
