@@ -59,7 +59,7 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
     if seconds is None:
         seconds = audio_seconds(path)
     if seconds is not None and seconds > MAX_SECONDS:  # before it fills memory
-        raise AudioError(_too_long(str(path), seconds))
+        raise AudioError(too_long(str(path), seconds))
     known = _libsndfile_format(path)
     try:
         if known in FFMPEG_FORMATS:
@@ -186,7 +186,7 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     if rate <= 0:
         raise AudioError(f"{name}: invalid sample rate {rate}")
     if samples.size / rate > MAX_SECONDS:
-        raise AudioError(_too_long(name, samples.size / rate))
+        raise AudioError(too_long(name, samples.size / rate))
     if not np.isfinite(samples).all():
         raise AudioError(f"{name}: contains NaN or infinite samples")
     if rate != SAMPLE_RATE:
@@ -199,7 +199,7 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 
-def _too_long(name: str, seconds: float) -> str:
+def too_long(name: str, seconds: float) -> str:
     return f"{name}: {seconds / 3600:.1f} h is longer than the {MAX_SECONDS // 3600} h limit"
 
 
@@ -364,7 +364,7 @@ def _read_ffmpeg(path: Path, notices: list[str] | None) -> tuple[np.ndarray, int
     for chunk in _ffmpeg_blocks(path, 0, notices):  # counted as read: not every container states its length
         chunks.append(chunk)
         if (size := size + len(chunk)) > MAX_SECONDS * SAMPLE_RATE:
-            raise AudioError(_too_long(str(path), size / SAMPLE_RATE))
+            raise AudioError(too_long(str(path), size / SAMPLE_RATE))
     if not chunks:
         raise AudioError(f"{path}: contains no audio samples")
     return np.concatenate(chunks), SAMPLE_RATE

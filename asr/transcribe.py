@@ -22,7 +22,8 @@ import torch
 from torch import Tensor
 
 from asr import hints, sampling, vad
-from asr.audio import SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, time_within, to_model_input
+from asr.audio import (MAX_SECONDS, SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, time_within,
+                       to_model_input, too_long)
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
@@ -172,6 +173,27 @@ class Cancelled(Exception):
     """A transcription stopped by Progress.cancel()."""
 
 
+def _gathered(blocks: Iterator[np.ndarray], seconds: float, name: str) -> np.ndarray:
+    """A stream's blocks as one array, filled in place (a list of blocks joined would hold the
+    recording twice); seconds: its header's estimate. Checked as load_audio checks a file."""
+    limit = MAX_SECONDS * SAMPLE_RATE  # as load_audio refuses a longer file: before it fills memory
+    if seconds * SAMPLE_RATE > limit:
+        raise AudioError(too_long(name, seconds))
+    samples, size = np.empty(round(seconds * SAMPLE_RATE) + SAMPLE_RATE, dtype=np.float32), 0
+    for block in blocks:
+        if size + len(block) > len(samples):  # the header said less
+            if size + len(block) > limit:
+                raise AudioError(too_long(name, (size + len(block)) / SAMPLE_RATE))
+            samples = np.resize(samples, min(2 * (size + len(block)), limit))
+        samples[size : size + len(block)] = block
+        size += len(block)
+    if not size:
+        raise AudioError(f"{name}: contains no audio samples")
+    if float(np.abs(samples[:size]).max()) < 1e-6:
+        raise AudioError(f"{name}: contains only digital silence, nothing to transcribe")
+    return samples[:size]
+
+
 def _scanned(blocks: Iterator[np.ndarray], progress: Progress | None) -> Iterator[np.ndarray]:
     """blocks, until progress is cancelled."""
     for block in blocks:
@@ -211,11 +233,14 @@ class AudioInput:
     # What reading the file lost (damaged packets skipped, each message naming the file): the
     # transcript carries them (TranscriptionInfo.warnings) to the command line, JSON and web page.
     warnings: tuple[str, ...] = ()
+    # Where vad_filter's cut is made as the file is read (Transcriber.read: a long recording),
+    # the samples are the speech alone, and this is where it lies in the recording.
+    speech: vad.SpeechMap | None = None
 
     def __post_init__(self) -> None:
         # Arrays as transcribe() takes them: float64 (soundfile's default) failed in the
         # features' matrix product, and int16 PCM was read unscaled (JFK's "The", not his sentence).
-        if not isinstance(self.samples, StreamedMel):
+        if not isinstance(self.samples, StreamedMel) and self.speech is None:
             self.samples = to_model_input(self.samples, SAMPLE_RATE, self.name)
 
     @property
@@ -401,14 +426,26 @@ class Transcriber:
              progress: Progress | None = None) -> AudioInput:
         """A file as transcribe_many's input: loaded whole, or, when its header says it is
         longer than stream_above_seconds, scanned once and then read block by block as the
-        windows advance (not with vad_filter, which reads the whole). Raises AudioError for
+        windows advance. With vad_filter, such a file is read at 16 kHz (not at its own rate
+        and channels, whole: 2 GB for an hour of 48 kHz stereo) and cut to its speech here,
+        whose features are then computed window by window too. Raises AudioError for
         unusable input either way; what reading it lost are the input's warnings. progress:
         the input's; once cancelled, the scan stops (Cancelled) within a block of 30 s (a
         web page's Stop, or its visitor gone: hours of audio took minutes to scan)."""
         seconds, notices = audio_seconds(path), []
-        if seconds is None or seconds <= stream_above_seconds or self.options.vad_filter:
+        if seconds is None or seconds <= stream_above_seconds:
             return AudioInput(name or str(path), load_audio(path, seconds, notices=notices), progress,
                               warnings=tuple(notices))
+        n_mels = self.models.target.config.num_mel_bins
+        if self.options.vad_filter:
+            kept, speech = vad.speech_only(_gathered(_scanned(stream_audio(path, notices=notices), progress),
+                                                     seconds, str(path)))
+            if len(kept) <= stream_above_seconds * SAMPLE_RATE:
+                return AudioInput(name or str(path), kept, progress, warnings=tuple(notices), speech=speech)
+            # Its features are computed window by window, as a long recording's are: an hour's took 1 GB at once.
+            blocks = np.array_split(kept, -(-len(kept) // WINDOW_SAMPLES))  # views of it
+            return AudioInput(name or str(path), StreamedMel(lambda: iter(blocks), n_mels, str(path)), progress,
+                              warnings=tuple(notices), speech=speech)
         # The first pass over the file (StreamedMel's scan) tells what it lost, and stops when
         # cancelled; the next ones read the same, and a cancelled decode stops on its own.
         passes = iter([(notices, progress)])
@@ -417,8 +454,8 @@ class Transcriber:
             told, watched = next(passes, ([], None))
             return _scanned(stream_audio(path, notices=told), watched)
 
-        mel = StreamedMel(open_blocks, self.models.target.config.num_mel_bins, str(path))
-        return AudioInput(name or str(path), mel, progress, warnings=tuple(notices))
+        return AudioInput(name or str(path), StreamedMel(open_blocks, n_mels, str(path)), progress,
+                          warnings=tuple(notices))
 
     def transcribe_many(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
         """Yields each recording's transcript as soon as its last window is decoded, so not
@@ -512,18 +549,20 @@ class Transcriber:
         target = self.models.target
         speech = None
         if isinstance(audio.samples, StreamedMel):
-            if self.options.vad_filter:
+            if self.options.vad_filter and audio.speech is None:
                 raise ValueError(f"{audio.name}: vad_filter needs the whole recording, not one read block by block")
             mel, frames, duration = audio.samples, audio.samples.frames, audio.samples.duration
             features_seconds = 0.0  # its features are computed window by window (_Decoding.submit)
         else:
             samples, duration = audio.samples, len(audio.samples) / SAMPLE_RATE
-            if self.options.vad_filter and not window_only:
+            if self.options.vad_filter and not window_only and audio.speech is None:
                 samples, speech = vad.speech_only(samples)
             started = device_clock(target.device)
             mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
             features_seconds = device_clock(target.device) - started
             frames = content_frames(samples)
+        if audio.speech is not None:  # cut as it was read: the samples are its speech
+            speech, duration = audio.speech, audio.speech.length / SAMPLE_RATE
         info = TranscriptionInfo(
             language=self.options.language or ("en" if not self.vocab.multilingual else ""),
             # Until detected; left "" and 0 where nothing is decoded (no audio, no speech kept by vad_filter)

@@ -32,6 +32,7 @@ class SpeechMap:
 
     chunks: tuple[tuple[int, int], ...]  # (start, end) of each speech chunk, in samples of the recording
     pad: int = 0  # samples of silence the filter keeps before (and after) each chunk's speech, at most
+    length: int = 0  # of the recording, in samples
     ends: tuple[int, ...] = field(init=False)  # each chunk's end in the filtered audio, in samples
     cut: tuple[int, ...] = field(init=False)  # samples cut out before each chunk
 
@@ -87,4 +88,4 @@ def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
     options = VadOptions()
     chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(samples, options, SAMPLE_RATE))
     kept = np.concatenate([samples[start:end] for start, end in chunks]) if chunks else samples[:0]
-    return kept, SpeechMap(chunks, pad=options.speech_pad_ms * SAMPLE_RATE // 1000)
+    return kept, SpeechMap(chunks, pad=options.speech_pad_ms * SAMPLE_RATE // 1000, length=len(samples))

@@ -11,13 +11,13 @@ import soundfile
 import torch
 
 import asr.transcribe
-from asr.audio import SAMPLE_RATE, AudioWarning, load_audio
+from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, load_audio
 from asr.draft_length import DraftLength
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
 from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
 from asr.slots import Sequence
-from asr.transcribe import AudioInput, Progress, TranscribeOptions, Transcriber
+from asr.transcribe import AudioInput, Cancelled, Progress, TranscribeOptions, Transcriber
 from conftest import DEV, mp3_bytes, speech_between_silences
 
 
@@ -200,6 +200,36 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     silence = Transcriber(base_pair, options).transcribe(recording[-5 * SAMPLE_RATE :])
     assert silence.segments == [] and silence.info.windows == 0 and silence.info.duration_after_vad == 0.0
     assert silence.info.duration == 5.0
+
+
+def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_decoded_window_by_window(base_pair, tmp_path):
+    """A long file with vad_filter was loaded whole at its own rate and channels (2 GB for an
+    hour of 48 kHz stereo), filtered, and its features computed whole (1 GB more), in the
+    thread that submitted it (a web page's Stop waited for all of it). It is now read at
+    16 kHz, block by block and cancellably, and cut as it is read; speech longer than
+    stream_above_seconds has its features computed window by window. The transcript is
+    the one of the whole read."""
+    path = tmp_path / "pauses.flac"
+    soundfile.write(path, speech_between_silences(), SAMPLE_RATE)
+    transcriber = Transcriber(base_pair, TranscribeOptions(language="en", vad_filter=True))
+    whole = transcriber.transcribe(transcriber.read(path))  # 80 s: under the 600 s it streams from
+    for above, streamed in [(30, False), (10, True)]:  # speech of about 23 s: held, or window by window
+        audio = transcriber.read(path, stream_above_seconds=above)
+        assert audio.speech is not None and isinstance(audio.samples, np.ndarray) != streamed
+        cut = transcriber.transcribe(audio)
+        assert [(s.tokens, s.start, s.end) for s in cut.segments] == [(s.tokens, s.start, s.end) for s in whole.segments]
+        assert (cut.info.duration, cut.info.duration_after_vad) == (whole.info.duration, whole.info.duration_after_vad)
+    progress = Progress()
+    progress.cancel()  # Stop during the read: it ends within a block
+    with pytest.raises(Cancelled):
+        transcriber.read(path, stream_above_seconds=10, progress=progress)
+    noise = tmp_path / "noise.flac"
+    soundfile.write(noise, speech_between_silences()[-5 * SAMPLE_RATE :], SAMPLE_RATE)
+    nothing = transcriber.transcribe(transcriber.read(noise, stream_above_seconds=1))
+    assert nothing.segments == [] and nothing.info.duration == 5.0 and nothing.info.duration_after_vad == 0.0
+    soundfile.write(noise, np.zeros(5 * SAMPLE_RATE, np.float32), SAMPLE_RATE)
+    with pytest.raises(AudioError, match="contains only digital silence"):  # as a whole read says
+        transcriber.read(noise, stream_above_seconds=1)
 
 
 WORD_CLIPS = [(f"en_short/{p.name}", "en") for p in sorted((DEV / "en_short").glob("*"))] + [
