@@ -151,16 +151,18 @@ def sweep_interval(keep_seconds: float) -> int:
     return int(max(60.0, min(keep_seconds / 4, 600.0)))
 
 
-def sweeping(directory: Path, max_age: float, every: float) -> threading.Event:
-    """Sweeps directory every `every` seconds, from a thread of its own, until the event
-    returned is set. (A sweep after each upload left the last visitors' transcripts on an
-    idle server until it stopped.)"""
+def sweeping(directory: Path, max_age: float, every: float, cache: Path | None = None) -> threading.Event:
+    """Sweeps directory, and what Gradio leaves in its cache (sweep_cache), every `every`
+    seconds, from a thread of its own, until the event returned is set. (A sweep after each
+    upload left the last visitors' transcripts on an idle server until it stopped.)"""
     stop = threading.Event()
 
     def run() -> None:
         while not stop.wait(every):
             with contextlib.suppress(FileNotFoundError):  # the server stopped, its folder going
                 sweep(directory, max_age)
+            if cache is not None:
+                sweep_cache(cache, max_age)
 
     threading.Thread(target=run, name="asr-sweep", daemon=True).start()
     return stop
@@ -176,6 +178,25 @@ def sweep(directory: Path, max_age: float) -> None:
                 shutil.rmtree(folder, ignore_errors=True)
         except FileNotFoundError:  # another request swept it first
             continue
+
+
+def sweep_cache(cache: Path, max_age: float) -> None:
+    """What Gradio's own sweep (delete_cache) leaves in its cache, older than max_age: the
+    folders it emptied (one per upload and per download), and the empty temporary file its
+    File component makes on every request and never tracks. A server up for weeks gathered
+    them without end."""
+    cutoff = time.time() - max_age
+    for folder, subfolders, names in os.walk(cache, topdown=False):
+        for name in names:
+            with contextlib.suppress(OSError):  # gone meanwhile: another server's sweep on a shared cache
+                path = os.path.join(folder, name)
+                stat = os.lstat(path)
+                if name.startswith("tmp") and folder == str(cache) and not stat.st_size and stat.st_mtime < cutoff:
+                    os.unlink(path)
+        if folder != str(cache):
+            with contextlib.suppress(OSError):  # not empty (rmdir removes only an empty folder), or gone
+                if os.lstat(folder).st_mtime < cutoff:
+                    os.rmdir(folder)
 
 
 def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:
@@ -208,6 +229,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
     gr.on([audio.upload, run.click], replace, [audio, *settings], None, queue=False,
           api_visibility="undocumented")
     stop.click(stop_upload, None, None, queue=False)
+    audio.clear(stop_upload, None, None, queue=False)  # its transcript would come for a file no longer shown
 
 
 # The upload decoding in each browser tab (by Gradio's session), with its file and settings:
@@ -249,6 +271,10 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         yield _failed("Choose an audio file first.")
         return
     name = Path(path).name  # the visitor's file name; the path is the server's upload cache
+    if not os.path.exists(path):  # Transcribe pressed again, with other settings, an hour after the upload
+        yield _failed(f"{name}: the server no longer holds this upload (uploads are removed a while after they "
+                      "came, as their transcripts are): upload the file again")
+        return
     progress = Progress()
     handed_over = time.perf_counter()
     if session is not None:
@@ -484,7 +510,8 @@ def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) ->
         signal.signal(signal.SIGTERM, signal.default_int_handler)
     with tempfile.TemporaryDirectory(prefix="asr-app-") as downloads:
         demo = build(engine, Path(downloads), keep_seconds)
-        stop_sweeping = sweeping(Path(downloads), keep_seconds, sweep_interval(keep_seconds))
+        stop_sweeping = sweeping(Path(downloads), keep_seconds, sweep_interval(keep_seconds),
+                                 Path(gr.utils.get_upload_folder()))
         try:
             demo.queue(max_size=QUEUE_SIZE, default_concurrency_limit=LIVE_SESSIONS)
             demo.launch(

@@ -195,6 +195,37 @@ def test_the_app_serves_this_machine_only(engine: Engine, monkeypatch: pytest.Mo
     assert not sweeper.is_alive()
 
 
+def test_the_sweep_removes_what_gradio_leaves_in_its_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Gradio's own sweep removes the files it tracks, not their folders (one per upload and
+    per download), nor the empty temporary file its File component makes on every request:
+    a server up for weeks gathered them without end."""
+    import gradio as gr
+    from gradio.data_classes import FileData
+
+    from app.ui import sweep_cache
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
+    upload = cache / "0a1b2c" / "talk.wav"
+    upload.parent.mkdir(parents=True)
+    upload.write_bytes(b"RIFF")
+    before = set(cache.iterdir())
+    gr.File(type="filepath").preprocess(FileData(path=str(upload), orig_name="talk.wav"))  # as each request does
+    (leaked,) = set(cache.iterdir()) - before
+    assert leaked.name.startswith("tmp") and leaked.stat().st_size == 0
+    upload.unlink()  # Gradio's sweep, keep_seconds after the upload
+    kept = [cache / "tmp-not-empty", cache / "3d4e5f" / "answer.srt", cache / "fresh"]  # still in use, or new
+    kept[0].write_text("x")
+    kept[1].parent.mkdir()
+    kept[1].write_text("1")
+    kept[2].mkdir()
+    old = time.time() - 120
+    for path in [leaked, upload.parent, *kept[:2], kept[1].parent]:
+        os.utime(path, (old, old))
+    sweep_cache(cache, max_age=60)
+    assert not leaked.exists() and not upload.parent.exists() and all(path.exists() for path in kept)
+
+
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
     """A decode that raises used to end the worker thread silently: the page kept saying
     "Listening…" while the audio queued up unheard. A second failure in a row (here: the
@@ -242,6 +273,10 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
                                                              AUTO, "", False, False, "segments")
     assert "jfk.flac: RuntimeError: CUDA error: out of memory reading jfk.flac" in transcript
     assert "asr-error" in transcript and str(tmp_path) not in transcript and figures == ""
+    upload.unlink()  # Gradio's sweep, then Transcribe pressed with other settings: "jfk.flac: no such file"
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe",
+                                                             AUTO, "", False, False, "segments")
+    assert "jfk.flac: the server no longer holds this upload" in transcript and "upload the file again" in transcript
 
 
 def test_an_upload_is_shown_waiting_while_its_audio_is_read_and_stop_ends_the_read(engine: Engine, tmp_path: Path,
@@ -574,8 +609,8 @@ def test_skip_silences_cuts_the_pauses_of_an_upload(page: Page, tmp_path: Path) 
 
 def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_or_when_its_visitor_leaves(
         server: str, browser: Browser, tmp_path: Path) -> None:
-    """The segments decoded so far appear while the rest decodes; Stop, a new file, and
-    closing the page each free the upload's row in the shared batch (the server panel counts
+    """The segments decoded so far appear while the rest decodes; Stop, a new file, removing
+    the file, and closing the page each free the upload's row in the shared batch (the server panel counts
     each cancelled, nothing in progress) long before its 7 minutes of audio could have been
     decoded. The new file is transcribed at once, not after the long one."""
     recording = tmp_path / "sonnets.flac"
@@ -607,10 +642,15 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_
     expect(visitor.locator("#upload-downloads")).to_be_visible(timeout=60_000)
     assert EXPECTED in words(visitor.locator("#upload-transcript").inner_text())
     assert "11.0 s" in visitor.locator("#upload-figures").inner_text()  # the new file's figures, not "Stopped"
-    replace_upload(visitor, recording)  # the long one again, then the visitor leaves
+    replace_upload(visitor, recording)  # the long one again, then its file removed (×): it decoded on, unseen
+    running()
+    visitor.locator("#upload-file button[aria-label='Clear']").click()
+    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 3), timeout=60_000)
+    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Stopped\s*\d+%"))
+    visitor.locator("#upload-file input[type=file]").set_input_files(recording)  # again, then the visitor leaves
     running()
     visitor.context.close()
-    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 3), timeout=60_000)
+    expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 4), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     watcher.context.close()
 
