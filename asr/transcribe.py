@@ -6,6 +6,7 @@ window's start depends on where the previous one's last segment ended."""
 from __future__ import annotations
 
 import contextlib
+import math
 import numbers
 import re
 import threading
@@ -78,9 +79,32 @@ class TranscribeOptions:
         # Any sequence: a tuple of floats, hashable and fixed as a frozen dataclass's, and
         # written to JSON (numpy's float32 is not).
         given = (self.temperatures,) if isinstance(self.temperatures, numbers.Real) else self.temperatures
+        if isinstance(given, str) or not all(isinstance(t, numbers.Real) and 0 <= t < math.inf for t in given):
+            raise ValueError(f"temperatures must be numbers from 0 up, not {self.temperatures!r}")  # "0.2" took '.'
+        if not given:
+            raise ValueError("temperatures: give at least one")
         object.__setattr__(self, "temperatures", tuple(float(t) for t in given))
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
+        # Checked here, by name: they failed mid-decode with a bare TypeError, or decoded nonsense
+        # (max_new_tokens -5 ran a row backwards until the decoder's positions ran out).
+        for name, least in [("max_new_tokens", 1), ("best_of", 1), ("max_draft_tokens", 0), ("seed", None),
+                            ("num_draft_tokens", 0)]:
+            value = getattr(self, name)
+            if name == "num_draft_tokens" and value is None:
+                continue
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (least is not None and value < least):
+                raise ValueError(f"{name} must be a whole number{f' of at least {least}' if least is not None else ''}, "
+                                 f"not {value!r}")
+        for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value)):
+                raise ValueError(f"{name} must be a number, or None for no threshold, not {value!r}")
+        if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
+            raise ValueError(f"compression_ratio_threshold must be above 0 (every window fell back), "
+                             f"not {self.compression_ratio_threshold!r}")
+        if not isinstance(self.initial_prompt, str):
+            raise ValueError(f"initial_prompt must be text, not {self.initial_prompt!r}")
         if self.language is not None:  # "English" or "EN" as Whisper's command line takes them
             object.__setattr__(self, "language", language_code(self.language))
 
@@ -333,8 +357,6 @@ class Transcriber:
         self.vocab = target.vocab
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
         # length's measurements outlive this Transcriber.
-        if min(options.max_draft_tokens, options.num_draft_tokens or 0) < 0:
-            raise ValueError("draft lengths (num_draft_tokens, max_draft_tokens) cannot be negative")
         maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
         self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile,
                                     options.lengths_attention)
@@ -342,10 +364,6 @@ class Transcriber:
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")
         self._check_language(options.language)
-        if not options.temperatures:
-            raise ValueError("temperatures: give at least one")
-        if options.best_of < 1:
-            raise ValueError(f"best_of must be at least 1, not {options.best_of}")
         if options.vad_filter and not vad.available():
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
@@ -480,7 +498,10 @@ class Transcriber:
                         break
                     try:
                         item = self.input(item, f"audio[{index}]" if isinstance(item, np.ndarray) else None)
-                    except (AudioError, TypeError, OSError) as error:
+                    except TypeError as error:  # not audio at all: which of the inputs it was
+                        exhausted, failure = True, TypeError(f"audio[{index}]: {error}")
+                        break
+                    except (AudioError, OSError) as error:  # these name the file, or the array by its place
                         exhausted, failure = True, error
                         break
                     if not item.cancelled:

@@ -213,7 +213,13 @@ RENDERERS: dict[str, Callable[[Transcript, SubtitleLayout], str]] = {
 
 
 def render(transcript: Transcript, fmt: str, layout: SubtitleLayout = SubtitleLayout()) -> str:
+    _check_formats([fmt])
     return RENDERERS[fmt](transcript, layout)
+
+
+def _check_formats(formats: list[str]) -> None:
+    if unknown := [fmt for fmt in formats if fmt not in RENDERERS]:  # a bare KeyError: 'TXT'
+        raise ValueError(f"unknown output format {unknown[0]!r}: the formats are {', '.join(FORMATS)}")
 
 
 def unwritable(folder: Path) -> str | None:
@@ -278,6 +284,7 @@ def temporary_prefix(name: str) -> str:
 
 def write_transcript(transcript: Transcript, out_dir: Path, stem: str, formats: list[str],
                      layout: SubtitleLayout = SubtitleLayout()) -> list[Path]:
+    _check_formats(formats)  # before any is written
     written = []
     for fmt in formats:
         path = out_dir / f"{stem}.{fmt}"

@@ -349,7 +349,7 @@ def test_best_of_keeps_the_likeliest_of_its_samples_in_a_batch_as_alone(base_pai
     greedy = replace(options, temperatures=(0.0,))
     assert (Transcriber(base_pair, replace(greedy, best_of=5)).transcribe(jfk).info.stats.tokens
             == Transcriber(base_pair, greedy).transcribe(jfk).info.stats.tokens)
-    with pytest.raises(ValueError, match="best_of must be at least 1"):
+    with pytest.raises(ValueError, match="best_of must be a whole number of at least 1, not 0"):
         Transcriber(base_pair, replace(options, best_of=0))
 
 

@@ -243,6 +243,43 @@ def test_a_window_whose_word_alignment_fails_in_a_shared_batch_is_decoded_again_
         scheduler.close()
 
 
+def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_path):
+    """As keyword arguments, as faster-whisper users pass them: max_new_tokens -5 decoded a row
+    backwards into nonsense, a NaN temperature wrote JSON no reader takes, "0.2" was read as the
+    temperatures 0, '.' and 2, and others failed mid-decode with a TypeError naming nothing."""
+    for given, message in [
+        (dict(max_new_tokens=-5), "max_new_tokens must be a whole number of at least 1, not -5"),
+        (dict(max_new_tokens=0), "max_new_tokens must be a whole number of at least 1, not 0"),
+        (dict(temperatures=float("nan")), "temperatures must be numbers from 0 up, not nan"),
+        (dict(temperatures=(0.0, -0.5)), r"temperatures must be numbers from 0 up, not \(0.0, -0.5\)"),
+        (dict(temperatures="0.2"), "temperatures must be numbers from 0 up, not '0.2'"),
+        (dict(temperatures=()), "temperatures: give at least one"),
+        (dict(best_of=2.5), "best_of must be a whole number of at least 1, not 2.5"),
+        (dict(best_of="3"), "best_of must be a whole number of at least 1, not '3'"),
+        (dict(num_draft_tokens=2.5), "num_draft_tokens must be a whole number of at least 0, not 2.5"),
+        (dict(max_draft_tokens=-1), "max_draft_tokens must be a whole number of at least 0, not -1"),
+        (dict(seed="abc"), "seed must be a whole number, not 'abc'"),
+        (dict(initial_prompt=5), "initial_prompt must be text, not 5"),
+        (dict(no_speech_threshold="none"), "no_speech_threshold must be a number, or None for no threshold, not 'none'"),
+        (dict(compression_ratio_threshold=-1), "compression_ratio_threshold must be above 0"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            TranscribeOptions(**given)
+    accepted = TranscribeOptions(temperatures=np.float32(0.2), seed=np.int64(3), best_of=np.int32(2),
+                                 no_speech_threshold=None, initial_prompt=None)
+    assert accepted.temperatures == (pytest.approx(0.2),) and accepted.initial_prompt == ""
+    # Not audio at all, among others: which one it was (arrays and files were named, this was not).
+    transcriber = Transcriber(pair, TranscribeOptions(language="en"))
+    with pytest.raises(TypeError, match=r"^audio\[1\]: audio must be a file's path, an array of samples"):
+        list(transcriber.transcribe_many([SAMPLES / "jfk.flac", b"RIFF"]))
+    from asr.writers import write_transcript
+
+    transcript = transcriber.transcribe(SAMPLES / "jfk.flac")
+    with pytest.raises(ValueError, match="unknown output format 'TXT': the formats are txt, srt, vtt, json"):
+        write_transcript(transcript, tmp_path, "jfk", ["srt", "TXT"])  # a bare KeyError: 'TXT', the srt written
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(pair):
     """Raised in the scheduler's worker, a request's error would fail every window beside it."""
     window = load_audio(SAMPLES / "jfk.flac")[: 5 * SAMPLE_RATE]
