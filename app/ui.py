@@ -186,17 +186,22 @@ def sweep_cache(cache: Path, max_age: float) -> None:
     File component makes on every request and never tracks. A server up for weeks gathered
     them without end."""
     cutoff = time.time() - max_age
-    for folder, subfolders, names in os.walk(cache, topdown=False):
-        for name in names:
-            with contextlib.suppress(OSError):  # gone meanwhile: another server's sweep on a shared cache
-                path = os.path.join(folder, name)
-                stat = os.lstat(path)
-                if name.startswith("tmp") and folder == str(cache) and not stat.st_size and stat.st_mtime < cutoff:
-                    os.unlink(path)
-        if folder != str(cache):
-            with contextlib.suppress(OSError):  # not empty (rmdir removes only an empty folder), or gone
-                if os.lstat(folder).st_mtime < cutoff:
-                    os.rmdir(folder)
+    try:
+        entries = list(os.scandir(cache))
+    except OSError:  # the cache not made yet, or gone
+        return
+    for entry in entries:
+        # Only names Gradio gives (the cache may be a shared folder, GRADIO_TEMP_DIR=/tmp):
+        # a hash's hex digits for a folder, NamedTemporaryFile's "tmp..." for the file.
+        with contextlib.suppress(OSError):  # gone meanwhile, or a folder not empty (rmdir removes only an empty one)
+            stat = entry.stat(follow_symlinks=False)
+            if stat.st_mtime >= cutoff:
+                continue
+            if entry.is_dir(follow_symlinks=False) and len(entry.name) >= 32 and all(
+                    c in "0123456789abcdef" for c in entry.name):
+                os.rmdir(entry.path)
+            elif entry.is_file(follow_symlinks=False) and entry.name.startswith("tmp") and not stat.st_size:
+                os.unlink(entry.path)
 
 
 def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:

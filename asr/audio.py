@@ -393,10 +393,23 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
 
             exact = container.format.name in EXACT_TIMES
 
+            stated = _stated_seconds(container)
+
+            def missing(due: float | None, start: float | None, lost_seconds: float) -> float:
+                """Seconds of silence for the audio missing before a frame: where its time jumps
+                past the last frame's end. In a container of exact times, all of it, up to
+                the length its header states (a damaged FLAC stretch); in others only what
+                lost packets held (a broadcast's timestamps can jump with nothing lost)."""
+                if start is None or due is None or start - due < GAP_SECONDS:
+                    return 0.0
+                if not exact:
+                    return min(start - due, lost_seconds)
+                return max(0.0, min(start, stated or start) - due)
+
             def resampled() -> Iterator[np.ndarray]:
                 resampler, setup = None, None
                 due = None  # where the next frame starts if nothing is missing (s)
-                lost_since = False  # a packet lost since the last frame decoded
+                lost_seconds = 0.0  # held by the packets lost since the last frame decoded
                 for packet in container.demux(container.streams.audio[0]):
                     try:
                         frames = packet.decode()
@@ -405,21 +418,25 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         # ffmpeg command (a whole file failed on one bad packet).
                         at = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
                         lost.append((at, str(error)))
-                        ends_lost[0] = lost_since = True
+                        ends_lost[0] = True
+                        seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
+                        if any(tag in bytes(packet)[:64] for tag in (b"Xing", b"Info", b"VBRI")):
+                            due = None if due is None else due + seconds  # a joined MP3's header frame: no audio
+                        else:
+                            lost_seconds += seconds
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:
                         start = float(frame.pts * frame.time_base) if frame.pts is not None and frame.time_base else None
-                        if None not in (start, due) and start - due >= GAP_SECONDS and (exact or lost_since):
+                        if silence := round(missing(due, start, lost_seconds) * SAMPLE_RATE):
                             if resampler is not None:  # what it holds is from before the gap
                                 yield from (out.to_ndarray().mean(axis=0, dtype=np.float32)
                                             for out in resampler.resample(None))
                                 resampler, setup = None, None
-                            gaps.append((due, start - due))
-                            for piece in range(0, round((start - due) * SAMPLE_RATE), 30 * SAMPLE_RATE):
-                                yield np.zeros(min(30 * SAMPLE_RATE, round((start - due) * SAMPLE_RATE) - piece),
-                                               dtype=np.float32)
-                        lost_since = False
+                            gaps.append((due, silence / SAMPLE_RATE))
+                            for piece in range(0, silence, 30 * SAMPLE_RATE):
+                                yield np.zeros(min(30 * SAMPLE_RATE, silence - piece), dtype=np.float32)
+                        lost_seconds = 0.0
                         due = (start if start is not None else due or 0.0) + frame.samples / frame.sample_rate
                         # MP3s joined with `cat`, a broadcast's AAC: the rate or channels can change
                         # midway, and a resampler takes only the frames it was set up with.
@@ -463,7 +480,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                 f"skipped ({lost[0][1]})"] if lost else []
         if gaps:
             where = (f"at {gaps[0][0]:.2f} s" if len(gaps) == 1 else
-                     f"in {len(gaps)} stretches, the first at {gaps[0][0]:.2f} s,")
+                     f"in {len(gaps)} stretches (the first at {gaps[0][0]:.2f} s)")
             told.append(f"{sum(length for _, length in gaps):.2f} s of audio missing {where} (damaged), replaced by "
                         "silence so that later times stay the recording's")
         notice = f"{path}: {'; '.join(told)}"

@@ -381,7 +381,7 @@ def encoder_matches(fingerprint: object, encoder: nn.Module) -> bool:
         weight = encoder.conv1.weight.detach().to("cpu", torch.bfloat16).contiguous()
         return fingerprint == hashlib.sha256(weight.view(torch.int16).numpy().tobytes()).hexdigest()[:16]
     ours = encoder_fingerprint(encoder)
-    if not isinstance(fingerprint, dict) or fingerprint.get("shape") != ours["shape"]:
+    if not isinstance(fingerprint, dict) or fingerprint.get("shape") != ours["shape"] or "sample" not in fingerprint:
         return False
     # A draft distilled before 2026-11-29 sampled the first convolution only.
     return all(len(fingerprint[key]) == len(ours[key]) and torch.allclose(

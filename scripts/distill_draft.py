@@ -121,7 +121,6 @@ def main(argv: list[str] | None = None) -> int:
             return f"{when}: no clip held back (--holdout 0) to measure agreement on"
         return f"{when}: held-out agreement (teacher-forced) {agreement(draft, labels, held, store, head_index, eot):.1%}"
 
-
     parameters = [p for p in draft.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=args.lr, weight_decay=0.01)
     steps_per_epoch = -(-len(train) // args.batch_size)

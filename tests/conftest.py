@@ -173,21 +173,19 @@ def speech_between_silences(silence_seconds: float = 40.0) -> np.ndarray:
     return np.concatenate([first, noise, second, noise[: 5 * SAMPLE_RATE]])
 
 
-def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True) -> bytes:
-    """16 kHz mono samples as an MP3 (xing: with the Xing header that states its length)."""
+def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int = 16_000) -> bytes:
+    """Mono samples at `rate` as an MP3 (xing: with the Xing header that states its length)."""
     import io
 
     import av
 
-    from asr.audio import SAMPLE_RATE
-
     out = io.BytesIO()
     options = {} if xing else {"write_xing": "0", "id3v2_version": "0"}  # no Xing: a reader can only estimate the length
     with av.open(out, "w", format="mp3", options=options) as container:
-        stream = container.add_stream("libmp3lame", rate=SAMPLE_RATE, layout="mono")
+        stream = container.add_stream("libmp3lame", rate=rate, layout="mono")
         stream.bit_rate = bit_rate
         frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
-        frame.sample_rate = SAMPLE_RATE
+        frame.sample_rate = rate
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
     return out.getvalue()

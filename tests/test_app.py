@@ -206,7 +206,7 @@ def test_the_sweep_removes_what_gradio_leaves_in_its_cache(tmp_path: Path, monke
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
-    upload = cache / "0a1b2c" / "talk.wav"
+    upload = cache / ("0a1b2c" * 8) / "talk.wav"  # a hash's hex digits, as Gradio names them
     upload.parent.mkdir(parents=True)
     upload.write_bytes(b"RIFF")
     before = set(cache.iterdir())
@@ -214,13 +214,17 @@ def test_the_sweep_removes_what_gradio_leaves_in_its_cache(tmp_path: Path, monke
     (leaked,) = set(cache.iterdir()) - before
     assert leaked.name.startswith("tmp") and leaked.stat().st_size == 0
     upload.unlink()  # Gradio's sweep, keep_seconds after the upload
-    kept = [cache / "tmp-not-empty", cache / "3d4e5f" / "answer.srt", cache / "fresh"]  # still in use, or new
+    # In use, new, or not Gradio's (GRADIO_TEMP_DIR may be a shared folder such as /tmp).
+    kept = [cache / "tmp-not-empty", cache / ("3d4e5f" * 8) / "answer.srt", cache / ("7a8b9c" * 8), cache / "mine",
+            cache / "mine-too"]
     kept[0].write_text("x")
     kept[1].parent.mkdir()
     kept[1].write_text("1")
     kept[2].mkdir()
+    kept[3].mkdir()
+    kept[4].write_text("")
     old = time.time() - 120
-    for path in [leaked, upload.parent, *kept[:2], kept[1].parent]:
+    for path in [leaked, upload.parent, *kept[:2], kept[1].parent, *kept[3:]]:
         os.utime(path, (old, old))
     sweep_cache(cache, max_age=60)
     assert not leaked.exists() and not upload.parent.exists() and all(path.exists() for path in kept)

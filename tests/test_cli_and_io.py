@@ -142,6 +142,14 @@ def test_a_flac_damaged_midway_keeps_its_length_and_times_and_says_what_was_lost
         # The frame before the gap may decode as noise (FFmpeg decodes a damaged frame it can parse).
         assert np.array_equal(got[: start - SAMPLE_RATE // 2], audio[: start - SAMPLE_RATE // 2])
         assert np.array_equal(got[stop:], audio[stop:])  # in place: the times after the gap are the recording's
+    # Not a gap: the header frame of the second of two MP3s joined with `cat`, which holds no
+    # audio (at 8 kHz a frame lasts 72 ms, and it was filled and told as audio missing).
+    phone = tmp_path / "phone.mp3"
+    tone = (0.3 * np.sin(np.arange(3 * 8000) / 7)).astype(np.float32)
+    phone.write_bytes(mp3_bytes(tone, 24_000, rate=8000) + mp3_bytes(tone, 24_000, rate=8000))
+    notices = []
+    assert abs(len(load_audio(phone, notices=notices)) / SAMPLE_RATE - 6.0) < 0.25
+    assert len(notices) == 1 and "1 damaged audio packet(s)" in notices[0] and "missing" not in notices[0], notices
 
 
 def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Path):

@@ -138,23 +138,38 @@ def test_a_resumed_training_ends_as_one_never_stopped_at_the_rate_asked_for(tmp_
     """Dropout's random draws started again from the seed on --resume, so the draft differed
     from an unbroken run's; --lr was ignored, and more --epochs began at the rate 0."""
     audio_dir, target_dir = tiny_corpus(tmp_path)
-    main = distill_main()
-    common = ["--target", str(target_dir), "--audio", str(audio_dir), "--layers", "1", "--batch-size", "2",
-              "--dropout", "0.3", "--previous-text", "0"]
-    assert main(common + ["--out", str(tmp_path / "whole"), "--epochs", "2"]) == 0
-    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "1"]) == 0
-    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "2", "--resume"]) == 0
+    spec = importlib.util.spec_from_file_location("distill_draft", REPO / "scripts" / "distill_draft.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    common = ["--target", str(target_dir), "--audio", str(audio_dir), "--layers", "1", "--batch-size", "1",
+              "--dropout", "0.3", "--previous-text", "0", "--holdout", "0", "--epochs", "2"]
+    assert script.main(common + ["--out", str(tmp_path / "whole")]) == 0
+    said = capsys.readouterr().out
+    assert "0 held back" in said and "epoch 1: no clip held back (--holdout 0) to measure agreement on" in said
+    assert int(re.search(r"(\d+) clips to train on", said).group(1)) >= 2  # steps enough that the schedule moves
+
+    epochs = []
+    batches = script.length_batches
+
+    def interrupted(*args):  # Ctrl-C as the second epoch begins, its first saved
+        epochs.append(1)
+        if len(epochs) == 2:
+            raise KeyboardInterrupt
+        return batches(*args)
+
+    script.length_batches = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        script.main(common + ["--out", str(tmp_path / "parts")])
+    script.length_batches = batches
+    assert script.main(common + ["--out", str(tmp_path / "parts"), "--resume"]) == 0
     whole, parts = ((tmp_path / name / "model.safetensors").read_bytes() for name in ("whole", "parts"))
     assert whole == parts
     capsys.readouterr()
-    assert main(common + ["--out", str(tmp_path / "parts"), "--epochs", "3", "--resume", "--lr", "0.001"]) == 0
+    assert script.main(common[:-1] + ["3", "--out", str(tmp_path / "parts"), "--resume", "--lr", "0.001"]) == 0
     assert "resumed after epoch 2, at --lr 0.001 (it was 0.0003)" in capsys.readouterr().out
     state = torch.load(tmp_path / "parts" / "work" / "checkpoint.pt", weights_only=True)
     assert state["optimizer"]["param_groups"][0]["initial_lr"] == 0.001 and state["lr"] == 0.001
     assert (tmp_path / "parts" / "model.safetensors").read_bytes() != parts  # epoch 3 trained, at a rate above 0
-    assert main(common + ["--out", str(tmp_path / "all"), "--epochs", "1", "--holdout", "0"]) == 0
-    said = capsys.readouterr().out
-    assert "0 held back" in said and "epoch 1: no clip held back (--holdout 0) to measure agreement on" in said
 
 
 def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_draft(tmp_path: Path, capsys):
