@@ -750,6 +750,16 @@ def printable(name: str) -> str:
     return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
+def _echo(line: str) -> None:
+    """A file's transcript on stdout. Once its reader has gone (`asr transcribe DIR | head`),
+    the lines go nowhere and the run goes on: the files are the product (the closed pipe
+    stopped it, as a usage error, exit 2)."""
+    try:
+        tqdm.write(line, file=sys.stdout)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
 def _drain(results: list[FileResult]) -> Iterator[FileResult]:
     while results:
         yield results.pop(0)
@@ -932,8 +942,8 @@ class _Recorder:
                 # Nothing decoded (no audio frames, or no speech kept by --vad) takes no time: no speed to tell.
                 rtf = f", {result.seconds / result.busy_seconds:.1f}x real time" if result.busy_seconds else ""
                 drafted = f", acceptance {result.draft_accepted / result.draft_proposed:.0%}" if result.draft_proposed else ""
-                tqdm.write(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
-                           f"{drafted}): {result.text or '(no speech found)'}", file=sys.stdout)
+                _echo(f"{printable(result.source)} ({result.seconds:.1f} s audio, {result.busy_seconds:.2f} s{rtf}"
+                      f"{drafted}): {result.text or '(no speech found)'}")
         if item.seconds is None:  # its header did not tell: out of the bar's total until now
             self.bar.total += result.seconds
         self._credit(result.source, item.seconds or result.seconds, decoded=result.error is None)

@@ -35,6 +35,7 @@ from asr.audio import AudioWarning, load_audio
 from asr.features import WINDOW_SECONDS
 from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
+from asr.vocab import language_code
 from asr.writers import FORMATS, SubtitleLayout, unwritable
 
 LOCAL_RAY = "local"  # --ray without an address
@@ -79,6 +80,37 @@ def threshold(text: str) -> float | None:
     return value
 
 
+def ratio_threshold(text: str) -> float | None:
+    """An argparse type: a compression ratio above 0 (at 0 every window fell back), or "none"."""
+    value = threshold(text)
+    if value is not None and value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} is not above 0")
+    return value
+
+
+def language(text: str) -> str | None:
+    """An argparse type: a language as Whisper's command line takes it (a code or a name, in
+    any case), or "auto" to detect; one Whisper does not know is told before any model loads."""
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    if text.strip().lower() == "auto":
+        return None
+    if (code := language_code(text)) not in LANGUAGES:
+        raise argparse.ArgumentTypeError(f"{text} is not a language Whisper knows (a code such as en or de, a name "
+                                         "such as German, or auto to detect)")
+    return code
+
+
+def prompt_text(text: str) -> str:
+    """An argparse type: text that is UTF-8 (a Latin-1 file's names given through $(cat ...)
+    failed every file, as a TypeError blamed on the audio)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("is not UTF-8 text (convert it, e.g. with iconv -f latin1 -t utf-8)") from None
+    return text
+
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
@@ -92,12 +124,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
-    t.add_argument("--language", help="e.g. en, de, German (default: detect)")
+    t.add_argument("--language", type=language, help="e.g. en, de, German (default, or auto: detect)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
     t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
                    help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
-    t.add_argument("--compression-ratio-threshold", type=threshold, default=2.4, metavar="X",
+    t.add_argument("--compression-ratio-threshold", type=ratio_threshold, default=2.4, metavar="X",
                    help="retry a window at the next temperature when its text's gzip compression ratio is above X "
                         "(repetition); none: never (default: %(default)s)")
     t.add_argument("--logprob-threshold", type=threshold, default=-1.0, metavar="X",
@@ -115,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "last word's end, as in faster-whisper)")
     t.add_argument("--word-timestamps", action="store_true",
                    help="time each word (json: segments[].words), from the target's cross-attention")
-    t.add_argument("--prompt", default="",
+    t.add_argument("--prompt", type=prompt_text, default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
                    help="srt/vtt: break each segment's text into lines of at most N characters (a Chinese, Japanese "
@@ -169,8 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
-    s.add_argument("--language", help="e.g. en, de, German (default: detect)")
-    s.add_argument("--prompt", default="", help="text said before the stream (names and spellings to expect)")
+    s.add_argument("--language", type=language, help="e.g. en, de, German (default, or auto: detect)")
+    s.add_argument("--prompt", type=prompt_text, default="", help="text said before the stream (names and spellings to expect)")
     s.add_argument("--word-timestamps", action="store_true",
                    help="time each word from the target's cross-attention, as `transcribe --word-timestamps` "
                         "(one more target pass per update; default: a segment's time shared among its words)")
@@ -257,8 +289,33 @@ def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:
 def temperatures(start: float, increment: float) -> tuple[float, ...]:
     if increment <= 0:
         return (start,)
+    if increment < 0.01:  # 0.000001 made a million temperatures, each a retry of a window that keeps failing
+        raise ValueError(f"--temperature-increment {increment:g}: at least 0.01 (at most 101 temperatures up to 1.0), "
+                         "or 0 for no fallback")
     steps = math.floor((1.0 - start) / increment + 1e-6) if start < 1.0 else 0  # up to 1.0, as Whisper's
     return tuple(round(start + i * increment, 4) for i in range(steps + 1))
+
+
+def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
+    """`asr transcribe`'s options (a ValueError where a value is refused)."""
+    return TranscribeOptions(
+        language=args.language,
+        task=args.task,
+        temperatures=temperatures(args.temperature, args.temperature_increment),
+        compression_ratio_threshold=args.compression_ratio_threshold,
+        log_prob_threshold=args.logprob_threshold,
+        no_speech_threshold=args.no_speech_threshold,
+        condition_on_previous_text=not args.no_condition_on_previous_text,
+        speculative=not args.no_speculation,
+        num_draft_tokens=args.num_draft_tokens,
+        without_timestamps=args.without_timestamps,
+        initial_prompt=args.prompt,
+        word_timestamps=args.word_timestamps,
+        vad_filter=args.vad,
+        seed=args.seed,
+        best_of=args.best_of,
+        **engine_options(args),
+    )
 
 
 def transcribe_command(args: argparse.Namespace) -> int:
@@ -285,24 +342,11 @@ def transcribe_command(args: argparse.Namespace) -> int:
         print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
         return 2
     target, draft = model_sources(args)
-    options = TranscribeOptions(
-        language=args.language,
-        task=args.task,
-        temperatures=temperatures(args.temperature, args.temperature_increment),
-        compression_ratio_threshold=args.compression_ratio_threshold,
-        log_prob_threshold=args.logprob_threshold,
-        no_speech_threshold=args.no_speech_threshold,
-        condition_on_previous_text=not args.no_condition_on_previous_text,
-        speculative=not args.no_speculation,
-        num_draft_tokens=args.num_draft_tokens,
-        without_timestamps=args.without_timestamps,
-        initial_prompt=args.prompt,
-        word_timestamps=args.word_timestamps,
-        vad_filter=args.vad,
-        seed=args.seed,
-        best_of=args.best_of,
-        **engine_options(args),
-    )
+    try:
+        options = transcribe_options(args)
+    except ValueError as error:  # a value the options refuse: one line, exit 2 (it was a traceback, exit 1)
+        print(f"asr: {error}", file=sys.stderr)
+        return 2
     spec = PipelineSpec(target, None if args.no_speculation else draft, args.draft_encoder, args.device,
                         DTYPES.get(args.dtype), options, args.batch_size)
     layout = SubtitleLayout(args.max_line_width, args.max_line_count)

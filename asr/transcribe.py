@@ -105,6 +105,10 @@ class TranscribeOptions:
                              f"not {self.compression_ratio_threshold!r}")
         if not isinstance(self.initial_prompt, str):
             raise ValueError(f"initial_prompt must be text, not {self.initial_prompt!r}")
+        try:  # a Latin-1 byte, as Python passes it from a command line: the tokenizer refused it mid-run
+            self.initial_prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"initial_prompt is not UTF-8 text: {self.initial_prompt!r}") from None
         if self.language is not None:  # "English" or "EN" as Whisper's command line takes them
             object.__setattr__(self, "language", language_code(self.language))
 

@@ -20,7 +20,7 @@ import torch
 
 from asr import writers
 from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load_audio, stream_audio, to_model_input
-from asr.cli import main, temperatures
+from asr.cli import build_parser, main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
 from asr.words import Word, columns
@@ -581,6 +581,11 @@ def test_temperature_schedule():
     assert temperatures(0.0, 0.2) == (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     assert temperatures(0.5, 0.0) == (0.5,)
     assert temperatures(0.3, 0.2) == (0.3, 0.5, 0.7, 0.9)  # never past 1.0
+    assert len(temperatures(0.0, 0.01)) == 101
+    with pytest.raises(ValueError, match=r"--temperature-increment 1e-06: at least 0.01 \(at most 101 temperatures"):
+        temperatures(0.0, 0.000001)  # a million temperatures: a million retries of a window that keeps failing
+    assert build_parser().parse_args(["transcribe", "a.wav", "--language", "AUTO"]).language is None
+    assert build_parser().parse_args(["transcribe", "a.wav", "--language", "German"]).language == "de"
 
 
 def test_files_written_together_are_all_replaced_or_none(tmp_path: Path, monkeypatch):
@@ -781,10 +786,38 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
         ("transcribe", "--temperature", "-0.5", "-0.5 is not at least 0"), ("transcribe", "--temperature-increment", "nan", "nan is not at least 0"),
         ("stream", "--chunk-seconds", "0", "0 is not above 0"),  # a chunk of nothing: one decode per sample
         ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("stream", "--buffer-trim-seconds", "30", "30 is not below 30"), ("app", "--keep-files-minutes", "inf", "inf is not above 0"),
+        # A traceback, exit 1; every file failed as a TypeError blamed on its audio; refused once the models had loaded.
+        ("transcribe", "--compression-ratio-threshold", "0", "0 is not above 0"),
+        ("transcribe", "--prompt", "Caf\udce9 Concord", "is not UTF-8 text"),  # a Latin-1 byte, as Python passes it
+        ("transcribe", "--language", "klingon", "klingon is not a language Whisper knows"),
+        ("stream", "--language", "auto-detect", "auto-detect is not a language Whisper knows"),
     ]:
         with pytest.raises(SystemExit):
             main([command, str(SAMPLES), flag, value] if command != "app" else [command, flag, value])
         assert f"argument {flag}: {message}" in capsys.readouterr().err
+
+
+def test_a_reader_of_stdout_that_goes_away_does_not_end_the_run(tmp_path: Path):
+    """`asr transcribe DIR | head`: the closed pipe stopped the run at the next file's line,
+    as a usage error ("asr: [Errno 32] Broken pipe", exit 2), the files after it never done."""
+    import subprocess
+    import sys
+
+    source = tmp_path / "in"
+    source.mkdir()
+    for name in ("LJ002-0020.wav", "LJ002-0035.wav", "jfk.flac"):
+        (source / name).symlink_to(DEV / "en_short" / name)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    with (tmp_path / "stderr").open("wb") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "asr.cli", "transcribe", str(source), "--out-dir",
+                                str(tmp_path / "out"), "--formats", "txt", "--language", "en", "--batch-size", "1"],
+                               cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE, stderr=stderr)
+        assert run.stdout.readline()  # the first file's line, then the reader goes
+        run.stdout.close()
+        assert run.wait(timeout=300) == 0, (tmp_path / "stderr").read_text()
+    said = (tmp_path / "stderr").read_text()
+    assert "3 transcribed, 0 failed" in said and "Broken pipe" not in said and "Traceback" not in said, said
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.txt")) == ["LJ002-0020.txt", "LJ002-0035.txt", "jfk.txt"]
 
 
 def test_a_transcript_the_consoles_encoding_lacks_does_not_end_the_run(tmp_path: Path):

@@ -260,6 +260,7 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(max_draft_tokens=-1), "max_draft_tokens must be a whole number of at least 0, not -1"),
         (dict(seed="abc"), "seed must be a whole number, not 'abc'"),
         (dict(initial_prompt=5), "initial_prompt must be text, not 5"),
+        (dict(initial_prompt="Caf\udce9"), "initial_prompt is not UTF-8 text"),
         (dict(no_speech_threshold="none"), "no_speech_threshold must be a number, or None for no threshold, not 'none'"),
         (dict(compression_ratio_threshold=-1), "compression_ratio_threshold must be above 0"),
     ]:
