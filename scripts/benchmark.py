@@ -86,6 +86,8 @@ def main() -> None:
     parser.add_argument("--draft-lengths", default="",
                         help="also the preset's draft at these fixed k (e.g. 2,4,6), beside the adaptive k")
     args = parser.parse_args()
+    if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",")):  # failed after the models loaded
+        parser.error(f"--batch-sizes {args.batch_sizes!r}: whole numbers from 1, comma-separated")
     torch.set_num_threads(args.threads)
 
     target_name, draft_name = PRESETS[args.preset]

@@ -19,6 +19,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -318,6 +319,11 @@ def main() -> int:
     parser.add_argument("--summarize", type=Path, metavar="REPORT_JSON",
                         help="print the tables of an earlier run's report.json again (current summary rules)")
     args = parser.parse_args()
+    if unknown := set(args.modes.split(",")) - set(MODES):
+        parser.error(f"--modes: {', '.join(sorted(unknown))}: not one of {', '.join(MODES)}")
+    # SIGTERM (kill, a CI's timeout) ended this script and left its server running: as Ctrl-C,
+    # it now runs the finally that stops the server.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if args.summarize:
         runs = json.loads(args.summarize.read_text())["runs"]
         results = [ModeResult(**{**run, "requests": [Request(**r) for r in run["requests"]]}) for run in runs]

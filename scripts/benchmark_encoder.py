@@ -22,6 +22,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32", help="comma-separated, e.g. float32,bfloat16")
     args = parser.parse_args()
+    if args.windows < 1 or args.repeats < 1:
+        parser.error("--windows and --repeats: whole numbers from 1")
+    if bad := [d for d in args.dtypes.split(",") if not isinstance(getattr(torch, d, None), torch.dtype)]:
+        parser.error(f"--dtypes: {', '.join(bad)}: not a torch dtype (float32, bfloat16, float16)")
     model = load_model(PRESETS[args.preset][0])
     print(f"{model.name} encoder, {args.windows} windows, {torch.get_num_threads()} threads, device {model.device}")
     for dtype in args.dtypes.split(","):

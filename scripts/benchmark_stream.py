@@ -95,6 +95,9 @@ def main() -> int:
     def percent(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
 
+    def seconds(value: float | None) -> str:  # none where nothing was committed (a recording of noise)
+        return "-" if value is None else f"{value:.2f}"
+
     with_hint, same = runs[WITH_HINT], runs[SAME_UPDATES]
     print(f"{args.audio.name}: {len(samples) / SAMPLE_RATE:.1f} s, {args.chunk_seconds} s chunks, target {target}, "
           f"draft {draft}, {device}, encoder over {'the 30 s window' if args.encoder_padding_seconds is None else f'the buffer + {args.encoder_padding_seconds:g} s'}, "
@@ -106,16 +109,17 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|---|---|")
     for name, run in runs.items():
         print(f"| {name} | {run.updates} | {run.target_passes} | {run.hypothesis_tokens_accepted} / {run.hypothesis_tokens_proposed} "
-              f"| {run.median_commit_latency:.2f} | {run.p90_commit_latency:.2f} | {run.compute_seconds:.1f} "
+              f"| {seconds(run.median_commit_latency)} | {seconds(run.p90_commit_latency)} | {run.compute_seconds:.1f} "
               f"| {percent(wer(reference, run.committed_text))} | {percent(wer(offline, run.committed_text))} |")
     print(f"| (offline transcription) | | | | | | {offline_seconds:.1f} | {percent(wer(reference, offline))} | |")
     print()
     print(f"target passes with the hypothesis draft / re-decoding the same updates: "
-          f"{with_hint.target_passes / same.target_passes:.2f} ({with_hint.target_passes} / {same.target_passes}); "
+          f"{with_hint.target_passes / max(same.target_passes, 1):.2f} ({with_hint.target_passes} / {same.target_passes}); "
           f"same committed text: {'yes' if with_hint.committed_text == same.committed_text else 'NO'}")
 
     checks = {
-        "median commit latency <= 2.5 s (hypothesis draft)": with_hint.median_commit_latency <= 2.5,
+        "median commit latency <= 2.5 s (hypothesis draft)": (with_hint.median_commit_latency is not None
+                                                              and with_hint.median_commit_latency <= 2.5),
         "target passes with the hypothesis draft <= half of re-decoding": 2 * with_hint.target_passes <= same.target_passes,
     }
     if reference is not None:

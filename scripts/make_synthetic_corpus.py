@@ -171,6 +171,8 @@ def main() -> None:
     parser.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, of {', '.join(ENGINES)}")
     args = parser.parse_args()
     engines = [e for e in args.engines.split(",") if e]
+    if not engines:  # rng.choice([]) then failed in every worker
+        parser.error(f"--engines {args.engines!r}: name at least one, of {', '.join(ENGINES)}")
     if unknown := set(engines) - set(ENGINES):
         parser.error(f"unknown engine(s): {', '.join(sorted(unknown))}")
     if missing := [e for e in engines if shutil.which(e) is None]:
