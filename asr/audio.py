@@ -391,9 +391,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                 pending.append(np.zeros(lead, dtype=np.float32))
                 size += lead
 
-            exact = container.format.name in EXACT_TIMES
-
-            stated = _stated_seconds(container)
+            exact, stated = container.format.name in EXACT_TIMES, _stated_seconds(container)
 
             def missing(due: float | None, start: float | None, lost_seconds: float) -> float:
                 """Seconds of silence for the audio missing before a frame: where its time jumps
@@ -405,6 +403,9 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                 if not exact:
                     return min(start - due, lost_seconds)
                 return max(0.0, min(start, stated or start) - due)
+
+            def mono(outs) -> Iterator[np.ndarray]:  # channels averaged, as soundfile's are (see below)
+                return (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in outs)
 
             def resampled() -> Iterator[np.ndarray]:
                 resampler, setup = None, None
@@ -430,8 +431,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         start = float(frame.pts * frame.time_base) if frame.pts is not None and frame.time_base else None
                         if silence := round(missing(due, start, lost_seconds) * SAMPLE_RATE):
                             if resampler is not None:  # what it holds is from before the gap
-                                yield from (out.to_ndarray().mean(axis=0, dtype=np.float32)
-                                            for out in resampler.resample(None))
+                                yield from mono(resampler.resample(None))
                                 resampler, setup = None, None
                             gaps.append((due, silence / SAMPLE_RATE))
                             for piece in range(0, silence, 30 * SAMPLE_RATE):
@@ -442,15 +442,14 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         # midway, and a resampler takes only the frames it was set up with.
                         if setup != (frame.format.name, frame.layout.name, frame.sample_rate):
                             if resampler is not None:
-                                yield from (out.to_ndarray().mean(axis=0, dtype=np.float32)
-                                            for out in resampler.resample(None))
+                                yield from mono(resampler.resample(None))
                             # Channels kept and averaged below, as soundfile's are: FFmpeg's own stereo-to-mono
                             # mix sums them at 0.707 each, 3 dB louder than the same recording as a WAV.
                             resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)
                             setup = (frame.format.name, frame.layout.name, frame.sample_rate)
-                        yield from (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(frame))
+                        yield from mono(resampler.resample(frame))
                 if resampler is not None:
-                    yield from (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in resampler.resample(None))
+                    yield from mono(resampler.resample(None))
 
             for out in resampled():
                 pending.append(out)
