@@ -44,6 +44,15 @@ PROMPT_COPY_WORDS = 6
 HEAD_START_PER_AUDIO_SECOND = 0.1
 
 
+def _floats(value: object) -> tuple[float, ...]:
+    """One number, or the numbers of any iterable (a list, numpy array, tensor, generator: read
+    once), as floats; text refused ("0.2" was taken as the temperatures 0, '.', 2)."""
+    items = [value] if isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0 else list(value)
+    if any(isinstance(item, (str, bytes)) for item in items):
+        raise TypeError("text, not numbers")
+    return tuple(float(item) for item in items)
+
+
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: detect from the first window
@@ -78,12 +87,15 @@ class TranscribeOptions:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
         # Any sequence: a tuple of floats, hashable and fixed as a frozen dataclass's, and
         # written to JSON (numpy's float32 is not).
-        given = (self.temperatures,) if isinstance(self.temperatures, numbers.Real) else self.temperatures
-        if isinstance(given, str) or not all(isinstance(t, numbers.Real) and 0 <= t < math.inf for t in given):
-            raise ValueError(f"temperatures must be numbers from 0 up, not {self.temperatures!r}")  # "0.2" took '.'
+        try:
+            given = _floats(self.temperatures)
+        except (TypeError, ValueError):
+            raise ValueError(f"temperatures must be numbers from 0 up, not {self.temperatures!r}") from None
+        if not all(0 <= t < math.inf for t in given):
+            raise ValueError(f"temperatures must be numbers from 0 up, not {self.temperatures!r}")
         if not given:
             raise ValueError("temperatures: give at least one")
-        object.__setattr__(self, "temperatures", tuple(float(t) for t in given))
+        object.__setattr__(self, "temperatures", given)
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
         # Checked here, by name: they failed mid-decode with a bare TypeError, or decoded nonsense
@@ -98,7 +110,7 @@ class TranscribeOptions:
                                  f"not {value!r}")
         for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
             value = getattr(self, name)
-            if value is not None and not (isinstance(value, numbers.Real) and math.isfinite(value)):
+            if value is not None and not (isinstance(value, numbers.Real) and not math.isnan(value)):
                 raise ValueError(f"{name} must be a number, or None for no threshold, not {value!r}")
         if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
             raise ValueError(f"compression_ratio_threshold must be above 0 (every window fell back), "

@@ -5,12 +5,14 @@ the transcripts each would get alone; a failure costs only the recording whose f
 from __future__ import annotations
 
 import json
+import math
 import os
 import threading
 import time
 
 import numpy as np
 import pytest
+import torch
 
 from app.ui import sweep, sweeping
 from asr.audio import SAMPLE_RATE, load_audio
@@ -269,6 +271,12 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
     accepted = TranscribeOptions(temperatures=np.float32(0.2), seed=np.int64(3), best_of=np.int32(2),
                                  no_speech_threshold=None, initial_prompt=None)
     assert accepted.temperatures == (pytest.approx(0.2),) and accepted.initial_prompt == ""
+    # Any numbers, as they worked before the checks: an array (its truth was ambiguous, a lone
+    # 0.0 "no temperatures"), a tensor, a generator (read up by the check, decoding none), and
+    # infinite thresholds, another way to turn one off.
+    for temperatures in (np.array([0.0, 0.5]), np.array([0.0]), torch.tensor([0.0, 0.5]), (t / 2 for t in range(2))):
+        assert TranscribeOptions(temperatures=temperatures).temperatures in {(0.0, 0.5), (0.0,)}
+    assert TranscribeOptions(log_prob_threshold=-math.inf, compression_ratio_threshold=math.inf).log_prob_threshold == -math.inf
     # Not audio at all, among others: which one it was (arrays and files were named, this was not).
     transcriber = Transcriber(pair, TranscribeOptions(language="en"))
     with pytest.raises(TypeError, match=r"^audio\[1\]: audio must be a file's path, an array of samples"):
