@@ -18,8 +18,9 @@ MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
 FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to float, not audio clipped a little
 # libsndfile ends an MP3 where its header's estimate of the length does, silently: a VBR file
 # without a Xing header, files joined with `cat`, or a damaged stretch lost the rest. FFmpeg
-# decodes every frame (as faster-whisper and the whisper command read MP3).
-FFMPEG_FORMATS = {"MP3"}
+# decodes every frame (as faster-whisper and the whisper command read MP3). In Ogg, libsndfile
+# skips a damaged page without a word, and what follows comes early: FFmpeg's times tell.
+FFMPEG_FORMATS = {"MP3", "OGG"}
 # A file whose header states this much more audio than it holds was cut short (a copy or
 # download interrupted): its transcript would be of a part, and a folder run would skip it as done.
 TRUNCATED_SECONDS = 0.5
@@ -27,9 +28,17 @@ TRUNCATED_SECONDS = 0.5
 # fail to decode) shows as a jump in its frames' times: filled with silence from this long,
 # so that the times after it stay the recording's (subtitles would run early by the loss).
 GAP_SECONDS = 0.05
-# Containers whose frame times count samples exactly: a jump there is audio lost, never a
-# clock's jitter (a browser's webm), which other containers fill only after a lost packet.
-EXACT_TIMES = {"flac", "mp3", "wav"}
+# Containers whose frame times count samples exactly (Ogg's granule positions): a jump there
+# is audio lost, never a clock's jitter (a browser's webm), which other containers fill only
+# after a lost packet.
+EXACT_TIMES = {"flac", "ogg", "wav"}
+# Bare streams whose times the demuxer counts from the frames it passes on: audio lost never
+# shows as a jump, and a damaged stretch comes as one packet of a frame's duration, whatever
+# its bytes held. Its bytes at the stream's bit rate say how long it was.
+COUNTED_TIMES = {"mp3", "aac"}
+# A jump in the times of other containers (a Matroska cluster lost) is told from this long,
+# and not filled: there it may be the clock's own.
+JUMP_TOLD_SECONDS = 0.5
 UNSIZED_WAV = 0x7FFF0000
 
 
@@ -123,14 +132,28 @@ def _wav_stated_and_held(path: Path) -> tuple[float, float] | None:
     return None
 
 
+def _id3_length(head: bytes) -> int:
+    """The bytes of the ID3v2 tag (cover art: tens of kB) that head, a file's or a packet's
+    first 10 bytes or more, starts with; 0 if none."""
+    if head[:3] != b"ID3" or len(head) < 10:
+        return 0
+    return 10 + sum((b & 0x7F) << 7 * (3 - i) for i, b in enumerate(head[6:10])) + (10 if head[5] & 0x10 else 0)
+
+
+def _holds_no_audio(packet: bytes) -> bool:
+    """Whether a packet FFmpeg could not decode is an MP3's own metadata, not audio: the header
+    frame (Xing, Info, VBRI) of the second of two files joined with `cat`, after its ID3 tag,
+    or a tag alone (at the end)."""
+    rest = packet
+    while skip := _id3_length(rest):  # a tag added before the encoder's own
+        rest = rest[skip:]
+    return not rest or any(tag in rest[:64] for tag in (b"Xing", b"Info", b"VBRI"))
+
+
 def _mp3_stated_seconds(path: Path) -> float | None:
     """The seconds of audio an MP3's Xing/Info frame states (its frame count), or None."""
     with open(path, "rb") as file:
-        head = file.read(10)
-        at = 0
-        if head[:3] == b"ID3" and len(head) == 10:  # a tag before the first frame, of syncsafe size (cover art)
-            at = 10 + sum((b & 0x7F) << 7 * (3 - i) for i, b in enumerate(head[6:10])) + (10 if head[5] & 0x10 else 0)
-        file.seek(at)
+        file.seek(_id3_length(file.read(10)))
         frame = file.read(200)
     if len(frame) < 4 or frame[0] != 0xFF or frame[1] & 0xE6 != 0xE2:  # an MPEG layer III frame header
         return None
@@ -380,6 +403,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
     lost: list[tuple[float, str]] = []  # each packet that could not be decoded: where it starts (s), the error
     ends_lost = [False]  # whether no packet decoded after the last lost one
     gaps: list[tuple[float, float]] = []  # audio missing between frames, filled with silence: where (s), how long (s)
+    jumps: list[tuple[float, float]] = []  # times jumping with nothing lost, not filled: where (s), how far (s)
     decoded = 0
     try:
         with av.open(_for_ffmpeg(path), metadata_errors="ignore") as container:
@@ -392,17 +416,26 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                 size += lead
 
             exact, stated = container.format.name in EXACT_TIMES, _stated_seconds(container)
+            counted = container.format.name in COUNTED_TIMES
+            bit_rate = container.streams.audio[0].bit_rate or container.bit_rate
 
             def missing(due: float | None, start: float | None, lost_seconds: float) -> float:
-                """Seconds of silence for the audio missing before a frame: where its time jumps
-                past the last frame's end. In a container of exact times, all of it, up to
-                the length its header states (a damaged FLAC stretch); in others only what
-                lost packets held (a broadcast's timestamps can jump with nothing lost)."""
-                if start is None or due is None or start - due < GAP_SECONDS:
+                """Seconds of silence for the audio missing before a frame. In a container of
+                exact times, where its time jumps past the last frame's end, all of it, up to
+                the length its header states (a damaged FLAC stretch); in a bare stream, what
+                the lost packets held; in others, of a jump, only what lost packets held (a
+                broadcast's timestamps can jump with nothing lost), a longer jump told."""
+                if start is None or due is None:
                     return 0.0
-                if not exact:
-                    return min(start - due, lost_seconds)
-                return max(0.0, min(start, stated or start) - due)
+                if counted:
+                    return lost_seconds
+                if start - due < GAP_SECONDS:
+                    return 0.0
+                if exact:
+                    return max(0.0, min(start, stated or start) - due)
+                if start - due - lost_seconds >= JUMP_TOLD_SECONDS:
+                    jumps.append((due, start - due - lost_seconds))
+                return min(start - due, lost_seconds)
 
             def mono(outs) -> Iterator[np.ndarray]:  # channels averaged, as soundfile's are (see below)
                 return (out.to_ndarray().mean(axis=0, dtype=np.float32) for out in outs)
@@ -421,10 +454,10 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                         lost.append((at, str(error)))
                         ends_lost[0] = True
                         seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
-                        if any(tag in bytes(packet)[:64] for tag in (b"Xing", b"Info", b"VBRI")):
-                            due = None if due is None else due + seconds  # a joined MP3's header frame: no audio
+                        if _holds_no_audio(bytes(packet)):
+                            due = None if due is None else due + seconds  # its duration is a frame's, in the times
                         else:
-                            lost_seconds += seconds
+                            lost_seconds += max(seconds, packet.size * 8 / bit_rate if counted and bit_rate else 0.0)
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:
@@ -474,7 +507,7 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
         # FFmpeg's own message names the file as it was opened (absolute): the path leads already.
         detail = getattr(error, "strerror", None) if isinstance(error, av.error.FFmpegError) else None
         raise AudioError(f"{path}: not a readable audio file ({type(error).__name__}: {detail or error})") from error
-    if lost or gaps:
+    if lost or gaps or jumps:
         told = [f"{len(lost)} damaged audio packet(s), the first at {lost[0][0]:.2f} s, could not be decoded and were "
                 f"skipped ({lost[0][1]})"] if lost else []
         if gaps:
@@ -482,6 +515,10 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                      f"in {len(gaps)} stretches (the first at {gaps[0][0]:.2f} s)")
             told.append(f"{sum(length for _, length in gaps):.2f} s of audio missing {where} (damaged), replaced by "
                         "silence so that later times stay the recording's")
+        if jumps:
+            where = f"at {jumps[0][0]:.2f} s" if len(jumps) == 1 else f"{len(jumps)} times (the first at {jumps[0][0]:.2f} s)"
+            told.append(f"its times jump {sum(length for _, length in jumps):.2f} s {where} (a part lost, or the file's "
+                        "clock jumping): later times may run early by as much")
         notice = f"{path}: {'; '.join(told)}"
         if notices is None:
             warnings.warn(notice, AudioWarning, stacklevel=2)

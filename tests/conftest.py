@@ -173,8 +173,9 @@ def speech_between_silences(silence_seconds: float = 40.0) -> np.ndarray:
     return np.concatenate([first, noise, second, noise[: 5 * SAMPLE_RATE]])
 
 
-def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int = 16_000) -> bytes:
-    """Mono samples at `rate` as an MP3 (xing: with the Xing header that states its length)."""
+def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int = 16_000, title: str = "") -> bytes:
+    """Mono samples at `rate` as an MP3 (xing: with the Xing header that states its length;
+    title: in its ID3 tag)."""
     import io
 
     import av
@@ -182,6 +183,8 @@ def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int =
     out = io.BytesIO()
     options = {} if xing else {"write_xing": "0", "id3v2_version": "0"}  # no Xing: a reader can only estimate the length
     with av.open(out, "w", format="mp3", options=options) as container:
+        if title:
+            container.metadata["title"] = title
         stream = container.add_stream("libmp3lame", rate=rate, layout="mono")
         stream.bit_rate = bit_rate
         frame = av.AudioFrame.from_ndarray(samples[None].astype(np.float32), format="flt", layout="mono")
@@ -189,3 +192,25 @@ def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int =
         for packet in [*stream.encode(frame), *stream.encode(None)]:
             container.mux(packet)
     return out.getvalue()
+
+
+def encoded(path: Path, parts: list[tuple[np.ndarray, int, str]], codec: str, container: str) -> Path:
+    """Writes one stream of these parts (samples at 16 kHz, the part's rate, its layout) with
+    FFmpeg's encoder: a stream whose rate or channels change midway where they differ."""
+    import av
+    import soxr
+
+    from asr.audio import SAMPLE_RATE
+
+    with av.open(str(path), "w", format=container) as output:
+        stream = output.add_stream(codec, rate=parts[0][1], layout=parts[0][2])
+        for samples, rate, layout in parts:
+            channels = 1 if layout == "mono" else 2
+            resampled = np.tile(soxr.resample(samples, SAMPLE_RATE, rate)[None], (channels, 1)).astype(np.float32)
+            frame = av.AudioFrame.from_ndarray(resampled, format="fltp", layout=layout)
+            frame.sample_rate = rate
+            for packet in stream.encode(frame):
+                output.mux(packet)
+        for packet in stream.encode(None):
+            output.mux(packet)
+    return path

@@ -41,7 +41,7 @@ from asr.batch import (
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber, _Decoding
-from conftest import DEV, REPO, mp3_bytes
+from conftest import DEV, REPO, encoded, mp3_bytes
 
 SHORT = DEV / "en_short"
 
@@ -224,25 +224,6 @@ def test_a_damaged_frame_in_a_streamed_recording_is_read_past_as_a_whole_read_do
     with pytest.warns(AudioWarning, match="s of audio missing at .* replaced by silence"):
         assert np.array_equal(np.concatenate(list(stream_audio(path, 2.0))), whole)
     assert len(whole) == 3 * len(clip)  # the damaged frame's samples are silence: the times after it are kept
-
-
-def encoded(path: Path, parts: list[tuple[np.ndarray, int, str]], codec: str, container: str) -> Path:
-    """Writes one stream of these parts (samples at 16 kHz, the part's rate, its layout) with
-    FFmpeg's encoder: a stream whose rate or channels change midway where they differ."""
-    import av
-
-    with av.open(str(path), "w", format=container) as output:
-        stream = output.add_stream(codec, rate=parts[0][1], layout=parts[0][2])
-        for samples, rate, layout in parts:
-            channels = 1 if layout == "mono" else 2
-            resampled = np.tile(soxr.resample(samples, SAMPLE_RATE, rate)[None], (channels, 1)).astype(np.float32)
-            frame = av.AudioFrame.from_ndarray(resampled, format="fltp", layout=layout)
-            frame.sample_rate = rate
-            for packet in stream.encode(frame):
-                output.mux(packet)
-        for packet in stream.encode(None):
-            output.mux(packet)
-    return path
 
 
 def test_a_recording_whose_rate_or_channels_change_midway_is_read_whole(tmp_path: Path):
