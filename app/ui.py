@@ -7,6 +7,7 @@ import dataclasses
 import functools
 import html
 import os
+import re
 import shutil
 import signal
 import tempfile
@@ -190,17 +191,19 @@ def sweep_cache(cache: Path, max_age: float) -> None:
         entries = list(os.scandir(cache))
     except OSError:  # the cache not made yet, or gone
         return
+    # Only names Gradio gives (the cache may be a shared folder, GRADIO_TEMP_DIR=/tmp): a
+    # sha256's 64 hex digits for a folder, NamedTemporaryFile's tmp + 8 for the file. In the
+    # system's temporary folder, where other programs make such files too, those are left.
+    shared = os.path.realpath(cache) == os.path.realpath(tempfile.gettempdir())
     for entry in entries:
-        # Only names Gradio gives (the cache may be a shared folder, GRADIO_TEMP_DIR=/tmp):
-        # a hash's hex digits for a folder, NamedTemporaryFile's "tmp..." for the file.
         with contextlib.suppress(OSError):  # gone meanwhile, or a folder not empty (rmdir removes only an empty one)
             stat = entry.stat(follow_symlinks=False)
             if stat.st_mtime >= cutoff:
                 continue
-            if entry.is_dir(follow_symlinks=False) and len(entry.name) >= 32 and all(
-                    c in "0123456789abcdef" for c in entry.name):
+            if entry.is_dir(follow_symlinks=False) and re.fullmatch(r"[0-9a-f]{64}", entry.name):
                 os.rmdir(entry.path)
-            elif entry.is_file(follow_symlinks=False) and entry.name.startswith("tmp") and not stat.st_size:
+            elif (entry.is_file(follow_symlinks=False) and not shared and re.fullmatch(r"tmp[a-z0-9_]{8}", entry.name)
+                  and not stat.st_size):
                 os.unlink(entry.path)
 
 

@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
@@ -206,7 +207,7 @@ def test_the_sweep_removes_what_gradio_leaves_in_its_cache(tmp_path: Path, monke
 
     cache = tmp_path / "cache"
     monkeypatch.setenv("GRADIO_TEMP_DIR", str(cache))
-    upload = cache / ("0a1b2c" * 8) / "talk.wav"  # a hash's hex digits, as Gradio names them
+    upload = cache / ("0a1b2c3d" * 8) / "talk.wav"  # a sha256's hex digits, as Gradio names them
     upload.parent.mkdir(parents=True)
     upload.write_bytes(b"RIFF")
     before = set(cache.iterdir())
@@ -215,19 +216,28 @@ def test_the_sweep_removes_what_gradio_leaves_in_its_cache(tmp_path: Path, monke
     assert leaked.name.startswith("tmp") and leaked.stat().st_size == 0
     upload.unlink()  # Gradio's sweep, keep_seconds after the upload
     # In use, new, or not Gradio's (GRADIO_TEMP_DIR may be a shared folder such as /tmp).
-    kept = [cache / "tmp-not-empty", cache / ("3d4e5f" * 8) / "answer.srt", cache / ("7a8b9c" * 8), cache / "mine",
-            cache / "mine-too"]
+    # Other programs' look-alikes: empty lock files and placeholders, a shorter hash's folder.
+    kept = [cache / "tmpabcd1234x", cache / ("3d4e5f6a" * 8) / "answer.srt", cache / ("7a8b9c0d" * 8), cache / "mine",
+            cache / "mine-too", cache / "tmpXYZ.lock", cache / "tmp_other_app_placeholder", cache / ("ab" * 16),
+            cache / ("cd" * 20)]
     kept[0].write_text("x")
     kept[1].parent.mkdir()
     kept[1].write_text("1")
     kept[2].mkdir()
-    kept[3].mkdir()
-    kept[4].write_text("")
+    for path in kept[3:]:
+        path.mkdir() if path.name in ("mine", "ab" * 16, "cd" * 20) else path.write_text("")
     old = time.time() - 120
     for path in [leaked, upload.parent, *kept[:2], kept[1].parent, *kept[3:]]:
         os.utime(path, (old, old))
     sweep_cache(cache, max_age=60)
     assert not leaked.exists() and not upload.parent.exists() and all(path.exists() for path in kept)
+    # The cache as the system's temporary folder itself: its empty tmp files may be anyone's.
+    other = cache / "tmpq8w_3zk1"
+    other.write_text("")
+    os.utime(other, (old, old))
+    monkeypatch.setattr(tempfile, "tempdir", str(cache))
+    sweep_cache(cache, max_age=60)
+    assert other.exists()
 
 
 def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
