@@ -478,8 +478,8 @@ class Transcriber:
                 return AudioInput(name or str(path), kept, progress, warnings=tuple(notices), speech=speech)
             # Its features are computed window by window, as a long recording's are: an hour's took 1 GB at once.
             blocks = np.array_split(kept, -(-len(kept) // WINDOW_SAMPLES))  # views of it
-            return AudioInput(name or str(path), StreamedMel(lambda: iter(blocks), n_mels, str(path)), progress,
-                              warnings=tuple(notices), speech=speech)
+            mel = StreamedMel(lambda: _scanned(iter(blocks), progress), n_mels, str(path))  # Stop stops its scan
+            return AudioInput(name or str(path), mel, progress, warnings=tuple(notices), speech=speech)
         # The first pass over the file (StreamedMel's scan) tells what it lost, and stops when
         # cancelled; the next ones read the same, and a cancelled decode stops on its own.
         passes = iter([(notices, progress)])

@@ -11,6 +11,7 @@ import soundfile
 import torch
 
 import asr.transcribe
+from asr import vad
 from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, load_audio
 from asr.draft_length import DraftLength
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, log_mel
@@ -202,7 +203,8 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     assert silence.info.duration == 5.0
 
 
-def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_decoded_window_by_window(base_pair, tmp_path):
+def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_decoded_window_by_window(base_pair, tmp_path,
+                                                                                                   monkeypatch):
     """A long file with vad_filter was loaded whole at its own rate and channels (2 GB for an
     hour of 48 kHz stereo), filtered, and its features computed whole (1 GB more), in the
     thread that submitted it (a web page's Stop waited for all of it). It is now read at
@@ -223,6 +225,12 @@ def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_deco
     progress.cancel()  # Stop during the read: it ends within a block
     with pytest.raises(Cancelled):
         transcriber.read(path, stream_above_seconds=10, progress=progress)
+    # Stop while the voice filter ran: the first pass over the speech's features stops too.
+    progress, filtered = Progress(), vad.speech_only
+    monkeypatch.setattr(vad, "speech_only", lambda samples: (filtered(samples), progress.cancel())[0])
+    with pytest.raises(Cancelled):
+        transcriber.read(path, stream_above_seconds=10, progress=progress)
+    monkeypatch.undo()
     noise = tmp_path / "noise.flac"
     soundfile.write(noise, speech_between_silences()[-5 * SAMPLE_RATE :], SAMPLE_RATE)
     nothing = transcriber.transcribe(transcriber.read(noise, stream_above_seconds=1))
