@@ -1019,13 +1019,14 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     lost = "its Ray worker died each time it was tried (killed for memory? a crash?)"
     if not recorder.todo:
         return recorder.finish(lost)
-    started_here = not ray.is_initialized()
+    started_here, saved = not ray.is_initialized(), {}
     try:
         if started_here:
             # Workers load models as this process would: pass on the offline switches and cache location.
             env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN")
                    if k in os.environ}
-            ray.init(address=options.address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+            # "local": a cluster of its own, as README says, not one a `ray start` left running here.
+            ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
         workers, cpus_per_worker, gpu = _pool(resources, options, spec.device)
@@ -1033,8 +1034,14 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; "
                        f"cluster has {int(resources.get('CPU', 1))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")
         context = ray.data.DataContext.get_current()
+        saved = {name: getattr(context, name) for name in ("enable_progress_bars", "max_errored_blocks",
+                                                           "target_max_block_size")}
         context.enable_progress_bars = False  # ours counts audio, files and RTFx
         context.max_errored_blocks = -1  # a lost batch is reported per file below, not fatal
+        # Each file's result its own block, passed on as it ends: Ray Data gathered a call's
+        # results into one block, so the driver wrote none of a call's files (16) until all had
+        # ended, and a stopped run lost them.
+        context.target_max_block_size = 1
         logging.getLogger("ray.data").setLevel(logging.WARNING)
         # Paths as every node sees them: a worker's working directory is not this process's.
         absolute = {os.path.abspath(item.source): str(item.source) for item in recorder.todo}
@@ -1075,6 +1082,9 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         recorder.stop()
         raise
     finally:
+        if saved:  # the caller's later Ray Data jobs get its own settings back
+            for name, value in saved.items():
+                setattr(context, name, value)
         if started_here:
             ray.shutdown()
     return recorder.finish(lost)
@@ -1130,16 +1140,18 @@ class _RayWorker:
         self.stream_above_seconds = stream_above_seconds
         self.layout = layout
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict) -> Iterator[dict]:
+        """Each file's result as soon as it ends, for the driver to write at once."""
         files = [Path(source) for source in batch["source"]]
         typed = dict(zip(map(str, batch["source"]), map(str, batch["typed"])))
-        results: list[FileResult] = []
+        done = set()
         try:
             for result in transcribe_files(self.transcriber, files, self.formats, self.stream_above_seconds, self.layout,
                                            typed=typed):
-                results.append(result)
+                done.add(result.source)
+                yield {"result": [json.dumps(dataclasses.asdict(result))]}
         except Exception as error:  # a batch Ray drops would reach the driver as "no result": say why instead
-            done = {result.source for result in results}
-            results += [FileResult(str(file), error=f"transcription failed: {type(error).__name__}: {error}")
-                        for file in files if str(file) not in done]
-        return {"result": [json.dumps(dataclasses.asdict(result)) for result in results]}
+            failed = [FileResult(str(file), error=f"transcription failed: {type(error).__name__}: {error}")
+                      for file in files if str(file) not in done]
+            if failed:
+                yield {"result": [json.dumps(dataclasses.asdict(result)) for result in failed]}

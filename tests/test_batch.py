@@ -4,6 +4,7 @@ a run killed with SIGKILL and resumed, and Ray Data on a local 2-worker cluster.
 from __future__ import annotations
 
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -958,9 +959,15 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
     monkeypatch.chdir(tmp_path)
     run = FolderRun((Path("in"),), Path("ray"), **{**quiet(), "echo": True})
     capsys.readouterr()
+    arrivals, record = [], batch._Recorder.record
+    monkeypatch.setattr(batch._Recorder, "record", lambda self, result: (arrivals.append(time.monotonic()), record(self, result)))
     on_ray = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))
     assert not ray.is_initialized()  # the local cluster it started is shut down
     assert (on_ray.ok, on_ray.failed) == (4, 1)
+    # Each file written as it ended: the five came in two calls of the workers (a block each,
+    # all of a call's files at its end), the broken file's error seconds before its batch mate.
+    assert sum(later - earlier > 0.2 for earlier, later in itertools.pairwise(sorted(arrivals))) >= 2
+    monkeypatch.setattr(batch._Recorder, "record", record)
     # A worker's warning names the file as typed here, as the run's other lines do, once.
     assert capsys.readouterr().err.count(f"asr: warning: {Path('in/sub/joined.mp3')}: 1 damaged audio packet(s)") == 1
     assert errors_of(tmp_path / "ray") == errors_of(tmp_path / "local")
@@ -1052,15 +1059,22 @@ def test_a_file_that_kills_its_ray_worker_is_reported_and_its_batch_mates_are_do
 
 def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypatch):
     """Ray drops a batch whose call raises, and the driver could only say "no result came
-    back": the worker reports the error for every file the batch had left."""
+    back": the worker reports the error for every file the batch had left. Each file's
+    result goes as it ends: a call's results came back together, at its end."""
+    went_on = []
+
     def failing(transcriber, files, *args, **options):
         yield FileResult(str(files[0]), text="done")
+        went_on.append(True)
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
     monkeypatch.setattr(batch, "transcribe_files", failing)
     worker = object.__new__(batch._RayWorker)
     worker.transcriber, worker.formats, worker.stream_above_seconds, worker.layout = None, ("txt",), 30.0, None
-    results = [FileResult(**json.loads(row)) for row in worker({"source": ["a.wav", "b.wav", "c.wav"], "typed": ["a.wav", "b.wav", "c.wav"]})["result"]]
+    batches = worker({"source": ["a.wav", "b.wav", "c.wav"], "typed": ["a.wav", "b.wav", "c.wav"]})
+    first = next(batches)
+    assert not went_on  # a file's result is handed on as it ends, before its batch goes on
+    results = [FileResult(**json.loads(row)) for one in [first, *batches] for row in one["result"]]
     assert [(r.source, r.text, r.error) for r in results] == [
         ("a.wav", "done", None),
         *[(name, "", "transcription failed: RuntimeError: CUDA error: an illegal memory access was encountered")
