@@ -16,7 +16,7 @@ import numpy as np
 import soxr
 
 from app.engine import Engine, Settings
-from asr.audio import SAMPLE_RATE, float_mono
+from asr.audio import SAMPLE_RATE, AudioError, float_mono
 from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
 # No chunk for this long: the visitor's browser stopped sending (its tab is closed at once: cancel).
@@ -71,6 +71,8 @@ class LiveSession:
     def feed(self, rate: int, samples: np.ndarray) -> None:
         """Queues a chunk and returns at once."""
         samples = float_mono(samples, "microphone chunk")
+        if not np.isfinite(samples).all():  # refused alone: in the resampler's state it ended the recording
+            raise AudioError("microphone chunk: contains NaN or infinite samples")
         with self._wake:
             if self._stopping or self.finished or not samples.size:
                 return

@@ -485,27 +485,33 @@ def stream_command(args: argparse.Namespace) -> int:
         else:
             print(describe_update(update), flush=True)
 
-    stopped = False
     try:
-        for update in feed_recording(stream, samples, args.chunk_seconds, stream.clock):
-            show(update)
-    except KeyboardInterrupt:
-        # A microphone's stop: what was heard is decoded and committed, not lost to a traceback.
-        print(f"asr: stopped at {stream.audio_seconds:.1f} s: finishing what was heard (Ctrl-C again to quit)",
-              file=sys.stderr)
+        stopped = False
         try:
-            show(stream.finish())  # a stream already finished gives an empty last update
+            for update in feed_recording(stream, samples, args.chunk_seconds, stream.clock):
+                show(update)
         except KeyboardInterrupt:
-            print("asr: interrupted", file=sys.stderr)
-            return 130
-        stopped = True
-    summary = asdict(replace(summarize(updates), committed_text=stream.committed_text))
-    if args.json:
-        print(json.dumps({"type": "summary", **summary}))
-    else:
-        print(summary.pop("committed_text"))
-        print(", ".join(f"{k}: {round(v, 3) if isinstance(v, float) else v}" for k, v in summary.items()), file=sys.stderr)
-    return 130 if stopped else 0
+            # A microphone's stop: what was heard is decoded and committed, not lost to a traceback.
+            print(f"asr: stopped at {stream.audio_seconds:.1f} s: finishing what was heard (Ctrl-C again to quit)",
+                  file=sys.stderr)
+            try:
+                show(stream.finish())  # a stream already finished gives an empty last update
+            except KeyboardInterrupt:
+                print("asr: interrupted", file=sys.stderr)
+                return 130
+            stopped = True
+        summary = asdict(replace(summarize(updates), committed_text=stream.committed_text))
+        if args.json:
+            print(json.dumps({"type": "summary", **summary}))
+        else:
+            print(summary.pop("committed_text"))
+            print(", ".join(f"{k}: {round(v, 3) if isinstance(v, float) else v}" for k, v in summary.items()), file=sys.stderr)
+        return 130 if stopped else 0
+    except BrokenPipeError:
+        # The reader has gone (`asr stream FILE | head`): the stream stops, quietly, as a
+        # pipe's writer does (a traceback, exit 1); the exit status is SIGPIPE's.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 def describe_update(update: StreamUpdate) -> str:

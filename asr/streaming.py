@@ -411,13 +411,15 @@ class StreamingTranscriber:
         heard = segments[-1].end_timestamp * TIMESTAMP_SECONDS if segments and segments[-1].end_timestamp else 0.0
         return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 2)
 
+    def _speech(self) -> np.ndarray:
+        """Whether each whole quarter second of the buffer is speech: within SPEECH_DB of its loudest."""
+        power = _quarter_powers(self._buffer)
+        return power > (power.max() if len(power) else 0.0) * 10 ** (-SPEECH_DB / 10)
+
     def _speech_after(self, seconds: float, quarters: int = 1) -> bool:
         """Whether the buffer holds speech after `seconds` into it: `quarters` quarter seconds
-        in a row within SPEECH_DB of its loudest."""
-        power = _quarter_powers(self._buffer)
-        if not len(power):
-            return False
-        loud = power[math.ceil(seconds * 4) :] > power.max() * 10 ** (-SPEECH_DB / 10)
+        in a row of it."""
+        loud = self._speech()[math.ceil(seconds * 4) :]
         return any(loud[i : i + quarters].all() for i in range(len(loud) - quarters + 1))
 
     def _heard_until(self, window: WindowResult) -> float | None:
@@ -489,9 +491,28 @@ class StreamingTranscriber:
             self._cut_unheard()
         elif backlog:
             self._cut_closed(segments)
+        elif pause := self._pause_after(segments):
+            self._cut(pause, len(self._in_buffer))
+            self._hint = []
         elif len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
             self._trim_at_segment(segments)
         return committed
+
+    def _pause_after(self, segments: list[_Segment]) -> int:
+        """Where to cut a buffer (samples) whose words are all committed, its last segment
+        closed with no speech after it: as an unheard buffer is cut (_cut_unheard), to the
+        last UNHEARD_KEEP_SECONDS of the pause decoded twice; 0 if not so. Kept, the pause set
+        Whisper timing the next speech from the end of the words before it: up to the whole
+        pause early (20 s), the words after it piled at one instant."""
+        words = sum(len(segment.words) for segment in segments)
+        if self._tentative or self._held_back or not words or len(self._in_buffer) != words:
+            return 0
+        end = segments[-1].end_timestamp
+        if end is None or end * SAMPLES_PER_TIMESTAMP > len(self._buffer):
+            return 0
+        heard = end * TIMESTAMP_SECONDS + TAIL_SECONDS
+        cut = min(len(self._buffer), self._decoded_before - self._buffer_start) - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
+        return cut if cut >= heard * SAMPLE_RATE and not self._speech_after(heard) else 0
 
     @staticmethod
     def _closed_words(segments: list[_Segment]) -> int:
@@ -531,12 +552,19 @@ class StreamingTranscriber:
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
-        follow the committed ones (each hypothesis times its words anew)."""
+        follow the committed ones (each hypothesis times its words anew), and a sentence's
+        first word capitalized: a full stop committed, a later hypothesis may run the
+        sentence on ("for you. Ask what" heard again as "for you, ask what", at a live
+        page's 1 s updates), and the full stop stood mid-sentence ("for you. ask what")."""
         end = self._committed[-1].end if self._committed else 0.0
         for word in words:
             start = max(word.start, end)
             end = max(word.end, start)
-            self._committed.append(Word(word.text, start, end))
+            text = word.text
+            if self._committed and SENTENCE_END.search(self._committed[-1].text) and (
+                    first := len(text) - len(text.lstrip())) < len(text):
+                text = text[:first] + text[first].upper() + text[first + 1 :]
+            self._committed.append(Word(text, start, end))
         return self._committed[len(self._committed) - len(words) :]
 
     def _segments(self, window: WindowResult) -> list[_Segment]:
@@ -547,9 +575,13 @@ class StreamingTranscriber:
         runs = text_runs(window.tokens, self._vocab.timestamp_begin, len(self._buffer) / SAMPLE_RATE)
         texts = [self._vocab.decode(run.tokens) for run in runs]
         aligned = _aligned_words(texts, window.words, offset) if window.words else None
+        # Whisper times speech after seconds of silence from the buffer's start (a pause's
+        # last seconds, kept: _cut_unheard): a segment starts no earlier than the first speech.
+        onset = float(np.argmax(speech)) / 4 if (speech := self._speech()).any() else 0.0
         segments = []
         for i, (run, text) in enumerate(zip(runs, texts)):
-            words = aligned[i] if aligned else _timed_words(text, offset + run.start, offset + run.end)
+            start = max(run.start, onset) if run.end > onset else run.start
+            words = aligned[i] if aligned else _timed_words(text, offset + start, offset + run.end)
             segments.append(_Segment(words, run.end_token, run.closing))
         return [s for s in segments if s.words]
 

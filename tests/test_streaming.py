@@ -7,6 +7,7 @@ import itertools
 import json
 import re
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -80,6 +81,24 @@ def test_no_full_stop_is_committed_where_a_buffer_ended_mid_sentence(jfk_stream)
     word was committed so once the next agreed: "And so my fellow Americans. ask not what
     your country can do for you. ask what you can do for your country." """
     _, updates = jfk_stream
+    assert not re.search(r"[.?!] [a-z]", updates[-1].committed_text), updates[-1].committed_text
+
+
+def test_speech_after_a_long_pause_is_timed_where_it_is_said(transcriber):
+    """After a sentence and a pause, the buffer kept the sentence: Whisper timed the next
+    speech from its end, up to the whole pause early (20 s), and piled the words after at
+    one instant. At a live page's 1 s updates, a full stop committed was run on by the next
+    hypothesis: "for you. ask what you can do". Both on the 1 s updates the page makes."""
+    first, second = load_audio(JFK), load_audio(DEV / "en_short" / "1995-1837-0001.wav")
+    samples = np.concatenate([first, np.zeros(8 * SAMPLE_RATE, np.float32), second])
+    said = (len(first) + 8 * SAMPLE_RATE) / SAMPLE_RATE  # 19 s
+    stream = StreamingTranscriber(transcriber, timer=itertools.count(0.0, 0.5).__next__)
+    updates = list(feed_recording(stream, samples, 1.0))
+    assert_append_only(updates)
+    words = [w for u in updates for w in u.committed]
+    later = [w for w in words if w.start > len(first) / SAMPLE_RATE - 0.5]
+    assert [w.text for w in later[:3]] == [" It", " was", " the"]  # nothing heard in the pause
+    assert said - 0.5 <= later[0].start <= said + 0.5, later[0]
     assert not re.search(r"[.?!] [a-z]", updates[-1].committed_text), updates[-1].committed_text
 
 
@@ -606,6 +625,23 @@ def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
     # The third call's audio: 1.5 s on a machine that decodes 0.5 s in under 0.5 s, more on a slower one.
     assert f"stopped at {calls[2]:.1f} s: finishing what was heard" in captured.err
     assert lines[3]["committed_text"] and lines[3]["audio_seconds"] == pytest.approx(calls[2])
+
+
+def test_a_cli_stream_whose_reader_goes_away_stops_quietly(tmp_path):
+    """`asr stream FILE | head`: a BrokenPipeError traceback, exit 1."""
+    import os
+    import subprocess
+    import sys
+
+    clip = DEV / "en_short" / "1995-1837-0001.wav"  # 10 s: updates after the reader has gone
+    with (tmp_path / "stderr").open("wb") as stderr:
+        run = subprocess.Popen([sys.executable, "-m", "asr.cli", "stream", str(clip), "--chunk-seconds", "0.5",
+                                "--language", "en"], cwd=Path(__file__).resolve().parent.parent,
+                               env={**os.environ, "HF_HUB_OFFLINE": "1"}, stdout=subprocess.PIPE, stderr=stderr)
+        assert run.stdout.readline()
+        run.stdout.close()
+        assert run.wait(timeout=300) == 141  # SIGPIPE's, as a pipe's writer ends
+    assert "Traceback" not in (tmp_path / "stderr").read_text()
 
 
 def test_cli_json_lines(capsys):
