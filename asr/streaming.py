@@ -576,11 +576,12 @@ class StreamingTranscriber:
         texts = [self._vocab.decode(run.tokens) for run in runs]
         aligned = _aligned_words(texts, window.words, offset) if window.words else None
         # Whisper times speech after seconds of silence from the buffer's start (a pause's
-        # last seconds, kept: _cut_unheard): a segment starts no earlier than the first speech.
+        # last seconds, kept: _cut_unheard): the first segment starts no earlier than the
+        # first speech. (The later ones start at Whisper's timestamps after the first.)
         onset = float(np.argmax(speech)) / 4 if (speech := self._speech()).any() else 0.0
         segments = []
         for i, (run, text) in enumerate(zip(runs, texts)):
-            start = max(run.start, onset) if run.end > onset else run.start
+            start = max(run.start, onset) if i == 0 and run.end > onset else run.start
             words = aligned[i] if aligned else _timed_words(text, offset + start, offset + run.end)
             segments.append(_Segment(words, run.end_token, run.closing))
         return [s for s in segments if s.words]
