@@ -352,10 +352,13 @@ def _sound_delay(container) -> int:
 
 
 def _mpeg_audio(path: Path) -> bool:
-    """Whether a file is MPEG audio (MP3, MP2: an ID3 tag or a frame first), which FFmpeg
-    reads (FFMPEG_FORMATS) and libsndfile's libmpg123 is never asked about: it wrote notes on
-    damaged or joined files ("Illegal Audio-MPEG-Header", "Xing stream size off") straight
-    to stderr, naming no file, through a folder run's progress bar."""
+    """Whether a file is MPEG audio (MP3, MP2: an ID3 tag or a frame first, or so named), which
+    FFmpeg reads (FFMPEG_FORMATS) and libsndfile's libmpg123 is never asked about: it wrote
+    notes on damaged or joined files ("Illegal Audio-MPEG-Header", "Xing stream size off")
+    straight to stderr, naming no file, through a folder run's progress bar, and on any file
+    named .mp3 that is not audio at all."""
+    if path.suffix.lower() in (".mp3", ".mp2"):
+        return True
     try:
         with open(path, "rb") as file:
             head = file.read(3)

@@ -118,17 +118,19 @@ def build_parser() -> argparse.ArgumentParser:
     t = commands.add_parser("transcribe", help="transcribe audio files or folders of them")
     t.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="audio files, or folders of audio files")
     t.add_argument("--out-dir", type=Path, default=Path("."), help="where transcripts go (default: .)")
-    t.add_argument("--formats", default="txt,srt,vtt,json", help=f"comma-separated, from {','.join(FORMATS)}")
+    t.add_argument("--formats", default="txt,srt,vtt,json",
+                   help=f"comma-separated, from {','.join(FORMATS)} (default: all: %(default)s)")
     add_model_arguments(t)
     t.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     t.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
     t.add_argument("--language", type=language, help="e.g. en, de, German (default, or auto: detect)")
-    t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe")
+    t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe",
+                   help="translate: into English (default: %(default)s)")
     t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
     t.add_argument("--temperature-increment", type=number(0), default=0.2,
-                   help="fallback step up to 1.0 when output looks wrong (0 disables fallback)")
+                   help="fallback step up to 1.0 when output looks wrong (0 disables fallback; default: %(default)s)")
     t.add_argument("--compression-ratio-threshold", type=ratio_threshold, default=2.4, metavar="X",
                    help="retry a window at the next temperature when its text's gzip compression ratio is above X "
                         "(repetition); none: never (default: %(default)s)")
@@ -158,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
-    t.add_argument("--seed", type=int, default=0, help="random seed for sampling")
+    t.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
     t.add_argument("--best-of", type=count(1), default=1, metavar="N",
                    help="at a temperature above 0, sample N attempts side by side (rows beyond --batch-size) and keep the "
                         "likeliest (Whisper's command line and faster-whisper default to 5; default: %(default)s)")

@@ -118,6 +118,11 @@ def test_mp3s_are_read_whole_where_libsndfile_stops_at_the_header_estimate(tmp_p
     garbage.write_bytes(bytes(b if i < 200 else b ^ 0x5A for i, b in enumerate(mp3_bytes(jfk, 64_000))))
     with pytest.raises(AudioError, match=f"{garbage}: "):
         load_audio(garbage)
+    text = tmp_path / "notes.mp3"  # not audio at all: libmpg123 wrote its notes on stderr
+    text.write_text("hello\n")
+    with pytest.raises(AudioError, match=f"{text}: "):
+        load_audio(text)
+    assert audio_seconds(text) is None and capfd.readouterr().err == ""
 
 
 def test_a_flac_damaged_midway_keeps_its_length_and_times_and_says_what_was_lost(tmp_path: Path):
