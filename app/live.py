@@ -26,6 +26,15 @@ IDLE_SECONDS = 30.0
 STEP_SECONDS = 1.0
 
 
+def microphone_chunk(samples: np.ndarray) -> np.ndarray:
+    """A browser's chunk as float mono; AudioError for one that cannot be audio, refused
+    alone (NaN, in the resampler's state, ended the recording)."""
+    samples = float_mono(samples, "microphone chunk")
+    if not np.isfinite(samples).all():
+        raise AudioError("microphone chunk: contains NaN or infinite samples")
+    return samples
+
+
 class LiveSession:
     _running = 0  # sessions whose worker runs, server-wide (LiveSession.running)
     _count = threading.Lock()
@@ -70,9 +79,7 @@ class LiveSession:
 
     def feed(self, rate: int, samples: np.ndarray) -> None:
         """Queues a chunk and returns at once."""
-        samples = float_mono(samples, "microphone chunk")
-        if not np.isfinite(samples).all():  # refused alone: in the resampler's state it ended the recording
-            raise AudioError("microphone chunk: contains NaN or infinite samples")
+        samples = microphone_chunk(samples)
         with self._wake:
             if self._stopping or self.finished or not samples.size:
                 return

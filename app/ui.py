@@ -24,12 +24,12 @@ import gradio as gr
 import numpy as np
 
 from app.engine import AUTO, Engine, Settings, release_freed_memory
-from app.live import LiveSession
+from app.live import LiveSession, microphone_chunk
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status, notice_html,
                        progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures,
                        warnings_html)
 from asr import vad
-from asr.audio import AUDIO_EXTENSIONS, AudioError, float_mono
+from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
@@ -454,7 +454,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                 return live_html("", "", listening=True), gr.skip(), None
             try:
                 # Checked before a session (and its worker) starts: a refused chunk started one per call.
-                rate, samples = chunk[0], float_mono(chunk[1], "microphone chunk")
+                rate, samples = chunk[0], microphone_chunk(chunk[1])
                 live = LiveSession(engine, Settings(language, task, draft_length, prompt))
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None

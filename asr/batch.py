@@ -1025,8 +1025,10 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             # Workers load models as this process would: pass on the offline switches and cache location.
             env = {k: os.environ[k] for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_HOME", "HF_HUB_CACHE", "HF_TOKEN")
                    if k in os.environ}
-            # "local": a cluster of its own, as README says, not one a `ray start` left running here.
-            ray.init(address=options.address or "local", include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+            # "local": a cluster of its own, as README says, not one a `ray start` left running
+            # here; but RAY_ADDRESS (set by `ray job submit`) is the cluster the run is on.
+            address = options.address or (None if os.environ.get("RAY_ADDRESS") else "local")
+            ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
         workers, cpus_per_worker, gpu = _pool(resources, options, spec.device)

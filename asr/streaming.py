@@ -470,6 +470,13 @@ class StreamingTranscriber:
             if end - min(fresh[-1].end, self._settling[1]) < SETTLE_SECONDS:
                 agreed -= 1  # its full stop waits for the words after it, or for a pause heard
         committed = self._commit(fresh[:agreed])
+        if committed and done and done == len(self._in_buffer) and len(self._committed) > len(committed) \
+                and SENTENCE_END.search(self._committed[-len(committed) - 1].text) \
+                and not SENTENCE_END.search(words[done - 1].text):
+            # This hypothesis runs on a sentence whose full stop was committed ("for you. Ask
+            # what" heard again as "for you, ask what", at a live page's 1 s updates): the
+            # word after that full stop starts a sentence, never "for you. ask what".
+            committed[0] = self._committed[-len(committed)] = _sentence_start(committed[0], self._language)
         if committed and self._language is None:
             self._language = window.language  # the committed text is in it: keep it from now on
         if words[done:] or len(words) >= len(self._in_buffer):
@@ -552,19 +559,12 @@ class StreamingTranscriber:
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
-        follow the committed ones (each hypothesis times its words anew), and a sentence's
-        first word capitalized: a full stop committed, a later hypothesis may run the
-        sentence on ("for you. Ask what" heard again as "for you, ask what", at a live
-        page's 1 s updates), and the full stop stood mid-sentence ("for you. ask what")."""
+        follow the committed ones (each hypothesis times its words anew)."""
         end = self._committed[-1].end if self._committed else 0.0
         for word in words:
             start = max(word.start, end)
             end = max(word.end, start)
-            text = word.text
-            if self._committed and SENTENCE_END.search(self._committed[-1].text) and (
-                    first := len(text) - len(text.lstrip())) < len(text):
-                text = text[:first] + text[first].upper() + text[first + 1 :]
-            self._committed.append(Word(text, start, end))
+            self._committed.append(Word(word.text, start, end))
         return self._committed[len(self._committed) - len(words) :]
 
     def _segments(self, window: WindowResult) -> list[_Segment]:
@@ -698,6 +698,17 @@ class StreamingTranscriber:
         self._buffer = self._buffer[samples:]
         self._buffer_start += samples
         self._unprompted = False
+
+
+def _sentence_start(word: Word, language: str | None) -> Word:
+    """The word with its first letter as a sentence starts it: its title case, where that is
+    one letter (not "ß" as "SS", nor Georgian's capitals), and not in Turkish or
+    Azerbaijani, whose "i" takes a dot ("İ")."""
+    text = word.text
+    at = len(text) - len(text.lstrip())
+    if at == len(text) or language in ("tr", "az") or len(title := text[at].title()) != 1:
+        return word
+    return replace(word, text=text[:at] + title + text[at + 1 :])
 
 
 def _quarter_powers(samples: np.ndarray) -> np.ndarray:

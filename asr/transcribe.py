@@ -47,6 +47,8 @@ HEAD_START_PER_AUDIO_SECOND = 0.1
 def _floats(value: object) -> tuple[float, ...]:
     """One number, or the numbers of any iterable (a list, numpy array, tensor, generator: read
     once), as floats; text refused ("0.2" was taken as the temperatures 0, '.', 2)."""
+    if isinstance(value, (str, bytes)):
+        raise TypeError("text, not numbers")
     items = [value] if isinstance(value, numbers.Real) or getattr(value, "ndim", None) == 0 else list(value)
     if any(isinstance(item, (str, bytes)) for item in items):
         raise TypeError("text, not numbers")

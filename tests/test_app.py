@@ -530,8 +530,10 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     again._worker.join(timeout=60)
 
     # A chunk refused (floats far past full scale) starts no session: one per call was left waiting.
-    shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, np.full(1600, 100.0)), None, *settings, request=visitor)
-    assert live is None and "microphone chunk" in shown and LiveSession.running() == running
+    # So does a first chunk of NaN (its session, made, left its slot held until idle).
+    for refused in (np.full(1600, 100.0), np.full(1600, np.nan)):
+        shown, _, live = handlers["on_chunk"]((SAMPLE_RATE, refused), None, *settings, request=visitor)
+        assert live is None and "microphone chunk" in shown and LiveSession.running() == running
 
 
 def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:

@@ -1007,6 +1007,32 @@ def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named
         assert batch._for_workers(PipelineSpec("mine", draft)) == PipelineSpec(str(tmp_path / "mine"), expected)
 
 
+def test_bare_ray_starts_a_cluster_of_its_own_but_for_ray_address(tmp_path: Path, monkeypatch):
+    """Bare --ray joined a cluster that `ray start` had left running on this machine (Ray's
+    address None means "one running here, else a new one"), where README says it starts
+    its own; under `ray job submit` (RAY_ADDRESS set) the run is on that job's cluster."""
+    import ray
+
+    source = tmp_path / "in"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    asked = []
+
+    def init(address=None, **kwargs):
+        asked.append(address)
+        raise RuntimeError("no cluster in this test")
+
+    monkeypatch.setattr(ray, "init", init)
+    for ray_address in (None, "10.0.0.1:6379"):
+        if ray_address is None:
+            monkeypatch.delenv("RAY_ADDRESS", raising=False)
+        else:
+            monkeypatch.setenv("RAY_ADDRESS", ray_address)
+        with pytest.raises(RuntimeError, match="no cluster in this test"):
+            transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()), PipelineSpec("packaged:whisper-base", None))
+    assert asked == ["local", None]
+
+
 def test_a_ray_worker_that_cannot_load_its_model_says_why(tmp_path: Path):
     source = tmp_path / "in"
     source.mkdir()

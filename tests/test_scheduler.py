@@ -255,6 +255,7 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(temperatures=float("nan")), "temperatures must be numbers from 0 up, not nan"),
         (dict(temperatures=(0.0, -0.5)), r"temperatures must be numbers from 0 up, not \(0.0, -0.5\)"),
         (dict(temperatures="0.2"), "temperatures must be numbers from 0 up, not '0.2'"),
+        (dict(temperatures=b"0.2"), "temperatures must be numbers from 0 up, not b'0.2'"),  # bytes 48, 46, 50
         (dict(temperatures=()), "temperatures: give at least one"),
         (dict(best_of=2.5), "best_of must be a whole number of at least 1, not 2.5"),
         (dict(best_of="3"), "best_of must be a whole number of at least 1, not '3'"),

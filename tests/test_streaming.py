@@ -266,6 +266,18 @@ def scripted_updates(transcriber, script: list[str], language: str = "en", chunk
 
 
 @pytest.mark.parametrize("script, expected", [
+    # "you." committed; the next hypotheses run the sentence on ("you, ask"): "you. ask what".
+    ([" For you. Ask what", " For you. Tell what", " For you, ask what you", " For you, ask what you can"],
+     "For you. Ask what you can"),
+    # A full stop the hypothesis keeps (an abbreviation): the word after it stays as written.
+    ([" At 3 p.m. now", " At 3 p.m. here", " At 3 p.m. here we", " At 3 p.m. here we go"], "At 3 p.m. here we go"),
+])
+def test_a_committed_full_stop_that_the_next_hypotheses_run_on_starts_a_sentence(transcriber, script, expected):
+    updates = scripted_updates(transcriber, script)
+    assert updates[-1].committed_text == expected
+
+
+@pytest.mark.parametrize("script, expected", [
     # "bud" committed from "bud berry"; then "bud-barriest" as one word: "barriest" was taken as committed, and lost.
     ([" Within thine own bud", " Within thine own bud berry.", " Within thine own bud-barriest thy content"],
      "Within thine own bud-barriest thy content"),
