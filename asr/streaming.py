@@ -518,7 +518,7 @@ class StreamingTranscriber:
         if end is None or end * SAMPLES_PER_TIMESTAMP > len(self._buffer):
             return 0
         heard = end * TIMESTAMP_SECONDS + TAIL_SECONDS
-        cut = min(len(self._buffer), self._decoded_before - self._buffer_start) - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
+        cut = self._unheard_drop()
         return cut if cut >= heard * SAMPLE_RATE and not self._speech_after(heard) else 0
 
     @staticmethod
@@ -548,14 +548,19 @@ class StreamingTranscriber:
         it whole with the first words of speech at its end; and seconds of silence before
         speech set Whisper timing it from the buffer's start and stopping a sentence short,
         at every update."""
-        # Only audio decoded twice, lest a call that took long (behind uploads) drop audio heard once.
-        heard_twice = min(len(self._buffer), self._decoded_before - self._buffer_start)
-        drop = heard_twice - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
+        drop = self._unheard_drop()
         if drop > 0:  # no committed word in it: the prompt stays as it is (_cut would bound it)
             self._buffer = self._buffer[drop:]
             self._buffer_start += drop
             self._hint = []
             self._unprompted = False
+
+    def _unheard_drop(self) -> int:
+        """The samples a buffer's start may lose where nothing in it was heard: all but the
+        last UNHEARD_KEEP_SECONDS of the audio decoded twice (lest a call that took long,
+        behind uploads, drop audio heard once)."""
+        heard_twice = min(len(self._buffer), self._decoded_before - self._buffer_start)
+        return heard_twice - round(UNHEARD_KEEP_SECONDS * SAMPLE_RATE)
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
