@@ -343,6 +343,11 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.out_dir.exists() and not args.out_dir.is_dir():
         print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
         return 2
+    # Nothing given exists (a mistyped path): said before a folder, an error log or a lock is made.
+    if not any(os.path.lexists(path) for path in args.paths):
+        for path in args.paths:
+            print(f"asr: {path}: no such file or folder", file=sys.stderr)
+        return 2
     target, draft = model_sources(args)
     try:
         options = transcribe_options(args)
@@ -395,7 +400,11 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run
             raise ValueError(f"--out {args.out}: {problem}")
-        if missing := [c.path for c in clips if not c.path.exists()]:  # told at the end only, after every other file
+        missing = [c.path for c in clips if not c.path.exists()]
+        if len(missing) == len(clips):  # said before the models load for nothing
+            raise ValueError(f"{args.manifest}: none of its {len(clips)} files exists (the first: {missing[0]}); "
+                             "its paths are relative to the manifest's folder")
+        if missing:  # told at the end only, after every other file
             print(f"asr: warning: {len(missing)} of the manifest's files do not exist (the first: {missing[0]}); "
                   "they are left out of every figure and listed as failed", file=sys.stderr)
         pair = load_pair(target, draft, draft_encoder=args.draft_encoder, device=device, dtype=dtype,

@@ -806,8 +806,10 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert "unknown format" in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path)]) == 2
     assert "neither a save_pretrained" in capsys.readouterr().err
-    assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path)]) == 1
-    assert "no such file or folder" in capsys.readouterr().err
+    # A mistyped path: said before anything is written (errors.jsonl and the lock were left in --out-dir).
+    assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path / "out")]) == 2
+    assert f"asr: {tmp_path / 'nothing'}: no such file or folder" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(tmp_path / "report"), "--device", "gpu"]) == 2
     assert "--device gpu: not a device" in capsys.readouterr().err
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have
