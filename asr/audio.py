@@ -451,16 +451,16 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
                     try:
                         frames = packet.decode()
                     except av.error.InvalidDataError as error:
-                        # A damaged stretch, or a joined file's header: only it is lost, as with the
-                        # ffmpeg command (a whole file failed on one bad packet).
+                        seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
+                        if _holds_no_audio(bytes(packet)):  # a joined file's header: nothing is lost
+                            due = None if due is None else due + seconds  # its duration is a frame's, in the times
+                            continue
+                        # A damaged stretch: only it is lost, as with the ffmpeg command (a whole
+                        # file failed on one bad packet).
                         at = float(packet.pts * packet.time_base) if packet.pts is not None and packet.time_base else 0.0
                         lost.append((at, str(error)))
                         ends_lost[0] = True
-                        seconds = float(packet.duration * packet.time_base) if packet.duration and packet.time_base else 0.0
-                        if _holds_no_audio(bytes(packet)):
-                            due = None if due is None else due + seconds  # its duration is a frame's, in the times
-                        else:
-                            lost_seconds += max(seconds, packet.size * 8 / bit_rate if counted and bit_rate else 0.0)
+                        lost_seconds += max(seconds, packet.size * 8 / bit_rate if counted and bit_rate else 0.0)
                         continue
                     ends_lost[0] = ends_lost[0] and not frames
                     for frame in frames:

@@ -194,6 +194,14 @@ def mp3_bytes(samples: np.ndarray, bit_rate: int, xing: bool = True, rate: int =
     return out.getvalue()
 
 
+def damaged_mp3_bytes(samples: np.ndarray, bit_rate: int) -> bytes:
+    """An MP3 of these 16 kHz samples with 300 bytes zeroed a seventh of the way in: packets
+    FFmpeg cannot decode, a tenth of a second or so lost."""
+    data = bytearray(mp3_bytes(samples, bit_rate))
+    data[len(data) // 7 : len(data) // 7 + 300] = bytes(300)
+    return bytes(data)
+
+
 def encoded(path: Path, parts: list[tuple[np.ndarray, int, str]], codec: str, container: str) -> Path:
     """Writes one stream of these parts (samples at 16 kHz, the part's rate, its layout) with
     FFmpeg's encoder: a stream whose rate or channels change midway where they differ."""

@@ -36,7 +36,7 @@ from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
 from asr.transcribe import Transcriber
-from conftest import DEV, REPO, SAMPLES, mp3_bytes, speech_between_silences
+from conftest import DEV, REPO, SAMPLES, damaged_mp3_bytes, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
@@ -408,16 +408,16 @@ def test_an_upload_with_damaged_audio_says_what_was_lost_above_its_transcript(en
     """Damaged packets are skipped, and the page says so (it went only to the server's log),
     naming the visitor's file, as the downloaded JSON does."""
     jfk = load_audio(CLIP)
-    upload = tmp_path / "cache" / "joined.mp3"  # two MP3s joined with `cat`: the header between them does not decode
+    upload = tmp_path / "cache" / "damaged.mp3"
     upload.parent.mkdir()
-    upload.write_bytes(mp3_bytes(jfk[: len(jfk) // 2], 64_000) + mp3_bytes(jfk[len(jfk) // 2 :], 64_000))
+    upload.write_bytes(damaged_mp3_bytes(jfk, 64_000))
     *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path / "out", str(upload), "en",
                                                              "transcribe", AUTO, "", False, False, "segments")
     assert EXPECTED in words(transcript)
     assert transcript.index("asr-warning") < transcript.index("asr-transcript")
-    assert "joined.mp3: 1 damaged audio packet(s), the first at 5.5" in transcript and str(tmp_path) not in transcript
+    assert "damaged.mp3: 2 damaged audio packet(s), the first at 1.5" in transcript and str(tmp_path) not in transcript
     document = json.loads(next(Path(f) for f in downloads["value"] if f.endswith(".json")).read_text())
-    assert document["warnings"][0].startswith("joined.mp3: 1 damaged audio packet(s)")
+    assert document["warnings"][0].startswith("damaged.mp3: 2 damaged audio packet(s)")
 
 
 def test_a_live_session_whose_decode_fails_once_goes_on(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
