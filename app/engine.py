@@ -17,6 +17,7 @@ from asr.models import ModelPair
 from asr.transcribe import Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber
 
 AUTO = "auto"
+MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous text: the last ones
 
 
 @dataclass(frozen=True)
@@ -29,12 +30,19 @@ class Settings:
     vad_filter: bool = False  # uploads: silences cut out before decoding (TranscribeOptions.vad_filter)
 
     def options(self, engine_options: dict) -> TranscribeOptions:
-        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile, lengths_attention)."""
+        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile, lengths_attention).
+        ValueError, worded for the page, for a prompt that is not text."""
+        try:  # the browser sends text; an API client may send a lone surrogate
+            self.prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("the prompt holds a character that is not text (a lone surrogate)") from None
         return TranscribeOptions(
             language=None if self.language == AUTO else self.language,
             task=self.task,
             num_draft_tokens=None if self.draft_length == AUTO else int(self.draft_length),
-            initial_prompt=self.prompt,
+            # The page's limit, also for API clients (the browser keeps to it; Gradio does not check):
+            # a prompt of megabytes was tokenized on every request, for its last 223 tokens.
+            initial_prompt=self.prompt[-MAX_PROMPT_CHARACTERS:],
             word_timestamps=self.word_timestamps,
             vad_filter=self.vad_filter,
             **engine_options,

@@ -23,20 +23,19 @@ from typing import Callable, Iterator, TypeVar
 import gradio as gr
 import numpy as np
 
-from app.engine import AUTO, Engine, Settings, release_freed_memory
+from app.engine import AUTO, MAX_PROMPT_CHARACTERS, Engine, Settings, release_freed_memory
 from app.live import LiveSession, microphone_chunk
 from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figures, live_html, live_status, notice_html,
                        progress_figures, segments_html, server_figures, stopped_html, transcript_html, upload_figures,
                        warnings_html)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
-from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript
+from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript, TranscriptionInfo
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
 T = TypeVar("T")
 
 MAX_DRAFT_LENGTH = 8
-MAX_PROMPT_CHARACTERS = 1000  # Whisper reads at most 223 tokens of previous text: the last ones
 # Each live recording holds a queue slot for as long as it lasts, so this is how many
 # people can speak at once; their windows decode in the scheduler's batches.
 LIVE_SESSIONS = 8
@@ -289,12 +288,14 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         with _UPLOADS_LOCK:
             _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
     folder = downloads_dir / uuid.uuid4().hex  # the transcript's downloads
+    # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
+    stem = Path(name).stem.lstrip(".") or "transcript"
     source = path  # what is read: the upload, or a link to it that Gradio's sweep leaves alone (_hold)
     try:
         try:
             transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
         except ValueError as error:
-            yield _failed(str(error))
+            yield _failed(f"{name}: these settings cannot be used: {error}")
             return
         source = _hold(path, folder)
         # At once: the last file's transcript and downloads stayed a second, to be taken for this one's.
@@ -312,13 +313,26 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
             functools.partial(_decode, engine, transcriber, audio))
         yield from _waiting(decoding, progress, handed_over)
         result, seconds = decoding.result(), time.perf_counter() - handed_over
-        # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
-        files = write_transcript(result, folder, Path(name).stem.lstrip(".") or "transcript",
-                                 list(FORMATS), SUBTITLE_LAYOUTS[subtitles])
+        # No speech: the JSON (its language, duration, figures), not an empty text and subtitles.
+        files = write_transcript(result, folder, stem, list(FORMATS) if result.segments else ["json"],
+                                 SUBTITLE_LAYOUTS[subtitles])
     except Cancelled:  # Stop, or a new file or new settings
-        so_far = segments_html(progress.segments) if progress.segments else PLACEHOLDER.format("Nothing transcribed.")
-        yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]), so_far,
-               gr.update(value=None, visible=False), gr.update(visible=False))
+        if not progress.segments:
+            yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]),
+                   PLACEHOLDER.format("Nothing transcribed."), gr.update(value=None, visible=False),
+                   gr.update(visible=False))
+            return
+        # What was decoded, as text and subtitles named .partial (a JSON's figures would be of a part).
+        partial = Transcript(name, list(progress.segments), TranscriptionInfo("", 0.0, progress.duration, False))
+        try:
+            files = write_transcript(partial, folder, f"{stem}.partial", ["txt", "srt", "vtt"],
+                                     SUBTITLE_LAYOUTS[subtitles])
+        except OSError:  # a full disk: the segments stay on the page
+            traceback.print_exc()
+            files = []
+        yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]),
+               segments_html(progress.segments), gr.update(value=[str(f) for f in files] or None, visible=bool(files)),
+               gr.update(visible=False))
         return
     except AudioError as error:
         yield _failed(str(error).replace(source, name))

@@ -12,6 +12,7 @@ from asr.transcribe import Progress, SchedulerLoad, Segment, Transcript
 from asr.words import Word
 
 PLACEHOLDER = '<div class="asr-empty">{}</div>'
+MIN_TIMED_SECONDS = 0.5  # audio shorter than this gets no real-time factor: a request's fixed cost is all it would show
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,13 @@ def _words_html(words: list[Word]) -> str:
 
 def upload_figures(transcript: Transcript, seconds: float, language_name: str, language_detected: bool) -> list[Figure]:
     info, stats = transcript.info, transcript.info.stats
-    rtf = seconds / info.duration if info.duration else 0.0
+    # Below half a second, the fixed cost of a request made a 10 ms file "128x slower than real time".
+    rtf = seconds / info.duration if info.duration >= MIN_TIMED_SECONDS else None
     figures = [
         Figure("Audio", f"{info.duration:.1f} s", clock(info.duration) if info.duration_after_vad is None
                else f"{info.duration_after_vad:.1f} s of it speech (VAD)"),
         Figure("Processing", f"{seconds:.2f} s", f"encoder {info.encoder_seconds:.2f} s · decoder {info.decoder_seconds:.2f} s"),
-        Figure("Real-time factor", f"{rtf:.2f}", speed(rtf)),
+        Figure("Real-time factor", "–", "too short to tell") if rtf is None else Figure("Real-time factor", f"{rtf:.2f}", speed(rtf)),
     ]
     if info.speculative:
         # A target-only decoder runs one target pass per token; each accepted draft token saves one.
@@ -98,9 +100,11 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
         figures += [
             Figure("Draft tokens accepted", f"{stats.draft_accepted} / {stats.draft_proposed}",
                    "none proposed" if stats.acceptance_rate is None else f"{stats.acceptance_rate:.0%} of proposals"),
+            # Hint tokens (a retry proposing its failed attempt first) save passes with no draft token.
             Figure("Target passes saved", f"{saved}",
                    f"{stats.target_passes} passes for {stats.tokens} tokens"
-                   + (f" ({saved / stats.tokens:.0%} fewer)" if stats.tokens else "")),
+                   + (f" ({saved / stats.tokens:.0%} fewer)" if stats.tokens else "")
+                   + (f" · {stats.hint_accepted} tokens taken from a retry's earlier attempt" if stats.hint_accepted else "")),
         ]
     else:
         figures.append(Figure("Target passes", f"{stats.target_passes}", "no draft model: one pass per token"))

