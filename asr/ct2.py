@@ -42,10 +42,14 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
         offset += n
         return text
 
+    if bytes(view[:24]) == b"version https://git-lfs.":  # a clone without git-lfs: a text file naming the weights
+        raise CT2FormatError(f"{source}: a Git LFS pointer, not the weights: `git lfs pull` in its repository fetches them")
     version = take("<I")
     if version == 0:  # what a preallocated file holds where the download or copy stopped
         raise CT2FormatError(f"{source}: damaged CTranslate2 model file (it begins with zeros: an interrupted download "
                              "or copy?)")
+    if version > 255:  # formats have counted from 1 upwards: these are the bytes of some other file
+        raise CT2FormatError(f"{source}: not a CTranslate2 model file (it begins with {bytes(view[:8])!r})")
     if version != 6:
         raise CT2FormatError(f"{source}: CTranslate2 model format version {version} is not supported (expected 6)")
     spec = string()
@@ -81,9 +85,10 @@ def read_variables(data: bytes | memoryview, source: str) -> dict[str, np.ndarra
     return variables
 
 
-def _weight(variables: dict[str, np.ndarray], name: str) -> np.ndarray:
-    """A float weight, de-quantised when stored as integers with a scale (int8: one per row,
-    int16: one for the matrix; the stored value is the weight times its scale)."""
+def _floats(variables: dict[str, np.ndarray], name: str) -> np.ndarray:
+    """A variable as float32, in memory of its own (not a view into the file's bytes, which
+    it would keep whole); a weight de-quantised when stored as integers with a scale (int8:
+    one per row, int16: one for the matrix; the stored value is the weight times its scale)."""
     array = variables[name]
     if np.issubdtype(array.dtype, np.integer):
         scale = variables[name.replace("/weight", "/weight_scale")].astype(np.float32)
@@ -101,6 +106,10 @@ def to_transformers(variables: dict[str, np.ndarray], dtype: torch.dtype) -> Whi
     """Builds the transformers model, its dimensions read off the tensors."""
     v = variables
     d_model, n_mels, _ = v["encoder/conv1/weight"].shape
+    # CTranslate2 stores the output head as an alias of the token embedding where they are
+    # equal (Whisper's); a fine-tune's own head is a tensor of its own, which CTranslate2 uses.
+    head = v.get("decoder/projection/weight")
+    untied = head is not None and head is not v["decoder/embeddings/weight"]
     config = WhisperConfig(
         vocab_size=v["decoder/embeddings/weight"].shape[0],
         num_mel_bins=int(n_mels),
@@ -113,21 +122,22 @@ def to_transformers(variables: dict[str, np.ndarray], dtype: torch.dtype) -> Whi
         decoder_ffn_dim=v["decoder/layer_0/ffn/linear_0/weight"].shape[0],
         max_source_positions=v["encoder/position_encodings/encodings"].shape[0],
         max_target_positions=v["decoder/position_encodings/encodings"].shape[0],
+        tie_word_embeddings=not untied,
     )
     state: dict[str, np.ndarray] = {}
 
     def norm(src: str, dst: str) -> None:
-        state[f"{dst}.weight"] = v[f"{src}/gamma"]
-        state[f"{dst}.bias"] = v[f"{src}/beta"]
+        state[f"{dst}.weight"] = _floats(v, f"{src}/gamma")
+        state[f"{dst}.bias"] = _floats(v, f"{src}/beta")
 
     def linear(src: str, dst: str) -> None:
-        state[f"{dst}.weight"] = _weight(v, f"{src}/weight")
-        state[f"{dst}.bias"] = v[f"{src}/bias"]
+        state[f"{dst}.weight"] = _floats(v, f"{src}/weight")
+        state[f"{dst}.bias"] = _floats(v, f"{src}/bias")
 
     def split(src: str, dsts: list[str]) -> None:
         """Fused projections: rows of q/k/v (or k/v) stacked; k has no bias."""
-        weights = np.split(_weight(v, f"{src}/weight"), len(dsts))
-        biases = np.split(v[f"{src}/bias"], len(dsts))
+        weights = np.split(_floats(v, f"{src}/weight"), len(dsts))
+        biases = np.split(_floats(v, f"{src}/bias"), len(dsts))
         for dst, weight, bias in zip(dsts, weights, biases):
             state[f"{dst}.weight"] = weight
             if not dst.endswith("k_proj"):
@@ -135,9 +145,11 @@ def to_transformers(variables: dict[str, np.ndarray], dtype: torch.dtype) -> Whi
 
     for conv in ("conv1", "conv2"):
         linear(f"encoder/{conv}", f"model.encoder.{conv}")
-    state["model.encoder.embed_positions.weight"] = v["encoder/position_encodings/encodings"]
-    state["model.decoder.embed_positions.weight"] = v["decoder/position_encodings/encodings"]
-    state["model.decoder.embed_tokens.weight"] = _weight(v, "decoder/embeddings/weight")
+    state["model.encoder.embed_positions.weight"] = _floats(v, "encoder/position_encodings/encodings")
+    state["model.decoder.embed_positions.weight"] = _floats(v, "decoder/position_encodings/encodings")
+    state["model.decoder.embed_tokens.weight"] = _floats(v, "decoder/embeddings/weight")
+    if untied:
+        state["proj_out.weight"] = _floats(v, "decoder/projection/weight")
     for stack in ("encoder", "decoder"):
         norm(f"{stack}/layer_norm", f"model.{stack}.layer_norm")
         for i in range(getattr(config, f"{stack}_layers")):
@@ -156,13 +168,26 @@ def to_transformers(variables: dict[str, np.ndarray], dtype: torch.dtype) -> Whi
 
     with torch.device("meta"):
         model = WhisperForConditionalGeneration(config)
-    tensors = {name: torch.from_numpy(np.array(a, dtype=np.float32)).to(dtype) for name, a in state.items()}
+    tensors = {name: torch.from_numpy(a).to(dtype) for name, a in state.items()}  # _floats' own copies, not copied again
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     missing = [m for m in missing if m != "proj_out.weight"]
     if missing or unexpected:
         raise CT2FormatError(f"CTranslate2 conversion left weights unmatched: missing {missing}, unexpected {unexpected}")
     model.tie_weights()
     return model.eval()
+
+
+def _joined(parts: list[Path]) -> bytearray:
+    """The parts' bytes read into one buffer (b"".join of the parts read held both at once)."""
+    data = bytearray(sum(part.stat().st_size for part in parts))
+    offset = 0
+    for part in parts:
+        with open(part, "rb") as file:
+            while read := file.readinto(memoryview(data)[offset:]):
+                offset += read
+    if offset != len(data):  # a part changed as it was read
+        raise CT2FormatError(f"{parts[0]}: its parts changed while they were read ({offset} of {len(data)} bytes)")
+    return data
 
 
 def load_ct2_directory(directory: Path, dtype: torch.dtype, model_parts: list[Path] | None = None) -> WhisperForConditionalGeneration:
@@ -174,7 +199,7 @@ def load_ct2_directory(directory: Path, dtype: torch.dtype, model_parts: list[Pa
             held = f" (this one holds {', '.join(pieces)}: pieces of it, to be joined in order)" if pieces else ""
             raise FileNotFoundError(f"{part}: missing; a CTranslate2 Whisper directory holds model.bin, config.json, "
                                     f"tokenizer.json{held}")
-    data = parts[0].read_bytes() if len(parts) == 1 else b"".join(p.read_bytes() for p in parts)
+    data = parts[0].read_bytes() if len(parts) == 1 else _joined(parts)
     try:
         return to_transformers(read_variables(data, str(parts[0])), dtype)
     except CT2FormatError:

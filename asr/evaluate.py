@@ -86,6 +86,9 @@ PEER_NOTES = {
         "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
         "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
         "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
+        "a window of ours ends at 224 new tokens (Whisper's), one of faster-whisper's at 448 with its prompt "
+        "(its max_new_tokens is refused where a long previous text leaves less room), so on a window that repeats "
+        "itself to the limit it decodes up to twice our tokens; "
         f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
         "of audio fails, and the next gets a new process; a model not loaded within "
         f"{PEER_LOAD_SECONDS / 60:.0f} minutes ends the evaluation before any file, or after a crash fails every "
@@ -440,6 +443,9 @@ class FasterWhisperSystem(_OneFileAtATime):
                 cpu_threads=torch.get_num_threads(), num_workers=1), options.seed, load_timeout=PEER_LOAD_SECONDS)
         except RuntimeError as error:  # its model or its imports failed: a usage error, before anything decodes
             raise ValueError(f"--peers faster-whisper could not start ({error})") from error
+        except OSError as error:  # the cache folder (ASR_CACHE) cannot be made or written
+            raise ValueError(f"--peers faster-whisper: its CTranslate2 copy of {pair.target.name} could not be made "
+                             f"({error}); ASR_CACHE sets where it goes") from error
 
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab

@@ -522,7 +522,8 @@ def ctranslate2_directory(source: str, mels: int | None = None) -> Path:
     knows them: a CTranslate2 source of other than 80 without preprocessor_config.json
     becomes a cached folder of links to its files beside one (see _feature_config)."""
     directory, parts = resolve_directory(source)
-    linked = parts is None and (directory / "model.bin").is_file()
+    # A folder holding model.bin whole (a package of one part too: it was copied) is used as it is.
+    linked = parts in (None, [directory / "model.bin"]) and (directory / "model.bin").is_file()
     if linked and (mels in (None, 80) or (directory / "preprocessor_config.json").is_file()):
         return directory
     out = CT2_CACHE / hashlib.sha256(str(directory.resolve()).encode()).hexdigest()[:16]
@@ -544,16 +545,16 @@ def ctranslate2_directory(source: str, mels: int | None = None) -> Path:
                 pass
         building = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}."))
         try:
-            if parts is not None:
+            if linked:  # the user's folder is left as it is, and its gigabytes are not copied
+                for file in directory.iterdir():
+                    if file.is_file():
+                        os.symlink(file.resolve(), building / file.name)
+            elif parts is not None:
                 with open(building / "model.bin", "wb") as model_bin:
                     for part in parts:
                         model_bin.write(part.read_bytes())
                 for name in ("config.json", "tokenizer.json", "vocabulary.txt"):
                     shutil.copy(directory / name, building / name)
-            elif linked:  # the user's folder is left as it is, and its gigabytes are not copied
-                for file in directory.iterdir():
-                    if file.is_file():
-                        os.symlink(file.resolve(), building / file.name)
             else:
                 try:
                     from ctranslate2.converters import TransformersConverter
@@ -563,6 +564,7 @@ def ctranslate2_directory(source: str, mels: int | None = None) -> Path:
                 TransformersConverter(str(directory), copy_files=["tokenizer.json"]).convert(str(building), quantization="float32")
             _feature_config(directory, building, mels)
             (building / SOURCE_STAMP).write_text(stamp)
+            os.chmod(building, 0o755)  # mkdtemp's 0700: other users of a shared ASR_CACHE could not read it
             if out.exists():  # a stale build: moved aside whole (swept later if this is killed), then dropped
                 stale = building.with_name(building.name + ".stale")
                 os.replace(out, stale)

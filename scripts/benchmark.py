@@ -85,9 +85,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--draft-lengths", default="",
                         help="also the preset's draft at these fixed k (e.g. 2,4,6), beside the adaptive k")
+    parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (its clips up to 30 s)")
     args = parser.parse_args()
-    if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",")):  # failed after the models loaded
+    # Said before the models load (a traceback after they had, or torch's own for 0 threads).
+    if not all(b.strip().isdigit() and int(b) >= 1 for b in args.batch_sizes.split(",")):
         parser.error(f"--batch-sizes {args.batch_sizes!r}: whole numbers from 1, comma-separated")
+    if not all(k.strip().isdigit() and 1 <= int(k) <= 8 for k in args.draft_lengths.split(",") if k):
+        parser.error(f"--draft-lengths {args.draft_lengths!r}: whole numbers from 1 to 8, comma-separated")
+    if args.threads < 1 or args.max_new_tokens < 1:
+        parser.error("--threads and --max-new-tokens: at least 1")
+    if not (args.dev / "manifest.tsv").is_file():
+        parser.error(f"--dev {args.dev}: holds no manifest.tsv")
     torch.set_num_threads(args.threads)
 
     target_name, draft_name = PRESETS[args.preset]
@@ -99,7 +107,7 @@ def main() -> None:
     methods = [GENERATE, TARGET_ONLY, *drafts]
     rules = Transcriber(pair, TranscribeOptions(language="en")).rules(timestamps=True)
     prompt = target.vocab.sot_sequence("en", "transcribe")
-    clips = [c for c in read_manifest(DEV / "manifest.tsv") if c.duration <= 30]
+    clips = [c for c in read_manifest(args.dev / "manifest.tsv") if c.duration <= 30]
     windows = [log_mel(load_audio(c.path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for c in clips]
     audio_seconds = sum(c.duration for c in clips)
     print(f"preset {args.preset}: target {target_name}, draft {draft_name}; {len(clips)} dev clips, "

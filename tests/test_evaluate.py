@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import stat
 import sys
 import time
 from dataclasses import asdict, replace
@@ -49,7 +50,7 @@ from asr.evaluate import (
     write_report,
 )
 from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest, word_error_rate
-from asr.models import PRESETS, ctranslate2_directory, load_pair
+from asr.models import PRESETS, ctranslate2_directory, load_pair, resolve_directory
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
@@ -450,6 +451,20 @@ def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated
     markdown = render_markdown(report, "t")
     assert "faster-whisper's text tokens differ from ours target-only (1)" in markdown and '"something else"' in markdown
     assert len(list((tmp_path / "cache").iterdir())) == 1  # assembled once
+    # Readable by the other users of a shared ASR_CACHE (mkdtemp's folder was 0700)
+    assert stat.S_IMODE(next((tmp_path / "cache").iterdir()).stat().st_mode) == 0o755
+    # A package holding model.bin whole is used where it lies (it was copied, 75 MB for tiny.en)
+    assert ctranslate2_directory("packaged:tiny.en") == resolve_directory("packaged:tiny.en")[0]
+    assert len(list((tmp_path / "cache").iterdir())) == 1
+
+
+def test_a_cache_folder_that_cannot_be_made_is_said_for_faster_whisper(embedded, tmp_path: Path, monkeypatch):
+    """ASR_CACHE naming a file: "[Errno 20] Not a directory", naming neither faster-whisper nor ASR_CACHE."""
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "a-file" / "ctranslate2")
+    with pytest.raises(ValueError, match=r"^--peers faster-whisper: its CTranslate2 copy of .* could not be made "
+                                         r"\(\[Errno 20\] Not a directory.*\); ASR_CACHE sets where it goes"):
+        FasterWhisperSystem(embedded, TranscribeOptions())
 
 
 def test_faster_whisper_runs_in_a_process_of_its_own_that_reports_its_errors(tmp_path: Path, monkeypatch, capfd):

@@ -212,6 +212,24 @@ def test_ctranslate2_directory_matches_the_transformers_model(tmp_path: Path, qu
     assert ((ours - theirs).abs() <= step * theirs.abs().amax() + 1e-7).all()
 
 
+def test_a_ctranslate2_model_with_an_output_head_of_its_own_keeps_it(tmp_path: Path):
+    """A fine-tune whose output head is not its token embedding: CTranslate2 stores and uses
+    the head, and our reader tied the embedding in its place, without a word."""
+    from ctranslate2.converters import TransformersConverter
+
+    original = tiny_target(2, dtype=torch.float32)
+    original.config.tie_word_embeddings = False
+    with torch.no_grad():
+        original.proj_out.weight = torch.nn.Parameter(-original.model.decoder.embed_tokens.weight.clone())
+    source = save_tiny(original, tmp_path / "hf")
+    TransformersConverter(str(source), copy_files=["tokenizer.json"]).convert(str(tmp_path / "ct2"), quantization="float32")
+    loaded = load_model(str(tmp_path / "ct2"))
+    torch.testing.assert_close(loaded.model.proj_out.weight, original.proj_out.weight)
+    torch.testing.assert_close(loaded.model.model.decoder.embed_tokens.weight, original.model.decoder.embed_tokens.weight)
+    torch.testing.assert_close(decoder_logits(loaded, tiny_features()), reference_logits(original, tiny_features()),
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
     """Damage found by flipping bytes of a converted model.bin: a name that is not text, an
     alias to a tensor the file lacks, a tensor renamed (KeyError, or a bare UnicodeDecodeError,
@@ -245,6 +263,14 @@ def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
         shutil.copytree(tmp_path / "ct2", tmp_path / "bad", dirs_exist_ok=True)
         (tmp_path / "bad" / "model.bin").write_bytes(data)
         with pytest.raises(CT2FormatError, match=f"{tmp_path / 'bad' / 'model.bin'}: damaged .*{problem}"):
+            load_model(str(tmp_path / "bad"))
+    # Cloned without git-lfs, or some other file: was "format version 1936876918 is not supported (expected 6)"
+    others = {"a Git LFS pointer, not the weights: `git lfs pull`": b"version https://git-lfs.github.com/spec/v1\noid "
+                                                                   b"sha256:" + b"0" * 64 + b"\nsize 145217532\n",
+              "not a CTranslate2 model file \\(it begins with b'PK": b"PK\x03\x04" + good[4:]}
+    for problem, data in others.items():
+        (tmp_path / "bad" / "model.bin").write_bytes(data)
+        with pytest.raises(CT2FormatError, match=f"{tmp_path / 'bad' / 'model.bin'}: {problem}"):
             load_model(str(tmp_path / "bad"))
 
 
