@@ -55,9 +55,12 @@ class DraftLength:
     MAX_EXPLORE = 64
 
     def __init__(self, fixed: int | None = None, maximum: int = 8, initial: int = 4):
+        if (fixed is not None and fixed < 0) or maximum < 0:  # a negative k ran the batch target-only, unsaid
+            raise ValueError(f"a draft length is a count of tokens, 0 or more, not {fixed if fixed is not None else maximum}")
         self.fixed = fixed
         self.maximum = fixed if fixed is not None else maximum
-        self.initial = fixed if fixed is not None else min(initial, maximum)
+        # At least 1 where drafting may be chosen: from 0 no drafting round was ever measured, nor k chosen.
+        self.initial = fixed if fixed is not None else min(max(initial, 1), maximum)
         self._acceptance: dict[str | None, tuple[float, float]] = {}  # decayed (accepted, rejected) per language
         self._by_rows: dict[int, _Costs] = {}
 
@@ -96,9 +99,10 @@ class DraftLength:
         self._choose(c)
         return 0 if c.plain_wins else c.k
 
-    def update(self, k: int, seconds: float, rows: int = 1, accepted: Iterable[tuple[str | None, int]] = ()) -> None:
+    def update(self, k: int, seconds: float, rows: int = 1, accepted: Iterable[tuple[str | None, int, int]] = ()) -> None:
         """A round's outcome: k proposed per row, the round's wall time, the rows it computed,
-        and each live row's language and proposals accepted."""
+        and each live row's language, proposals accepted, and proposals that count (fewer than
+        k where its draft proposed end-of-text, or its limit came: not a rejection)."""
         if self.fixed is not None:
             return
         c = self._costs(rows)
@@ -106,9 +110,9 @@ class DraftLength:
             c.plain.append(seconds)
         else:
             outcomes: dict[str | None, tuple[int, int]] = {}  # per language: accepted, rows that rejected one
-            for language, kept in accepted:
+            for language, kept, proposed in accepted:
                 before = outcomes.get(language, (0, 0))
-                outcomes[language] = (before[0] + kept, before[1] + (kept < k))
+                outcomes[language] = (before[0] + kept, before[1] + (kept < proposed))
             decay = 0.9
             for language, (kept, rejected) in outcomes.items():
                 before = self._acceptance.get(language, PRIOR)

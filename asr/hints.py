@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -22,9 +23,10 @@ HINT_POSITIONS = 1024
 
 
 def check(hint: list[int], vocab_size: int) -> None:
-    """A hint holds token ids of the vocabulary."""
-    if any(not 0 <= token < vocab_size for token in hint):
-        raise ValueError(f"hint tokens must be token ids below the vocabulary's {vocab_size}")
+    """A hint holds token ids of the vocabulary (1.7 was taken as 1, and text failed in a comparison)."""
+    if isinstance(hint, (str, bytes)) or any(isinstance(token, bool) or not isinstance(token, (int, np.integer))
+                                             or not 0 <= token < vocab_size for token in hint):
+        raise ValueError(f"hint tokens must be token ids, whole numbers from 0 to {vocab_size - 1}: {hint!r:.80}")
 
 
 def follow(

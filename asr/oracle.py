@@ -67,7 +67,9 @@ class OracleDraft:
     """A draft runner (DecoderRunner's interface) whose proposals are given: the draft model
     runs every pass, then the logit of the given token at each predicted index is raised
     above all others. table [R, C]: the proposal for each token index of each cache row
-    (R and C those of the engine's batch state: oracle_table)."""
+    (R and C those of the engine's batch state: oracle_table). Its rows are the batch's
+    slots, so they must stay in place: fixed shapes, or rows that end together (in fitted
+    shapes, rows that finish early are dropped and the rest move up: Slots._resize)."""
 
     def __init__(self, runner: DecoderRunner, table: Tensor):
         self.runner = runner

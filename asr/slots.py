@@ -125,7 +125,9 @@ class State:
     prefill_row: Tensor  # [1] the row a captured prefill reads
     step: Tensor  # [1] the draft step under way: a captured draft step reads (and advances) it
     k: Tensor  # [1] the proposals a captured verification checks
-    out: Tensor  # [5, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text
+    # [6, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text, proposals
+    # that count (up to the row's first end-of-text among them, and that its limit leaves room for)
+    out: Tensor
     target: KVCache
     draft: KVCache | None
     graphs: dict = field(default_factory=dict)
@@ -185,7 +187,7 @@ class States:
                      temperature=zeros(R, dtype=torch.float32), seed=zeros(R), logprob=zeros(R, C, dtype=torch.float32),
                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), step=zeros(1), k=zeros(1),
-                     out=zeros(5, R),
+                     out=zeros(6, R),
                      target=target, draft=draft)
 
     def rows_for(self, rows: int) -> int:
@@ -408,7 +410,7 @@ class Slots:
         """Books a round's summary (State.out, read on the host) on its rows: tokens kept,
         proposals accepted (per slot, those the draft proposed, or its hint), where the
         draft's cache ends, the round's time shared; returns the slots whose rows finished."""
-        kept, accepted, finished, gap, _ = out
+        kept, accepted, finished, gap, _, counted = out
         share = seconds / self.live
         done = []
         for i, row in enumerate(self.slots):
@@ -418,10 +420,10 @@ class Slots:
             if hinted is not None and hinted[i]:
                 stats.hint_proposed += hinted[i]
                 stats.hint_accepted += min(accepted[i], hinted[i])
-            elif drafted[i]:
-                stats.draft_proposed += drafted[i]
-                stats.draft_accepted += min(accepted[i], drafted[i])
-                stats.accepted_per_pass.append(min(accepted[i], drafted[i]))
+            elif proposed := min(drafted[i], counted[i]):  # a batch drafts on past a row's end: not its proposals
+                stats.draft_proposed += proposed
+                stats.draft_accepted += min(accepted[i], proposed)
+                stats.accepted_per_pass.append(min(accepted[i], proposed))
             stats.target_passes += 1
             stats.tokens += kept[i]
             stats.tokens_per_pass.append(kept[i])

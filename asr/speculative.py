@@ -173,8 +173,9 @@ class Batch(Slots):
         # A greedy round the adaptive length chose: sampled rows accept at rates of their own.
         measured = self.use_draft and not sample and hinted is None
         if measured and representative:
-            self.draft_length.update(k, seconds, len(self.slots),
-                                     [(row.language, accepted) for row, accepted in zip(self.slots, out[1]) if row is not None])
+            self.draft_length.update(k, seconds, len(self.slots), [
+                (row.language, min(accepted, counted), counted)
+                for row, accepted, counted in zip(self.slots, out[1], out[5]) if row is not None])
         elif measured:
             self.draft_length.unmeasured(len(self.slots))
         drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
@@ -292,6 +293,14 @@ class Batch(Slots):
         rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])
         proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
+        # The proposals a row's acceptance counts: up to its first end-of-text (a batch drafts on
+        # until every row's draft has ended), within the state's k, and those its limit can keep.
+        counted = torch.zeros_like(s.length)
+        if k:
+            counted = torch.where(proposals == rules.eot, steps[:k], k - 1).amin(1) + 1
+            if proposed is not None:
+                counted = torch.minimum(counted, s.k)
+            counted = torch.minimum(counted, (s.limit - s.length - 1).clamp(min=0)) * s.live
         if sample:
             chosen = sampling.choose(logits.view(n * width, vocab), s.temperature.repeat_interleave(width),
                                      s.seed.repeat_interleave(width), positions.reshape(-1)).view(n, width)
@@ -314,4 +323,4 @@ class Batch(Slots):
         finished = s.live & (eot_kept | (s.length >= s.limit))
         s.eot.logical_or_(eot_kept)
         s.live.logical_and_(~finished)
-        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long()]))  # not stack(out=): Dynamo breaks there
+        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long(), counted]))  # not stack(out=): Dynamo breaks there

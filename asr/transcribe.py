@@ -374,8 +374,11 @@ class Transcriber:
         target = models.target
         self.vocab = target.vocab
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
-        # length's measurements outlive this Transcriber.
-        maximum = options.max_draft_tokens if options.num_draft_tokens is None else options.num_draft_tokens
+        # length's measurements outlive this Transcriber. A fixed k of up to max_draft_tokens
+        # shares the adaptive length's engine: in fixed shapes its width is what a verification
+        # computes, and one width for all keeps each the same as target-only to the bit (and a
+        # hint's proposals a round are not held to k).
+        maximum = max(options.max_draft_tokens, options.num_draft_tokens or 0)
         self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile,
                                     options.lengths_attention)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
@@ -391,7 +394,10 @@ class Transcriber:
 
     @property
     def speculative(self) -> bool:
-        return self.options.speculative and self.models.draft is not None
+        """Whether a draft proposes: not without one, nor at a k (fixed, or the most) of 0."""
+        o = self.options
+        k = o.max_draft_tokens if o.num_draft_tokens is None else o.num_draft_tokens
+        return o.speculative and self.models.draft is not None and k > 0
 
     @property
     def batch_key(self) -> tuple:

@@ -108,4 +108,4 @@ def test_the_engines_steps_are_capture_safe(geometry: str, timestamps: bool, dra
         state.k.fill_(3)
         for sample in (False, True):
             batch._verify(engine.verify_width, sample, None)
-    assert state.tokens.shape == (4, engine.capacity) and state.out.shape == (5, 4)
+    assert state.tokens.shape == (4, engine.capacity) and state.out.shape == (6, 4)

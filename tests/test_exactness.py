@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from transformers import GenerationConfig
@@ -172,7 +173,7 @@ def rounds_of(draft_length: DraftLength, acceptance: float, draft_step: float, p
     for _ in range(rounds):
         k = draft_length.next_round(rows, [language])
         accepted = next((i for i in range(k) if rng.random() >= acceptance), k)
-        draft_length.update(k, plain + k * (draft_step + per_proposal), rows, [(language, accepted)])
+        draft_length.update(k, plain + k * (draft_step + per_proposal), rows, [(language, accepted, k)])
         chosen.append(k)
     return chosen
 
@@ -226,6 +227,15 @@ def test_draft_length_keeps_the_acceptance_per_language():
     assert draft_length.next_round(1, ["de"] * 3) == 0 and draft_length.next_round(1, ["en", "en", "de"]) > 0
 
 
+def test_a_draft_length_starting_at_0_still_learns_and_a_negative_one_is_refused():
+    """DraftLength(initial=0) never drafted (no drafting round was measured to choose k from),
+    and DraftLength(fixed=-2) ran its batches target-only without a word."""
+    assert max(rounds_of(DraftLength(initial=0), **ONE_ROW)) > 1
+    for bad in ({"fixed": -2}, {"maximum": -1}):
+        with pytest.raises(ValueError, match="a draft length is a count of tokens, 0 or more"):
+            DraftLength(**bad)
+
+
 def test_draft_length_drafts_again_once_drafting_pays():
     # A batch's rows finish until one is left: proposals become cheap to verify and mostly right.
     draft_length = DraftLength()
@@ -250,7 +260,7 @@ def test_one_stalled_round_does_not_decide_the_draft_length_for_long(stalled, wa
         k = draft_length.next_round()
         seconds = costs["plain"] + k * (costs["draft_step"] + costs["per_proposal"])
         stall = (k > 0) == (stalled == "drafting")
-        draft_length.update(k, 25 * seconds if stall else seconds, 1, [(None, k)])
+        draft_length.update(k, 25 * seconds if stall else seconds, 1, [(None, k, k)])
         if stall:
             break
     after = rounds_of(draft_length, rounds=128, rng=rng, **costs)
@@ -456,9 +466,12 @@ def test_hints_must_be_token_ids():
     target, features = target_and_windows(0)
     with torch.inference_mode():
         encoded = target.model.encoder(features[:1]).last_hidden_state
-    with pytest.raises(ValueError, match="hint tokens"):
-        SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
-                                                  hints=[[51865]])
+    for hint in ([51865], [-1], [1.7], [True], "hello", [None]):  # 1.7 was decoded as 1, text a bare TypeError
+        with pytest.raises(ValueError, match="hint tokens must be token ids, whole numbers from 0 to 51864"):
+            SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True),
+                                                      max_new_tokens=MAX_NEW, hints=[hint])
+    assert SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
+                                                     hints=[list(np.array([50364, 2221]))])  # numpy's ints are ids
 
 
 def test_int8_linear_is_close_and_used_only_for_cpu_float32():
