@@ -79,8 +79,7 @@ class Engine:
         """On a GPU every step of the default settings' batches captured (Transcriber.warm_up:
         before anything decodes, so that the scheduler's batch takes the warmed state), then
         one second of silence through both models, so the first visitor does not wait for the
-        backends' one-time set-up. Settings with a fixed draft length have engines of their
-        own, warmed by their first requests."""
+        backends' one-time set-up. Fixed draft lengths share the engine (Transcriber)."""
         transcriber = self.transcriber(Settings())
         transcriber.warm_up()
         transcriber.transcribe(np.zeros(SAMPLE_RATE, np.float32))

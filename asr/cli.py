@@ -320,6 +320,17 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
     )
 
 
+def _missing(path: Path) -> bool:
+    """No such path (not one this user may not look at: the run says that one's reason)."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return True
+    except OSError:
+        pass
+    return False
+
+
 def transcribe_command(args: argparse.Namespace) -> int:
     """Files and folders alike go through asr.batch (mirrored outputs, resume, errors.jsonl)."""
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
@@ -344,7 +355,7 @@ def transcribe_command(args: argparse.Namespace) -> int:
         print(f"asr: --out-dir {args.out_dir}: exists and is not a folder", file=sys.stderr)
         return 2
     # Nothing given exists (a mistyped path): said before a folder, an error log or a lock is made.
-    if not any(os.path.lexists(path) for path in args.paths):
+    if all(_missing(path) for path in args.paths):
         for path in args.paths:
             print(f"asr: {path}: no such file or folder", file=sys.stderr)
         return 2
@@ -402,8 +413,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--out {args.out}: {problem}")
         missing = [c.path for c in clips if not c.path.exists()]
         if len(missing) == len(clips):  # said before the models load for nothing
-            raise ValueError(f"{args.manifest}: none of its {len(clips)} files exists (the first: {missing[0]}); "
-                             "its paths are relative to the manifest's folder")
+            raise ValueError(f"{args.manifest}: none of its {len(clips)} files exists (the first: {missing[0]}; "
+                             "a relative path in it is from the manifest's folder)")
         if missing:  # told at the end only, after every other file
             print(f"asr: warning: {len(missing)} of the manifest's files do not exist (the first: {missing[0]}); "
                   "they are left out of every figure and listed as failed", file=sys.stderr)

@@ -55,8 +55,9 @@ class DraftLength:
     MAX_EXPLORE = 64
 
     def __init__(self, fixed: int | None = None, maximum: int = 8, initial: int = 4):
-        if (fixed is not None and fixed < 0) or maximum < 0:  # a negative k ran the batch target-only, unsaid
-            raise ValueError(f"a draft length is a count of tokens, 0 or more, not {fixed if fixed is not None else maximum}")
+        for value in (fixed, maximum):  # a negative k ran the batch target-only, unsaid
+            if value is not None and value < 0:
+                raise ValueError(f"a draft length is a count of tokens, 0 or more, not {value}")
         self.fixed = fixed
         self.maximum = fixed if fixed is not None else maximum
         # At least 1 where drafting may be chosen: from 0 no drafting round was ever measured, nor k chosen.

@@ -4,6 +4,7 @@ a hint's proposals are only kept where the target agrees, so any hint keeps the 
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -24,8 +25,13 @@ HINT_POSITIONS = 1024
 
 def check(hint: list[int], vocab_size: int) -> None:
     """A hint holds token ids of the vocabulary (1.7 was taken as 1, and text failed in a comparison)."""
-    if isinstance(hint, (str, bytes)) or any(isinstance(token, bool) or not isinstance(token, (int, np.integer))
-                                             or not 0 <= token < vocab_size for token in hint):
+    def whole(token) -> bool:  # ints of Python, numpy or a 0-d tensor; not bools, floats or text
+        try:
+            return not isinstance(token, (bool, np.bool_)) and operator.index(token) == token
+        except TypeError:
+            return False
+
+    if isinstance(hint, (str, bytes)) or not all(whole(token) and 0 <= token < vocab_size for token in hint):
         raise ValueError(f"hint tokens must be token ids, whole numbers from 0 to {vocab_size - 1}: {hint!r:.80}")
 
 

@@ -509,7 +509,7 @@ CT2_CACHE = Path(os.environ.get("ASR_CACHE", Path.home() / ".cache" / "asr")) / 
 
 
 SOURCE_STAMP = "asr-source.json"  # in a cached conversion: the files it was made from
-CT2_BUILD = 2  # 2: with preprocessor_config.json (_feature_config)
+CT2_BUILD = 3  # 2: with preprocessor_config.json (_feature_config); 3: readable by all (0755)
 STALE_BUILD_SECONDS = 24 * 3600  # an unfinished build this old was left by a run that was killed
 
 

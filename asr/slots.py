@@ -39,8 +39,9 @@ def prefill_width(length: int, capacity: int) -> int:
 @dataclass
 class DecodeStats:
     draft_proposed: int = 0
-    # The target's agreement with the draft, to measure it: proposals past a row's end that
-    # the target agreed with count, though not kept (so accepted + passes can exceed tokens).
+    # The target's agreement with the draft, to measure it. A row's proposals count up to its
+    # draft's first end-of-text and its limit (a batch drafts on for its other rows); an
+    # end-of-text accepted is also the token its pass keeps (so accepted + passes can exceed tokens).
     draft_accepted: int = 0
     target_passes: int = 0
     tokens: int = 0  # tokens kept (end-of-text included)

@@ -504,8 +504,8 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
         if stats is not None and stats.draft_proposed:
             per_pass = stats.tokens_per_target_pass
             rounds = steps / per_pass
-            # The draft's steps: in each chunk its longest-drafting row was proposed a token at
-            # every one (k a round only where k is fixed).
+            # The draft's steps: in each chunk those of its longest-drafting row's proposals (k a
+            # round only where k is fixed; steps past every row's end or limit are not counted).
             draft_steps = sum(max(out.proposed[s : s + n]) for s, n in zip(starts, chunks))
             floor = (draft_steps * draft_bytes + rounds * target_bytes) / bandwidth
             adaptive = "adaptive" in name

@@ -802,7 +802,7 @@ def test_a_gpu_too_small_for_the_models_is_said_in_a_line(tmp_path: Path, capsys
         assert "asr: CUDA out of memory. Tried to allocate 2.00 GiB" in capsys.readouterr().err
 
 
-def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
+def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
     assert main(["transcribe", str(SAMPLES), "--formats", "docx"]) == 2
     assert "unknown format" in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path)]) == 2
@@ -811,6 +811,13 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys):
     assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path / "out")]) == 2
     assert f"asr: {tmp_path / 'nothing'}: no such file or folder" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    from asr.cli import _missing  # one this user may not look at is not missing: the run says why it cannot be read
+
+    (tmp_path / "a-file").write_text("")
+    assert _missing(tmp_path / "nothing") and _missing(tmp_path / "a-file" / "x.wav") and not _missing(tmp_path / "a-file")
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "lstat", lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
+        assert not _missing(tmp_path / "locked" / "x.wav")
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(tmp_path / "report"), "--device", "gpu"]) == 2
     assert "--device gpu: not a device" in capsys.readouterr().err
     missing = "cuda:99" if torch.cuda.is_available() else "cuda"  # a GPU this machine does not have

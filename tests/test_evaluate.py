@@ -684,8 +684,8 @@ def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_r
     elsewhere.parent.mkdir()
     elsewhere.write_text(f"file\treference\n{CLIPS[0]}\tsome words\ngone.wav\tmore words\n")
     assert main(["evaluate", str(elsewhere), "--out", str(tmp_path / "out")]) == 2  # none of its files: no model loads
-    assert (f"{elsewhere}: none of its 2 files exists (the first: {elsewhere.parent / CLIPS[0]}); its paths "
-            "are relative to the manifest's folder") in capsys.readouterr().err
+    assert (f"{elsewhere}: none of its 2 files exists (the first: {elsewhere.parent / CLIPS[0]}; a relative path in "
+            "it is from the manifest's folder)") in capsys.readouterr().err
     monkeypatch.undo()
     monkeypatch.setitem(sys.modules, "faster_whisper", None)  # not installed
     assert main(["evaluate", str(manifest), "--out", str(tmp_path / "out"), "--peers", "faster-whisper"]) == 2

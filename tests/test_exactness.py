@@ -231,8 +231,8 @@ def test_a_draft_length_starting_at_0_still_learns_and_a_negative_one_is_refused
     """DraftLength(initial=0) never drafted (no drafting round was measured to choose k from),
     and DraftLength(fixed=-2) ran its batches target-only without a word."""
     assert max(rounds_of(DraftLength(initial=0), **ONE_ROW)) > 1
-    for bad in ({"fixed": -2}, {"maximum": -1}):
-        with pytest.raises(ValueError, match="a draft length is a count of tokens, 0 or more"):
+    for bad in ({"fixed": -2}, {"maximum": -1}, {"fixed": 3, "maximum": -1}):
+        with pytest.raises(ValueError, match="a draft length is a count of tokens, 0 or more, not -"):
             DraftLength(**bad)
 
 
@@ -472,6 +472,8 @@ def test_hints_must_be_token_ids():
                                                       max_new_tokens=MAX_NEW, hints=[hint])
     assert SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
                                                      hints=[list(np.array([50364, 2221]))])  # numpy's ints are ids
+    assert SpeculativeDecoder(runner(target)).decode(encoded, [prompt_for(True)], rules_for(True), max_new_tokens=MAX_NEW,
+                                                     hints=[list(torch.tensor([50364, 2221]))])  # and a tensor's
 
 
 def test_int8_linear_is_close_and_used_only_for_cpu_float32():
