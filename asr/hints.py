@@ -91,8 +91,13 @@ def propose(batch: Batch, rows: list[Row], left: list[int], drafted: int) -> Hin
     shapes at most max_draft_tokens: a row's logits then always come from passes of one
     width, on a GPU target-only's to the bit, and so do its tokens, sampled ones too."""
     s, e = batch.state, batch.engine
-    remaining = min(row.limit - row.length for row in rows)
-    k = max(min(max(left), remaining - 1), drafted, 0)
+    # Up to the furthest limit of a row that follows its hint (a row near its own, a window
+    # looping to 224 tokens, held every batchmate's hint to its few last tokens: a stream's
+    # update took 5 passes for 1), and within the cache; proposals past a row's limit are
+    # never kept, nor counted (below).
+    remaining = max(row.limit - row.length for row, n in zip(batch.slots, left) if row is not None and n)
+    room = e.capacity - 1 - max(row.length for row in rows)
+    k = max(min(max(left), remaining - 1, room), drafted, 0)
     if e.verify_width:
         k = min(k, e.max_draft_tokens)
     k = min(k, max(e.max_draft_tokens, HINT_POSITIONS // len(batch.slots)))

@@ -94,7 +94,9 @@ class Window:
     # The target's cross-attention K/V of `encoded` per layer ([heads, frames, head width]),
     # where already computed (language detection): taken over instead of computed again.
     cross: tuple[list[Tensor], list[Tensor]] | None = None
-    language: str | None = None  # the draft's acceptance is kept per language (asr/draft_length.py)
+    # The draft's acceptance is kept per language (asr/draft_length.py): its code, or another
+    # key for another task on it ("de>translate")
+    language: str | None = None
     seed: int = 0  # at temperature > 0, what the row's draws follow (asr/sampling.py)
     # Stop at a loop (LOOP_TOKENS), the sequence marked looped: for a caller to whom a loop is
     # a failed decode whatever its length (Whisper's compression-ratio test needs it long).

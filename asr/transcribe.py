@@ -902,10 +902,13 @@ class _Decoding:
             # A sampled window's draws follow its own seed, whatever is batched beside it; each
             # of best_of samples its own (the first as without best_of).
             job.candidates, job.rows = [], t.options.best_of if temperature > 0 else 1
+            # The draft's acceptance is kept per language and task: an English draft is right
+            # twice as often on German translated as on German transcribed.
+            accepts_as = job.language if t.options.task == "transcribe" else f"{job.language}>{t.options.task}"
             for sample in range(job.rows):
                 seed = sampling.seed_of(t.options.seed, job.seek, job.attempt, *([sample] if sample else []))
                 windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded,
-                                      known, job.language, seed, stop_loops=job.window_only))
+                                      known, accepts_as, seed, stop_loops=job.window_only))
                 owners.append(job)
         for job, tag in zip(owners, self.batch.add(windows)):
             self.jobs[tag] = job

@@ -462,6 +462,31 @@ def test_a_rounds_hint_proposals_are_bounded_over_its_rows(monkeypatch, temperat
         assert [s.tokens for s in bounded] == [s.tokens for s in unbounded] == expected
 
 
+def test_a_row_near_its_limit_does_not_hold_a_batchmates_hint_to_its_last_tokens():
+    """A window looping to its token limit held every batchmate's hint proposals to its own
+    few last tokens: a stream's update joining it took a pass for each of them."""
+    target, features = tiny_target(0), windows(0)  # rows that run to MAX_NEW
+    with torch.inference_mode():
+        encoded = target.model.encoder(features).last_hidden_state[:2]
+    rules, prompt = rules_for(False), prompt_for(False)
+    expected = [s.tokens for s in SpeculativeDecoder(runner(target)).decode(encoded, [prompt] * 2, rules,
+                                                                            max_new_tokens=MAX_NEW)]
+    decoder = SpeculativeDecoder(runner(target))
+    batch = decoder.batch(rules, rows=2)
+    try:
+        batch.add([Window(encoded[0], prompt, max_new_tokens=MAX_NEW)])
+        results = {}
+        for _ in range(MAX_NEW - 3):  # 3 tokens left to the first row's limit
+            results.update(batch.step())
+        batch.add([Window(encoded[1], prompt, max_new_tokens=MAX_NEW, hint=expected[1])])
+        while len(results) < 2:
+            results.update(batch.step())
+    finally:
+        batch.close()
+    assert [results[0].tokens, results[1].tokens] == expected
+    assert results[1].stats.target_passes <= 2 and results[1].stats.hint_accepted >= MAX_NEW - 2
+
+
 def test_hints_must_be_token_ids():
     target, features = target_and_windows(0)
     with torch.inference_mode():

@@ -414,6 +414,17 @@ def test_transcribers_over_one_pair_share_the_adaptive_draft_length(base_pair, d
     assert not Transcriber(base_pair, TranscribeOptions(max_draft_tokens=0)).speculative
 
 
+def test_the_drafts_acceptance_is_kept_apart_for_translating_a_language():
+    """Translating German and transcribing it shared one acceptance (an English draft is
+    right about twice as often on the first), and the adaptive length chose for their mix."""
+    pair = load_pair("packaged:whisper-base", "target")  # an engine of its own: nothing measured before
+    clip = next(c for c in read_manifest(DEV / "manifest_multilingual.tsv") if c.language == "de")
+    for task in ("transcribe", "translate"):
+        Transcriber(pair, TranscribeOptions(language="de", task=task)).transcribe(load_audio(clip.path))
+    measured = Transcriber(pair, TranscribeOptions()).engine.draft_length()._acceptance
+    assert {"de", "de>translate"} <= set(measured)
+
+
 def test_a_rows_acceptance_is_the_same_alone_as_in_a_batch(base_pair, dev_set):
     """A batch drafts on until every row's draft has proposed end-of-text, and each row was
     charged all k proposals: the dev clips' acceptance at k = 8 read 49.5 % in batches of 8
