@@ -22,6 +22,7 @@ class _Costs:
     drafting: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=RECENT))  # (seconds, proposals)
     plain_wins: bool = False
     exploring: bool = False
+    wide: bool = False  # where plain wins, whether the next round going the other way drafts k, not 1
     languages: list[str | None] = field(default_factory=list)  # the live rows' of the round under way
 
 
@@ -29,12 +30,13 @@ class DraftLength:
     """Chooses k, the draft tokens proposed in a round (0: the target alone). Fixed when asked;
     otherwise it maximises expected tokens per second,
 
-        (1 - a^(k+1)) / (1 - a) / (plain + k * per_proposal),
+        (1 - a^(k+1)) / (1 - a) / (plain + overhead + k * per_proposal),
 
     from the measured per-token acceptance a and the measured wall time of whole rounds:
-    plain ones (k = 0), and drafting ones, whose time beyond a plain round is per_proposal
-    per proposal (a draft step and its share of the verification), each the median of the
-    last RECENT rounds of its kind, so that one stalled round (a garbage collection, another
+    plain ones (k = 0), and drafting ones, whose time beyond a plain round is an overhead a
+    round (the draft's catch-up step, the verification's launch) and per_proposal per
+    proposal (a draft step and its share of the verification; _drafting_costs), each from
+    medians of the last RECENT rounds of its kind, so that one stalled round (a garbage collection, another
     process, work queued before it on a GPU) does not decide k for the next hundreds of
     rounds once a kind has two rounds measured; a lasting change shows after three rounds of
     its kind (for the way not taken, measured every 16 to 64 rounds, up to 200 rounds
@@ -46,7 +48,8 @@ class DraftLength:
     of its size. The acceptance is the draft's on a language (an English-only draft is
     rarely right on German), kept per language and averaged over a round's rows. Now and
     then a round goes the other way, so that both stay measured: a plain round, or where
-    no drafting wins, a round of one proposal (the cheapest). Such a round comes every
+    no drafting wins, a drafting round, of one proposal (the cheapest) and of the best k in
+    turn (two lengths, to tell the overhead from the proposals). Such a round comes every
     EXPLORE rounds, and half as often each time it confirms the choice (down to one in
     MAX_EXPLORE), since each costs what the losing way loses. next_round() says what a
     round does."""
@@ -87,7 +90,7 @@ class DraftLength:
         if c.until_explore <= 0:
             c.until_explore = c.interval
         if c.plain_wins:
-            return 1 if c.exploring else 0
+            return (c.k if c.wide else 1) if c.exploring else 0
         return 0 if c.exploring else c.k
 
     def current(self, rows: int = 1, languages: Iterable[str | None] = (None,)) -> int:
@@ -114,11 +117,15 @@ class DraftLength:
             for language, kept, proposed in accepted:
                 before = outcomes.get(language, (0, 0))
                 outcomes[language] = (before[0] + kept, before[1] + (kept < proposed))
-            decay = 0.9
+            # Forgets in about 14 drafting rounds: at 0.9 (7), the estimate from rounds of one
+            # proposal wandered enough to stop drafting that paid.
+            decay = 0.95
             for language, (kept, rejected) in outcomes.items():
                 before = self._acceptance.get(language, PRIOR)
                 self._acceptance[language] = (decay * before[0] + kept, decay * before[1] + rejected)
             c.drafting.append((seconds, k))
+            if c.exploring and c.plain_wins:  # measured: the next one drafts the other length
+                c.wide = not c.wide
         chosen = c.plain_wins
         if c.exploring and self._choose(c):  # only a round going the other way needs the choice now: next_round makes it
             confirmed = c.plain_wins == chosen
@@ -140,12 +147,33 @@ class DraftLength:
         languages = c.languages or [None]
         alpha = sum(self.acceptance(language) for language in languages) / len(languages)
         plain = median_low(c.plain)  # the lower of two: a stall only ever adds time
-        per_proposal = median_low([max(seconds - plain, 0.0) / k for seconds, k in c.drafting])
+        overhead, per_proposal = _drafting_costs(plain, c.drafting)
 
         def tokens_per_second(k: int) -> float:
             expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            return expected / (plain + k * per_proposal)
+            return expected / (plain + (overhead + k * per_proposal if k else 0.0))
 
         c.k = max(range(1, self.maximum + 1), key=tokens_per_second)
         c.plain_wins = tokens_per_second(0) > tokens_per_second(c.k)
         return True
+
+
+
+
+def _drafting_costs(plain: float, drafting: Iterable[tuple[float, int]]) -> tuple[float, float]:
+    """A drafting round's time beyond a plain one, as overhead + k * per_proposal (the
+    draft's catch-up step and the verification's own launch cost a round, whatever k).
+    Taken all per proposal, k = 1 rounds (on a CPU about twice a proposal's cost at k = 4)
+    made drafting look too dear to try more than one proposal again. From the lower median
+    at each k measured (a stall only ever adds time): where two k or more were, the median
+    of the slopes between them, and of what each leaves beyond its slope; where that has
+    no overhead to give (a stalled round's k), or one k was measured, all per proposal."""
+    extra: dict[int, list[float]] = {}
+    for seconds, k in drafting:
+        extra.setdefault(k, []).append(max(seconds - plain, 0.0))
+    points = [(k, median_low(times)) for k, times in extra.items()]
+    slopes = [(e2 - e1) / (k2 - k1) for i, (k1, e1) in enumerate(points) for k2, e2 in points[i + 1 :]]
+    if slopes and (per_proposal := median_low(slopes)) >= 0:
+        if (overhead := median_low([e - k * per_proposal for k, e in points])) >= 0:
+            return overhead, per_proposal
+    return 0.0, median_low([e / k for k, times in extra.items() for e in times])
