@@ -36,11 +36,12 @@ class DraftLength:
     plain ones (k = 0), and drafting ones, whose time beyond a plain round is an overhead a
     round (the draft's catch-up step, the verification's launch) and per_proposal per
     proposal (a draft step and its share of the verification; _drafting_costs), each from
-    medians of the last RECENT rounds of its kind, so that one stalled round (a garbage collection, another
-    process, work queued before it on a GPU) does not decide k for the next hundreds of
-    rounds once a kind has two rounds measured; a lasting change shows after three rounds of
-    its kind (for the way not taken, measured every 16 to 64 rounds, up to 200 rounds
-    later). Whole rounds, because a round's cost is not always its kernels: on a GPU, a
+    medians of the last RECENT rounds of its kind, so that one stalled round (a garbage
+    collection, another process, work queued before it on a GPU) does not decide k for the
+    next hundreds of rounds (a plain one is outvoted once a second is measured; a drafting
+    one leaves no overhead to fit, and the rest decide); a lasting change shows after three
+    rounds of its kind (for the way not taken, measured every 16 to 64 rounds, up to a few
+    hundred rounds later). Whole rounds, because a round's cost is not always its kernels: on a GPU, a
     small model's round is mostly the host's launches and its one read. No drafting (k = 0) wins where drafting does not pay:
     in a large batch on a CPU, where verifying k proposals per row costs nearly k plain
     passes, or with a small target on a GPU. Costs, and so k, are kept per batch size (the
@@ -48,8 +49,9 @@ class DraftLength:
     of its size. The acceptance is the draft's on a language (an English-only draft is
     rarely right on German), kept per language and averaged over a round's rows. Now and
     then a round goes the other way, so that both stay measured: a plain round, or where
-    no drafting wins, a drafting round, of one proposal (the cheapest) and of the best k in
-    turn (two lengths, to tell the overhead from the proposals). Such a round comes every
+    no drafting wins, a drafting round, of one proposal (the cheapest) and of the best k
+    (2 at least) in turn: two lengths, to tell the overhead from the proposals. While
+    drafting wins, its rounds are mostly of one k, whose cost is then taken all per proposal. Such a round comes every
     EXPLORE rounds, and half as often each time it confirms the choice (down to one in
     MAX_EXPLORE), since each costs what the losing way loses. next_round() says what a
     round does."""
@@ -89,8 +91,8 @@ class DraftLength:
         c.exploring = c.until_explore <= 0 or (not c.plain and bool(c.drafting))
         if c.until_explore <= 0:
             c.until_explore = c.interval
-        if c.plain_wins:
-            return (c.k if c.wide else 1) if c.exploring else 0
+        if c.plain_wins:  # the wide try: 2 at least, or rounds of one proposal alone would never tell the overhead
+            return (max(c.k, min(2, self.maximum)) if c.wide else 1) if c.exploring else 0
         return 0 if c.exploring else c.k
 
     def current(self, rows: int = 1, languages: Iterable[str | None] = (None,)) -> int:
@@ -163,8 +165,8 @@ class DraftLength:
 def _drafting_costs(plain: float, drafting: Iterable[tuple[float, int]]) -> tuple[float, float]:
     """A drafting round's time beyond a plain one, as overhead + k * per_proposal (the
     draft's catch-up step and the verification's own launch cost a round, whatever k).
-    Taken all per proposal, k = 1 rounds (on a CPU about twice a proposal's cost at k = 4)
-    made drafting look too dear to try more than one proposal again. From the lower median
+    Taken all per proposal, k = 1 rounds (on a CPU about twice the marginal cost of a
+    proposal) made drafting look too dear to try more than one proposal again. From the lower median
     at each k measured (a stall only ever adds time): where two k or more were, the median
     of the slopes between them, and of what each leaves beyond its slope; where that has
     no overhead to give (a stalled round's k), or one k was measured, all per proposal."""

@@ -259,6 +259,23 @@ def test_a_drafting_rounds_own_cost_is_told_from_its_proposals(costs):
         assert tokens / seconds >= 0.93 * best
 
 
+def test_a_language_where_plain_rounds_won_leaves_the_next_one_free_to_draft_long():
+    """German on an English draft wins plain rounds, tried with one proposal: rounds of one
+    length alone leave the overhead untold, so a proposal looked dear, the best k was 1,
+    and English after it stayed plain (costs are per batch size, not per language). The
+    tries alternate with 2 proposals at least."""
+    cost = lambda k: 0.004 + (0.003 + 0.0003 * k if k else 0.0)  # noqa: E731 (a GPU-like round: launches dominate)
+    draft_length, rng = DraftLength(), random.Random(0)
+    for language, alpha, rounds in (("en", 0.8, 800), ("de", 0.15, 1000), ("en", 0.8, 1000)):
+        chosen = []
+        for _ in range(rounds):
+            k = draft_length.next_round(1, [language])
+            accepted = next((i for i in range(k) if rng.random() >= alpha), k)
+            draft_length.update(k, cost(k), 1, [(language, accepted, k)])
+            chosen.append(k)
+    assert sum(k > 1 for k in chosen[-500:]) >= 450
+
+
 def test_draft_length_drafts_again_once_drafting_pays():
     # A batch's rows finish until one is left: proposals become cheap to verify and mostly right.
     draft_length = DraftLength()
@@ -293,7 +310,7 @@ def test_one_stalled_round_does_not_decide_the_draft_length_for_long(stalled, wa
 
 
 def test_a_drafting_round_that_first_catches_up_measures_nothing_and_the_way_is_tried_again():
-    """Where no drafting wins, the round of one proposal that goes the other way first
+    """Where no drafting wins, the drafting round that goes the other way first
     catches the draft up on the plain rounds before it, a cost no other drafting round has:
     the engine reports it unmeasured (asr/speculative.py, USUAL_GAP) and the next round
     drafts again, to be measured."""
@@ -301,9 +318,9 @@ def test_a_drafting_round_that_first_catches_up_measures_nothing_and_the_way_is_
     assert rounds_of(draft_length, rounds=200, **LARGE_BATCH)[-1] == 0
     while (k := draft_length.next_round()) == 0:
         draft_length.update(0, LARGE_BATCH["plain"])
-    assert k == 1
+    assert k in (1, 2)  # one proposal, or the best k (2 at least) in turn
     draft_length.unmeasured()
-    assert draft_length.next_round() == 1
+    assert draft_length.next_round() == k
 
     class Recorded(DraftLength):
         def __init__(self):
