@@ -317,9 +317,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         files = write_transcript(result, folder, stem, list(FORMATS) if result.segments else ["json"],
                                  SUBTITLE_LAYOUTS[subtitles])
     except Cancelled:  # Stop, or a new file or new settings
+        stopped = figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")])
         if not progress.segments:
-            yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]),
-                   PLACEHOLDER.format("Nothing transcribed."), gr.update(value=None, visible=False),
+            yield (stopped, PLACEHOLDER.format("Nothing transcribed."), gr.update(value=None, visible=False),
                    gr.update(visible=False))
             return
         # What was decoded, as text and subtitles named .partial (a JSON's figures would be of a part).
@@ -330,9 +330,8 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         except OSError:  # a full disk: the segments stay on the page
             traceback.print_exc()
             files = []
-        yield (figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")]),
-               segments_html(progress.segments), gr.update(value=[str(f) for f in files] or None, visible=bool(files)),
-               gr.update(visible=False))
+        yield (stopped, segments_html(progress.segments),
+               gr.update(value=[str(f) for f in files] or None, visible=bool(files)), gr.update(visible=False))
         return
     except AudioError as error:
         yield _failed(str(error).replace(source, name))
