@@ -13,10 +13,9 @@ import traceback
 from dataclasses import replace
 
 import numpy as np
-import soxr
 
 from app.engine import Engine, Settings
-from asr.audio import SAMPLE_RATE, AudioError, float_mono
+from asr.audio import AudioError, checked_rate, float_mono
 from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
 # No chunk for this long: the visitor's browser stopped sending (its tab is closed at once: cancel).
@@ -26,12 +25,13 @@ IDLE_SECONDS = 30.0
 STEP_SECONDS = 1.0
 
 
-def microphone_chunk(samples: np.ndarray) -> np.ndarray:
+def microphone_chunk(rate: int, samples: np.ndarray) -> np.ndarray:
     """A browser's chunk as float mono; AudioError for one that cannot be audio, refused
-    alone (NaN, in the resampler's state, ended the recording)."""
+    alone (NaN, in the resampler's state, ended the recording; a rate of 0, the session)."""
     samples = float_mono(samples, "microphone chunk")
     if not np.isfinite(samples).all():
         raise AudioError("microphone chunk: contains NaN or infinite samples")
+    checked_rate(rate, "microphone chunk")
     return samples
 
 
@@ -46,10 +46,8 @@ class LiveSession:
                                               clock=self._stream_clock)
         self._started: float | None = None  # wall time of the stream's first sample
         self._stopped: float | None = None  # wall time of Stop
-        self._resampler: soxr.ResampleStream | None = None
-        self._rate = 0
-        self._pending: list[np.ndarray] = []  # 16 kHz audio not yet given to the streamer
-        self._pending_samples = 0
+        self._pending: list[tuple[int, np.ndarray]] = []  # chunks (rate, samples) not yet given to the streamer
+        self._pending_seconds = 0.0
         self._stopping = False
         self._cancelled = False
         self._fed = time.monotonic()  # wall time of the last chunk
@@ -79,7 +77,7 @@ class LiveSession:
 
     def feed(self, rate: int, samples: np.ndarray) -> None:
         """Queues a chunk and returns at once."""
-        samples = microphone_chunk(samples)
+        samples = microphone_chunk(rate, samples)
         with self._wake:
             if self._stopping or self.finished or not samples.size:
                 return
@@ -87,9 +85,9 @@ class LiveSession:
             if self._started is None:
                 # The first chunk arrives as it ends: the speaker started its length earlier.
                 self._started = time.monotonic() - samples.size / rate
-            self._pending.append(self._resample(rate, samples))
-            self._pending_samples += self._pending[-1].size
-            if self._pending_samples >= STEP_SECONDS * SAMPLE_RATE:
+            self._pending.append((rate, samples))
+            self._pending_seconds += samples.size / rate
+            if self._pending_seconds >= STEP_SECONDS:
                 self._wake.notify()
 
     def finish(self) -> None:
@@ -107,7 +105,7 @@ class LiveSession:
             if not self._stopping:
                 self._stopping, self._stopped = True, time.monotonic()
             self._cancelled = True
-            self._pending, self._pending_samples = [], 0
+            self._pending, self._pending_seconds = [], 0.0
             self._wake.notify()
 
     def recorded_seconds(self) -> float:
@@ -122,9 +120,9 @@ class LiveSession:
         """Audio received that no decode has read yet: it grows where decoding is slower
         than speech (chunks Gradio dropped are not counted: recorded_seconds)."""
         with self._wake:
-            pending = self._pending_samples
+            pending = self._pending_seconds
         decoded = self.updates[-1].audio_seconds if self.updates else 0.0
-        return pending / SAMPLE_RATE + self._streamer.audio_seconds - decoded
+        return pending + self._streamer.audio_seconds - decoded
 
     @property
     def last(self) -> StreamUpdate | None:
@@ -148,20 +146,16 @@ class LiveSession:
         retried = False
         while True:
             with self._wake:
-                while not self._stopping and self._pending_samples < STEP_SECONDS * SAMPLE_RATE:
+                while not self._stopping and self._pending_seconds < STEP_SECONDS:
                     if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
                         self._stopping, self._stopped, self.idle = True, self._fed, IDLE_SECONDS
                     else:
                         self._wake.wait(IDLE_SECONDS - idle)
                 if self._cancelled:
                     return
-                chunks, self._pending, self._pending_samples, stopping = self._pending, [], 0, self._stopping
-                if stopping and self._resampler is not None:
-                    chunks.append(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-                    self._resampler = None
-            for chunk in chunks:
-                if chunk.size:
-                    self._streamer.insert_audio(chunk)
+                chunks, self._pending, self._pending_seconds, stopping = self._pending, [], 0.0, self._stopping
+            for rate, chunk in chunks:  # resampled by the streamer (finish() flushes its resampler)
+                self._streamer.insert_audio(chunk, rate)
             if stopping and self._started is None:
                 return  # nothing was heard
             try:
@@ -183,15 +177,3 @@ class LiveSession:
     def _stream_clock(self) -> float:
         # Wall time, so commit latency is what the speaker waits: queueing and model work included.
         return time.monotonic() - (self._started or 0.0)
-
-    def _resample(self, rate: int, samples: np.ndarray) -> np.ndarray:
-        # One stream per rate, so chunk edges get no filter artefacts. At a change of rate (the
-        # visitor switched microphones), the last stream's held-back tail goes first.
-        tail = np.zeros(0, np.float32)
-        if rate != self._rate:
-            if self._resampler is not None:
-                tail = self._resampler.resample_chunk(tail, last=True)
-            self._rate = rate
-            self._resampler = None if rate == SAMPLE_RATE else soxr.ResampleStream(rate, SAMPLE_RATE, 1, dtype="float32",
-                                                                                     quality="HQ")
-        return np.concatenate([tail, samples if self._resampler is None else self._resampler.resample_chunk(samples)])

@@ -467,7 +467,7 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                 return live_html("", "", listening=True), gr.skip(), None
             try:
                 # Checked before a session (and its worker) starts: a refused chunk started one per call.
-                rate, samples = chunk[0], microphone_chunk(chunk[1])
+                rate, samples = chunk[0], microphone_chunk(*chunk)
                 live = LiveSession(engine, Settings(language, task, draft_length, prompt))
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import os
 import warnings
 from pathlib import Path
@@ -220,6 +222,14 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
         if samples.size == 0:  # a few samples at a high rate
             raise AudioError(f"{name}: too short ({given} samples at {rate} Hz, none at {SAMPLE_RATE} Hz)")
     return np.ascontiguousarray(samples, dtype=np.float32)
+
+
+def checked_rate(rate: float, name: str) -> float:
+    """A chunk's sample rate, or AudioError where it is not a positive number (a rate of 0
+    divided by zero in the chunk's seconds)."""
+    if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 < rate < math.inf:
+        raise AudioError(f"{name}: invalid sample rate {rate!r}")
+    return rate
 
 
 def too_long(name: str, seconds: float) -> str:

@@ -45,7 +45,7 @@ from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import TARGET_AS_DRAFT, choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
 from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
-                         temporary_prefix, unwritable, write_atomic)
+                         temporary_prefix, unwritable, write_atomic, write_files_atomic)
 
 ERRORS_FILE = "errors.jsonl"
 SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
@@ -310,8 +310,11 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             planned.append(item)
         else:
             case = "" if owner.stem == item.stem else " (the output folder's file system ignores case in names)"
+            # Of one name in two trees: two folders given, each mirrored into OUT's top.
+            trees = "; each folder given is mirrored into --out-dir: give each its own" \
+                if owner.source.name == item.source.name else ""
             failures.append(FileResult(str(item.source), error=f"same output name as {owner.source}: both would write "
-                                                               f"{item.stem}.*{case}"))
+                                                               f"{item.stem}.*{case}{trees}"))
     return planned, failures
 
 
@@ -334,14 +337,13 @@ def is_complete(item: PlannedFile, formats: Iterable[str]) -> bool:
     return all(item.output(fmt).is_file() for fmt in formats)
 
 
-def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str]) -> int:
+def remove_partials(files: Iterable[PlannedFile], formats: Iterable[str], also: Iterable[Path] = ()) -> int:
     """Deletes the temporary files (`.NAME.*.part`, see writers.write_atomic) that a killed
-    run left beside these outputs; returns how many."""
+    run left beside these outputs, and beside the files `also` (a run's ledgers); returns
+    how many."""
     wanted: dict[Path, set[str]] = {}
-    for item in files:
-        for fmt in formats:
-            output = item.output(fmt)
-            wanted.setdefault(output.parent, set()).add(temporary_prefix(output.name))
+    for output in [item.output(fmt) for item in files for fmt in formats] + list(also):
+        wanted.setdefault(output.parent, set()).add(temporary_prefix(output.name))
     removed = 0
     for folder, prefixes in wanted.items():
         if not folder.is_dir():
@@ -454,18 +456,20 @@ class Sources:
         return item.stem.relative_to(self.out_dir).as_posix()
 
     def _record(self, item: PlannedFile) -> dict | None:
+        """The line of the run that wrote item's outputs last, of this OUT's ledger or another's
+        (one redone into a folder below with --overwrite: this OUT's own line was older)."""
         stem = self._stem(item)
-        if (record := self._known.get(self._key(stem))) is not None:
-            return record
+        found = [self._known.get(self._key(stem))]
         parts = stem.split("/")
-        for depth in range(len(parts) - 1, 0, -1):  # the nearest other OUT's line first
+        for depth in range(len(parts) - 1, 0, -1):
             folder = self.out_dir.joinpath(*parts[:depth])
             if folder not in self._below:
                 self._below[folder] = self._other(folder)
-            if (record := self._below[folder].get(self._key("/".join(parts[depth:])))) is not None:
-                return record
-        return next((record for prefix, ledger in self._above
-                     if (record := ledger.get(self._key(f"{prefix}/{stem}"))) is not None), None)
+            found.append(self._below[folder].get(self._key("/".join(parts[depth:]))))
+        found += [ledger.get(self._key(f"{prefix}/{stem}")) for prefix, ledger in self._above]
+        # Lines before 2026-11-30 have no time: older than any that has; among them, this OUT's first.
+        return max((record for record in found if record is not None), key=lambda record: record.get("time", 0.0),
+                   default=None)
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
@@ -519,7 +523,7 @@ class Sources:
         record = {"stem": self._stem(item), "source": str(item.source),
                   **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
                   "formats": sorted(formats), "settings": settings, **({"kept": kept} if kept else {}),
-                  **({"writing": True} if writing else {})}
+                  **({"writing": True} if writing else {}), "time": round(time.time(), 3)}
         self._append(record)
 
     def _append(self, record: dict) -> None:
@@ -544,9 +548,10 @@ class FolderLock:
     first then fails to rename them into place), and start errors.jsonl afresh under it: it
     is refused instead, naming the process that holds the folder. The lock is the kernel's
     (flock): a killed run's goes with it, and the file, left in place, means nothing alone.
-    Not taken where the platform has no flock (Windows)."""
+    Not taken where the platform has no flock (Windows), nor where the file system takes no
+    locks (NFS without its lock service): said, with echo, and the run goes on."""
 
-    def __init__(self, out_dir: Path):
+    def __init__(self, out_dir: Path, echo: bool = True):
         self._handle = None
         if fcntl is None:
             return
@@ -560,6 +565,12 @@ class FolderLock:
             raise OutputError(f"--out-dir {out_dir}: another run is writing into it"
                               + (f" (process {holder})" if holder.isdigit() else "")
                               + ": wait for it to end, or give another --out-dir", before_work=True) from None
+        except OSError as error:  # ENOLCK, EOPNOTSUPP: a bare "[Errno 37] No locks available" ended the run
+            handle.close()
+            if echo:
+                tqdm.write(f"asr: warning: --out-dir {out_dir} cannot be locked ({error.strerror or error}): another "
+                           "run writing into it at the same time would spoil this one's files", file=sys.stderr)
+            return
         handle.truncate(0)
         handle.write(f"{os.getpid()}\n")
         handle.flush()
@@ -746,8 +757,10 @@ def transcribe_files(
 
 
 def printable(name: str) -> str:
-    """A file name that prints on any UTF-8 console: bytes that are not UTF-8 become U+FFFD."""
-    return name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    """A file name that prints on any UTF-8 console, on one line: bytes that are not UTF-8
+    become U+FFFD, control characters (a newline in a name) escapes as Python writes them."""
+    text = name.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    return "".join(c.encode("unicode_escape").decode("ascii") if unicodedata.category(c) == "Cc" else c for c in text)
 
 
 def _echo(line: str) -> None:
@@ -805,7 +818,7 @@ class _Recorder:
             run.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # permissions pass, the file system refuses (/sys, a read-only mount)
             raise OutputError(f"--out-dir {run.out_dir}: {error.strerror or error}", before_work=True) from error
-        self.lock = FolderLock(run.out_dir)
+        self.lock = FolderLock(run.out_dir, run.echo)
         try:
             self.log = ErrorLog(run.out_dir / ERRORS_FILE, run.inputs)
         except BaseException as error:
@@ -821,16 +834,22 @@ class _Recorder:
             self.log.covers([str(item.source) for item in files] + [failure.source for failure in failures])
             for failure in failures:
                 self._failed(failure.source, failure.error or "")
-            remove_partials(files, FORMATS)  # a killed run's may be of formats not asked for now
+            # A killed run's may be of formats not asked for now, or of its ledgers.
+            remove_partials(files, FORMATS, also=[run.out_dir / ERRORS_FILE, run.out_dir / SOURCES_FILE])
             todo, changed = [], {}
             for item in files:
                 # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
                 written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
                 if written and (other := self.sources.other_recording(item)) is not None:
-                    whose = ("an earlier version of this file (its contents changed since)" if other == str(item.source)
-                             else f"another recording, {other}")
-                    self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of {whose}: "
-                                                   "--overwrite replaces them, or give another --out-dir")
+                    if other == str(item.source):
+                        self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of an earlier "
+                                                       "version of this file (its contents changed since): remove them "
+                                                       "to transcribe it again (--overwrite redoes every file), or give "
+                                                       "another --out-dir")
+                    else:
+                        self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of another "
+                                                       f"recording, {other}: --overwrite replaces them, or give another "
+                                                       "--out-dir")
                 elif not run.overwrite and (foreign := self.sources.foreign(item, run.formats)):
                     found = ", ".join(item.output(fmt).name for fmt in foreign)
                     self._failed(str(item.source), f"{found} already in {item.stem.parent}, and "
@@ -856,7 +875,8 @@ class _Recorder:
         # would make the first minutes' estimate of the time left far too long.
         self.credited: dict[str, float] = {}  # audio seconds of each file in progress on the bar
         self.decoded = 0.0  # audio seconds on the bar
-        self.bar = tqdm(total=round(sum(item.seconds or 0.0 for item in self.todo), 1), unit="s",
+        # Not rounded: credits of files' exact seconds passed a total rounded down (tqdm warned mid-run).
+        self.bar = tqdm(total=sum(item.seconds or 0.0 for item in self.todo), unit="s",
                         bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s of audio [{elapsed}<{remaining}{postfix}]",
                         disable=not run.progress or not self.todo, file=sys.stderr, dynamic_ncols=True)
         self.started = time.perf_counter()  # after reading the headers; loaded() restarts it
@@ -916,10 +936,10 @@ class _Recorder:
                         if (was := self.sources.settings(item, fmt)) != self.run.settings}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
                 self.sources.add(item, result.recording, self.run.settings, formats, writing=True, kept=kept)
-                for fmt in replaced:
+                # All written before any replaces its old one: a full disk leaves the old set whole.
+                write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats})
+                for fmt in replaced - asked:
                     item.output(fmt).unlink(missing_ok=True)
-                for fmt in self.run.formats:
-                    write_atomic(item.output(fmt), result.texts[fmt])
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
                 self.summary.beside_other_settings += any(self._differs(was) for was in kept.values())
             except OSError as error:

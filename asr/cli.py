@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="srt/vtt: break each segment's text into lines of at most N characters (a Chinese, Japanese "
                         "or Korean one counts two, as wide on a screen; a longer word has a line of its own)")
     t.add_argument("--max-line-count", type=count(1), metavar="N",
-                   help="srt/vtt, with --max-line-width and --word-timestamps: cues of at most N lines timed by their "
-                        "words, which flow across segments; a pause of over 3 s starts a new cue")
+                   help="srt/vtt, with --max-line-width: cues of at most N lines; with --word-timestamps timed by "
+                        "their words, which flow across segments (a pause of over 3 s starts a new cue), without it "
+                        "sharing their segment's time by their characters")
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
@@ -344,9 +345,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if args.ray is None and (args.workers or args.cpus_per_worker):
         print("asr: --workers and --cpus-per-worker go with --ray (without it, one process decodes)", file=sys.stderr)
         return 2
-    if args.max_line_count is not None and not (args.max_line_width and args.word_timestamps):
-        print("asr: --max-line-count needs --max-line-width (where lines break) and --word-timestamps (the cues' times)",
-              file=sys.stderr)
+    if args.max_line_count is not None and not args.max_line_width:
+        print("asr: --max-line-count needs --max-line-width (where lines break)", file=sys.stderr)
         return 2
     if args.max_line_width is not None and not {"srt", "vtt"} & set(formats):
         print("asr: --max-line-width lays out srt and vtt cues, and --formats asks for neither", file=sys.stderr)
@@ -495,6 +495,9 @@ def stream_command(args: argparse.Namespace) -> int:
     except CANNOT_RUN as error:
         print(f"asr: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the stream started: nothing heard to finish
+        print("asr: interrupted", file=sys.stderr)
+        return 130
     started = time.monotonic()  # the stream starts once the models are warm
     updates: list[StreamUpdate] = []
 

@@ -56,12 +56,14 @@ import itertools
 import math
 import re
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator
 
 import numpy as np
+import soxr
 
-from asr.audio import SAMPLE_RATE, to_model_input
+from asr.audio import SAMPLE_RATE, checked_rate, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.slots import DecodeStats
 from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio, text_runs
@@ -168,8 +170,11 @@ class StreamingTranscriber:
         clock: Callable[[], float] | None = None,
         timer: Callable[[], float] = time.perf_counter,
     ):
-        if buffer_trim_seconds >= WINDOW_SECONDS:
-            raise ValueError(f"buffer_trim_seconds must be below the {WINDOW_SECONDS} s window")
+        if not 0 < buffer_trim_seconds < WINDOW_SECONDS:  # NaN too
+            raise ValueError(f"buffer_trim_seconds must be above 0 and below the {WINDOW_SECONDS} s window, "
+                             f"not {buffer_trim_seconds}")
+        if prompt is not None and not isinstance(prompt, str):
+            raise ValueError(f"prompt must be text, not {type(prompt).__name__}")
         if encoder_padding_seconds is not None and encoder_padding_seconds < 0:
             raise ValueError("encoder_padding_seconds cannot be negative")
         if transcriber.options.without_timestamps:
@@ -186,8 +191,12 @@ class StreamingTranscriber:
         self._language = transcriber.options.language
         self._buffer = np.zeros(0, dtype=np.float32)
         self._buffer_start = 0  # stream sample index of the buffer's first sample
-        self._waiting = np.zeros(0, dtype=np.float32)  # received audio past the buffer's full window
+        # Received audio past the buffer's full window, in the chunks it came in: joined as it
+        # came, an hour inserted before a finish() took minutes of copying.
+        self._waiting: deque[np.ndarray] = deque()
         self._received = 0
+        self._rate: float = SAMPLE_RATE  # of the chunks inserted last
+        self._resampler: soxr.ResampleStream | None = None  # theirs to 16 kHz, where it is another
         self._decoded_until = 0  # stream sample index of the buffer's end when it was last decoded
         self._decoded_before = 0  # and when it was decoded before that
         self._repeated = 0  # leading committed words of the buffer heard again after a cut (_heard_again)
@@ -228,15 +237,31 @@ class StreamingTranscriber:
         noise = np.random.default_rng(0).normal(0, 0.01, SAMPLE_RATE).astype(np.float32)
         self.transcriber.transcribe_window(noise, [], self._language, None, self._encoder_frames(len(noise)))
 
-    def insert_audio(self, samples: np.ndarray) -> None:
-        """samples: 16 kHz, [frames] or [frames, channels], float or PCM integers (an empty
-        chunk is nothing); AudioError for what is not audio (NaN, strings, other shapes)."""
+    def insert_audio(self, samples: np.ndarray, sample_rate: float = SAMPLE_RATE) -> None:
+        """samples: [frames] or [frames, channels], float or PCM integers, at sample_rate (an
+        empty chunk is nothing); AudioError for what is not audio (NaN, strings, other shapes,
+        a rate that is not a positive number). Other rates than 16 kHz are resampled as the
+        chunks come, one resampler a rate, so that chunk edges get no filter artefacts (a
+        microphone switched mid-stream: the last rate's held-back samples go first)."""
         self._check_open()
+        checked_rate(sample_rate, "stream chunk")
         if np.size(samples) == 0:
             return
-        samples = to_model_input(samples, SAMPLE_RATE, "stream chunk")
-        self._waiting = np.concatenate([self._waiting, samples])
-        self._received += len(samples)
+        samples = to_model_input(samples, SAMPLE_RATE, "stream chunk")  # checked; resampled below
+        held = np.zeros(0, np.float32)
+        if sample_rate != self._rate:
+            if self._resampler is not None:
+                held = self._resampler.resample_chunk(held, last=True)
+            self._rate, self._resampler = sample_rate, None
+            if sample_rate != SAMPLE_RATE:
+                self._resampler = soxr.ResampleStream(sample_rate, SAMPLE_RATE, 1, dtype="float32", quality="HQ")
+        self._take(held)
+        self._take(samples if self._resampler is None else self._resampler.resample_chunk(samples))
+
+    def _take(self, samples: np.ndarray) -> None:
+        if len(samples):
+            self._waiting.append(samples)
+            self._received += len(samples)
 
     def process(self) -> StreamUpdate:
         """Decodes the buffer once if audio came since the last decode."""
@@ -246,6 +271,9 @@ class StreamingTranscriber:
     def finish(self) -> StreamUpdate:
         """Decodes what is left and commits the whole hypothesis (final=True). The stream
         ends here: more audio needs a new StreamingTranscriber (a second finish() is empty)."""
+        if self._resampler is not None:  # its held-back last samples
+            self._take(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
+            self._resampler = None
         update = self._update(final=True)
         self._finished = True
         return update
@@ -263,7 +291,7 @@ class StreamingTranscriber:
         while True:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
-            if (until == self._decoded_until and not len(self._waiting) and not tail
+            if (until == self._decoded_until and not self._waiting and not tail
                     and not (final and (self._held_back or self._tail))):
                 break  # nothing new to hear (nor words a last decode would keep, nor a tail it would cut)
             # else new audio, or a full buffer decoded already that audio waits behind: it
@@ -286,7 +314,7 @@ class StreamingTranscriber:
                 # _agree cut it; the tail is decoded once (past its own last timestamp, noise
                 # at the end of JFK was heard as "What country?")
                 tail = True
-            elif not (final and len(self._waiting)):
+            elif not (final and self._waiting):
                 break
         if final:
             committed += self._commit(self._tentative)
@@ -347,9 +375,15 @@ class StreamingTranscriber:
 
     def _fill(self) -> None:
         """Moves waiting audio into the buffer, up to one window."""
-        room = max(WINDOW_SECONDS * SAMPLE_RATE - len(self._buffer), 0)
-        self._buffer = np.concatenate([self._buffer, self._waiting[:room]])
-        self._waiting = self._waiting[room:]
+        room, taken = max(WINDOW_SECONDS * SAMPLE_RATE - len(self._buffer), 0), [self._buffer]
+        while room and self._waiting:
+            chunk = self._waiting.popleft()
+            if len(chunk) > room:
+                self._waiting.appendleft(chunk[room:])
+                chunk = chunk[:room]
+            taken.append(chunk)
+            room -= len(chunk)
+        self._buffer = np.concatenate(taken)
 
     def _transcribe(self, context: list[int], hint: list[int] | None = None) -> WindowResult:
         """The buffer decoded after context, its first draft `hint` (default: the last update's hypothesis)."""
@@ -407,9 +441,12 @@ class StreamingTranscriber:
         half a second of speech from TAIL_SECONDS after it: Whisper leaves that speech to the
         next window (offline, the next window starts at that timestamp). A stream's last
         decode ended so, and JFK's last words were lost ("... ask what you can"). A shorter
-        sound is the last word fading: the sonnet's "thee", decoded again as "nd the."."""
+        sound is the last word fading: the sonnet's "thee", decoded again as "nd the.". After
+        a full stop, a second of it: the crowd's half second after JFK's "country.", decoded
+        alone, was committed as "I'm afraid."."""
         heard = segments[-1].end_timestamp * TIMESTAMP_SECONDS if segments and segments[-1].end_timestamp else 0.0
-        return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 2)
+        ended = bool(segments) and SENTENCE_END.search(segments[-1].words[-1].text) is not None
+        return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 4 if ended else 2)
 
     def _speech(self) -> np.ndarray:
         """Whether each whole quarter second of the buffer is speech: within SPEECH_DB of its loudest."""
@@ -450,7 +487,7 @@ class StreamingTranscriber:
         new = words[done:]
         before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
         kept = _before_repeats([_key(w) for w in new], before)
-        backlog = len(self._waiting) > 0
+        backlog = bool(self._waiting)
         if kept < len(new) and (final or backlog) and not self._loops("".join(w.text for w in new), window.looped):
             kept = len(new)
         self._held_back = kept < len(new)
@@ -469,6 +506,8 @@ class StreamingTranscriber:
                 self._settling = (word, end)
             if end - min(fresh[-1].end, self._settling[1]) < SETTLE_SECONDS:
                 agreed -= 1  # its full stop waits for the words after it, or for a pause heard
+        if agreed and self._language is None:
+            self._language = window.language  # the committed text is in it: keep it from now on
         committed = self._commit(fresh[:agreed])
         if committed and done and done == len(self._in_buffer) and len(self._committed) > len(committed) \
                 and SENTENCE_END.search(self._committed[-len(committed) - 1].text) \
@@ -477,8 +516,6 @@ class StreamingTranscriber:
             # what" heard again as "for you, ask what", at a live page's 1 s updates): the
             # word after that full stop starts a sentence, never "for you. ask what".
             committed[0] = self._committed[-len(committed)] = _sentence_start(committed[0], self._language)
-        if committed and self._language is None:
-            self._language = window.language  # the committed text is in it: keep it from now on
         if words[done:] or len(words) >= len(self._in_buffer):
             self._repeated = done if cut_clean else self._repeated
             self._in_buffer = words[: done + agreed]
@@ -564,8 +601,13 @@ class StreamingTranscriber:
 
     def _commit(self, words: list[Word]) -> list[Word]:
         """Appends words to the committed text, their times moved where needed so that they
-        follow the committed ones (each hypothesis times its words anew)."""
+        follow the committed ones (each hypothesis times its words anew). The stream's first
+        word starts a sentence unless the prompt leaves one open: Whisper wrote "for a full
+        hour" on a first buffer of two seconds, committed before a later one wrote "For"."""
         end = self._committed[-1].end if self._committed else 0.0
+        prompt = self._context_text.strip()
+        if words and not self._committed and (not prompt or SENTENCE_END.search(prompt)):
+            words = [_sentence_start(words[0], self._language), *words[1:]]
         for word in words:
             start = max(word.start, end)
             end = max(word.end, start)

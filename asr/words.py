@@ -47,22 +47,42 @@ def _columns(char: str) -> int:
 
 def cut_unspaced(word: str, width: int) -> list[str]:
     """A word (text between spaces) wider than `width` columns: where it holds a script
-    written without spaces, pieces of at most `width` columns (one character, where it is
-    wider), a combining mark kept with the character before it (Thai's vowel and tone
-    marks), the leading space with the first; other words (a long name, a URL) stay whole."""
+    written without spaces, pieces of at most `width` columns, cut between units a line
+    may not break inside (_unbroken; a wider unit is a piece of its own), the leading space
+    with the first; other words (a long name, a URL) stay whole."""
     text = word.lstrip()
     if columns(text) <= width or not UNSPACED_SCRIPTS.search(text):
         return [word]
     pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
     used = 0
-    for char in text:
-        wide = _columns(char)
+    for unit in _unbroken(text):
+        wide = columns(unit)
         if used and used + wide > width:
             pieces.append("")
             used = 0
-        pieces[-1] += char
+        pieces[-1] += unit
         used += wide
     return pieces
+
+
+def _unbroken(text: str) -> list[str]:
+    """Text as the units a line may break between: a character of a script written without
+    spaces with its combining marks (Thai's vowel and tone marks); a run of any other
+    script's letters and digits whole ("Google" in Japanese); punctuation that closes ("，",
+    "。", "」") with what comes before it, and punctuation that opens ("「", "（") with what
+    follows, as no line starts or ends with them."""
+    units: list[str] = []
+    for char in text:
+        kind = unicodedata.category(char)
+        joins = units and (
+            _columns(char) == 0 or kind in ("Pe", "Pf", "Po")
+            or unicodedata.category(units[-1][-1]) in ("Ps", "Pi")
+            or not (UNSPACED_SCRIPTS.match(char) or UNSPACED_SCRIPTS.match(units[-1][-1])))
+        if joins:
+            units[-1] += char
+        else:
+            units.append(char)
+    return units
 
 
 @dataclass(frozen=True)
@@ -130,7 +150,7 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     fitted = []
     for segment, (start, end) in zip(words, times):
         if segment:
-            start, end = _fit_to_segment(segment, start, end, median, last_speech)
+            start, end = _fit_to_segment(segment, start, time_within(end, duration), median, last_speech)
             last_speech = end
         fitted.append((start, end))
     return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words], fitted
@@ -267,8 +287,9 @@ def _per_segment(timed: list[_Timed], segments: list[list[int]], offset: float, 
 def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float,
                     last_speech: float) -> tuple[float, float]:
     """A segment's first word after a pause, or its first and last words, can take in
-    silence: they are cut back towards the segment's own start and end; otherwise the
-    segment takes its words' start and end. Returns the segment's start and end."""
+    silence: they are cut back to the segment's own start and end; otherwise the segment
+    takes its words' start and end, so that its words lie within it. Returns the segment's
+    start and end."""
     longest = 2 * median
     first = words[0]
     if first.end - last_speech > 4 * median and (
@@ -277,13 +298,15 @@ def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float
         if len(words) > 1 and words[1].end - words[1].start > longest:
             first.end = words[1].start = max(words[1].end / 2, words[1].end - longest)
         first.start = max(0.0, first.end - longest)
+    # Whisper cuts them back to a median word's length where that is longer (starting a word
+    # before its segment, ending one past it and past the recording); here to the segment.
     if start < first.end and start - 0.5 > first.start:
-        first.start = max(0.0, min(first.end - median, start))
+        first.start = start
     else:
         start = first.start
     last = words[-1]
     if end > last.start and end + 0.5 < last.end:
-        last.end = max(last.start + median, end)
+        last.end = end
     else:
         end = last.end
     return start, end

@@ -42,10 +42,10 @@ class SubtitleLayout:
     """How srt and vtt cues are laid out. max_line_width: text broken into lines of at most
     this many columns (a character; a Chinese, Japanese or Korean one takes two, as on a
     screen; a longer word has a line of its own), each segment a cue, timed
-    by its words where they are timed. max_line_count, with word timestamps: cues of at most
-    this many lines, timed by their words, which flow across segments; a pause of more than
-    PAUSE_SECONDS between two words starts a new cue (without word timestamps, each segment
-    stays one cue). None: no limit."""
+    by its words where they are timed. max_line_count: cues of at most this many lines; with
+    word timestamps timed by their words, which flow across segments, a pause of more than
+    PAUSE_SECONDS between two words starting a new cue; without, each segment's cues share
+    its time by their characters. None: no limit."""
 
     max_line_width: int | None = None
     max_line_count: int | None = None
@@ -77,8 +77,8 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
         laid_out = [(s.start, s.end, s.text) for s in segments]
     elif layout.max_line_count is not None and all(s.words is not None for s in segments):
         laid_out = _laid_out([piece for s in segments for piece in _pieces(s, width)], width, layout.max_line_count)
-    else:
-        laid_out = [cue for s in segments for cue in _laid_out(_pieces(s, width), width)]
+    else:  # without words, each segment on its own (its text's times are a guess)
+        laid_out = [cue for s in segments for cue in _laid_out(_pieces(s, width), width, layout.max_line_count)]
     cues: list[Piece] = []
     for given, end, text in laid_out:
         text = "\n".join(line.strip() for line in re.sub(r"-{2,}>", "->", text).splitlines() if line.strip())
@@ -98,32 +98,36 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
                 cues[-1] = (before_start, before_end, f"{before}{space}{text}")
             elif layout.max_line_count is None or before.count("\n") + text.count("\n") + 2 <= layout.max_line_count:
                 cues[-1] = (before_start, before_end, f"{before}\n{text}")
-            else:  # no room there: it takes up to MIN_CUE_SECONDS before its time, at most half the cue before's
+            else:  # no room there: up to MIN_CUE_SECONDS before its time, at most half the cue before's,
                 begin = max(start - MIN_CUE_SECONDS, (before_start + before_end) / 2)
-                cues[-1] = (before_start, min(before_end, begin), before)
-                cues.append((begin, start, text))
+                if min(start - begin, begin - before_start) >= MIN_CUE_SECONDS / 2:
+                    cues[-1] = (before_start, min(before_end, begin), before)
+                    cues.append((begin, start, text))
+                else:  # or, where that leaves either too short to read (words piled up at an instant), after it
+                    cues.append((start, start + MIN_CUE_SECONDS, text))
     return cues
 
 
 def _pieces(segment: Segment, width: int) -> list[Piece]:
-    """The segment's timed words; without them (or where the alignment timed none), the
-    words of its text, all at the segment's times. A run of a script written without spaces
-    (Chinese, Japanese, Thai...) wider than a line is cut into lines' worth of characters;
-    a timed one (a language Whisper spaces, as Khmer) shares its time by their columns."""
+    """The segment's words, each cut where it is a run of a script written without spaces
+    (Chinese, Japanese, Thai...) wider than a line (cut_unspaced). Timed words keep their
+    times, a cut one's parts sharing it by their columns; without timed words, the words
+    of its text share the segment's time so (about right: speech runs at a fairly even
+    rate of characters)."""
     if not segment.words:
-        return [(segment.start, segment.end, piece) for word in re.findall(r"\s*\S+", segment.text)
-                for piece in cut_unspaced(word, width)]
-    pieces: list[Piece] = []
-    for word in segment.words:
-        parts = cut_unspaced(word.text, width)
-        if len(parts) == 1:
-            pieces.append((word.start, word.end, word.text))
-            continue
-        total, done = sum(columns(part.strip()) for part in parts), 0
-        for part in parts:
-            start = word.start + (word.end - word.start) * done / total
-            done += columns(part.strip())
-            pieces.append((start, word.start + (word.end - word.start) * done / total, part))
+        parts = [piece for word in re.findall(r"\s*\S+", segment.text) for piece in cut_unspaced(word, width)]
+        return _shared(segment.start, segment.end, parts)
+    return [piece for word in segment.words for piece in _shared(word.start, word.end, cut_unspaced(word.text, width))]
+
+
+def _shared(start: float, end: float, parts: list[str]) -> list[Piece]:
+    """Parts of a text said from start to end, each timed by its share of the columns."""
+    sizes = [columns(part.strip()) for part in parts]
+    total, done, pieces = sum(sizes), 0, []
+    for part, size in zip(parts, sizes):
+        begin = start + (end - start) * done / total if total else start
+        done += size
+        pieces.append((begin, end if done == total else start + (end - start) * done / total, part))
     return pieces
 
 

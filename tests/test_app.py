@@ -266,9 +266,9 @@ def test_a_live_session_that_fails_says_why(engine: Engine, monkeypatch: pytest.
         time.sleep(0.05)
     live.finish()
     assert live.finished and live.error == "RuntimeError: CUDA error: out of memory"
-    queued = live._pending_samples
+    queued = live._pending_seconds
     live.feed(*next(browser_chunks()))
-    assert live._pending_samples == queued  # audio after the failure is not kept
+    assert live._pending_seconds == queued  # audio after the failure is not kept
     live.finish()
     # The page says why above the text so far, black and grey: the error took its place.
     page = stopped_html("The live transcription stopped: out of memory", "Minutes of dictation.", "And its end")

@@ -184,6 +184,43 @@ def test_partial_outputs_are_removed_and_complete_ones_recognised(tmp_path: Path
     assert not is_complete(item, ["txt", "json"]) and is_complete(item, ["txt"])
     assert remove_partials([item], ["txt", "json"]) == 2
     assert not any(p.exists() for p in stale) and other.exists() and item.output("txt").exists()
+    # The run's ledgers are written so too: a kill mid-write left their temporaries for good.
+    ledgers = [item.stem.parent / ".errors.jsonl.k9x2ab_c.part", item.stem.parent / "..sources.jsonl.abcdefgh.part"]
+    for path in ledgers:
+        path.write_text("half")
+    also = [item.stem.parent / ERRORS_FILE, item.stem.parent / batch.SOURCES_FILE]
+    assert remove_partials([item], ["txt"], also=also) == 2 and not any(p.exists() for p in ledgers)
+
+
+def test_two_folders_holding_one_name_are_told_to_take_an_output_folder_each(tmp_path: Path):
+    """A recorder's day folders, REC001.wav in each, given at once: the second failed as
+    "same output name" on every run, not saying that each folder is mirrored into OUT's top."""
+    days = [tmp_path / "day1", tmp_path / "day2"]
+    for day in days:
+        day.mkdir()
+        (day / "REC001.wav").write_bytes(b"x")
+    planned, failures = plan_outputs(days, tmp_path / "out")
+    assert [p.source for p in planned] == [days[0] / "REC001.wav"]
+    assert [f.error for f in failures] == [f"same output name as {days[0] / 'REC001.wav'}: both would write "
+                                           f"{tmp_path / 'out' / 'REC001'}.*; each folder given is mirrored into "
+                                           "--out-dir: give each its own"]
+
+
+def test_a_files_name_prints_on_one_line(tmp_path: Path):
+    """A newline in a name split a file's line of transcript (and its error line) in two."""
+    assert batch.printable("new\nline\t\x1b[31m.flac") == "new\\nline\\t\\x1b[31m.flac"
+    assert batch.printable(os.fsdecode(b"caf\xe9 \xe2\x80\x8d.wav")) == "caf\ufffd \u200d.wav"  # a joiner stays
+
+
+def test_an_output_folder_that_takes_no_locks_is_written_with_a_warning(tmp_path: Path, monkeypatch, capsys):
+    """NFS without its lock service: the run ended with a bare "[Errno 37] No locks available"."""
+    def no_locks(*_):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(batch.fcntl, "flock", no_locks)
+    batch.FolderLock(tmp_path).release()
+    assert capsys.readouterr().err == (f"asr: warning: --out-dir {tmp_path} cannot be locked (No locks available): "
+                                       "another run writing into it at the same time would spoil this one's files\n")
 
 
 def test_streamed_features_equal_the_whole_recording(tmp_path: Path):
@@ -534,8 +571,8 @@ def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_p
     shutil.copy(SHORT / "1089-134691-0000.flac", day2 / "REC001.flac")
     assert run(day2, formats=("json",)) == (0, 1, 0)
     assert errors_of(out) == {"REC001.flac": f"its outputs {out / 'REC001'}.* are the transcript of an earlier version "
-                                             "of this file (its contents changed since): --overwrite replaces them, "
-                                             "or give another --out-dir"}
+                                             "of this file (its contents changed since): remove them to transcribe "
+                                             "it again (--overwrite redoes every file), or give another --out-dir"}
 
 
 def test_a_recording_edited_in_place_keeping_its_size_is_not_taken_for_done(tmp_path: Path, pair, monkeypatch):
@@ -708,25 +745,26 @@ def test_an_output_folder_that_takes_nothing_stops_the_run_before_a_model_loads(
 def test_a_full_disk_stops_the_run_and_leaves_no_mix_of_old_and_new_outputs(tmp_path: Path, pair, monkeypatch):
     """--overwrite over a finished file whose new JSON finds the disk full: the run stops (no
     other file would be written either), the earlier failures' records stay for the files it
-    did not get to, and the file's old JSON is not left beside its new text (the next run
-    would take that mix for finished)."""
+    did not get to, and the file's old outputs stay whole: its old JSON was deleted before
+    the new ones were written, and the file left with none."""
     source, out = tmp_path / "in", tmp_path / "out"
     source.mkdir()
     out.mkdir()
     shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
     (out / "a.json").write_text("{}")
     (out / ERRORS_FILE).write_text(json.dumps({"file": str(source / "a.wav"), "reason": "earlier"}) + "\n")
-    write_atomic = batch.write_atomic
+    mkstemp = tempfile.mkstemp
 
-    def full(path: Path, data: str) -> None:
-        if path.suffix == ".json":
-            raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        write_atomic(path, data)
+    def full(*args, prefix: str = "", **kwargs):
+        if prefix == ".a.json.":  # after a.txt's temporary file was written
+            raise OSError(errno.ENOSPC, "No space left on device", str(out / prefix))
+        return mkstemp(*args, prefix=prefix, **kwargs)
 
-    monkeypatch.setattr(batch, "write_atomic", full)
-    with pytest.raises(OutputError, match="a.json: No space left on device"):
+    monkeypatch.setattr(tempfile, "mkstemp", full)
+    with pytest.raises(OutputError, match="a.json.: No space left on device"):
         transcribe_folder(FolderRun((source,), out, overwrite=True, **quiet()), lambda: Transcriber(pair))
-    assert not (out / "a.json").exists() and "1813" in (out / "a.txt").read_text()
+    assert (out / "a.json").read_text() == "{}" and not (out / "a.txt").exists()
+    assert not list(out.glob("*.part"))
     assert errors_of(out) == {"a.wav": "earlier"}
 
 
@@ -1173,6 +1211,24 @@ def test_outputs_a_run_wrote_into_a_folder_above_or_below_are_a_runs(tmp_path: P
         summary = transcribe_folder(FolderRun((Path("."),), Path("."), **quiet(("txt",))),
                                     lambda: pytest.fail("a file done was transcribed again"))
         assert (summary.skipped, summary.failed) == (1, 0), (first, then)
+
+
+def test_a_file_changed_and_redone_alone_into_a_folder_below_is_done_for_the_folder_above(tmp_path: Path, pair):
+    """A recording changed in place fails as of an earlier version, its message saying how to
+    redo it alone. Redone into the folder below with --overwrite, the run above still failed
+    it: its own ledger's line, older, was read before the one below."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    (source / "sub").mkdir(parents=True)
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "sub" / "talk.wav")
+    assert transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair)).ok == 1
+    shutil.copy(SHORT / "LJ002-0035.wav", source / "sub" / "talk.wav")
+    assert transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), pytest.fail).failed == 1
+    assert "remove them to transcribe it again" in errors_of(out)["talk.wav"]
+    redone = transcribe_folder(FolderRun((source / "sub",), out / "sub", overwrite=True, **quiet(("txt",))),
+                               lambda: Transcriber(pair))
+    assert redone.ok == 1
+    summary = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), pytest.fail)
+    assert (summary.ok, summary.skipped, summary.failed) == (0, 1, 0)
 
 
 def test_files_found_under_the_outputs_names_that_no_run_wrote_are_left_alone(tmp_path: Path, pair):

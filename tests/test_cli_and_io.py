@@ -429,6 +429,20 @@ def test_no_cue_lasts_no_time():
         "1\n00:00:09,200 --> 00:00:10,500\nfor your\n\n2\n00:00:10,500 --> 00:00:11,000\ncountry.\n")
 
 
+def test_words_piled_up_at_an_instant_make_cues_long_enough_to_read():
+    """Words the alignment timed at one instant (at a recording's end) that fit in no cue
+    before each took half the cue before's time: cues of 250, 125, 63, 31 ms, down to none.
+    Each lasts a quarter second at least now, the later ones shown after their time."""
+    info = TranscriptionInfo("en", 0.99, 60.0, True, DecodeStats(10, 8, 3, 10, 12), 0.5, 1.5, 1)
+    words = [Word(" speech", 50.0 + 0.25 * i, 50.25 + 0.25 * i, 0.9) for i in range(10)]
+    words += [Word(f" word{i}", 53.266, 53.266, 0.9) for i in range(60)]
+    segment = Segment(0, 50.0, 53.266, "".join(w.text for w in words), [1], -0.2, 1.1, 0.01, 0.0, words)
+    cues = writers._cues(Transcript("t", [segment], info), writers.SubtitleLayout(42, 2))
+    assert "".join(text.replace("\n", " ") + " " for _, _, text in cues).split() == [w.text.strip() for w in words]
+    assert min(end - start for start, end, _ in cues) >= writers.MIN_CUE_SECONDS / 2, cues
+    assert all(start >= before[1] for (start, _, _), before in zip(cues[1:], cues)), cues
+
+
 def test_cues_keep_the_layout_whatever_the_word_times():
     """Random word times (words of no time, pauses) and layouts: every cue lasts some time,
     starts after the one before ends, and keeps the width and line count (the cue before
@@ -511,8 +525,9 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     """Lines fill up to the width (a word keeps its leading space, dropped at a line's start).
     With a line count, cues are timed by their words, which flow from one segment into the
     next unless more than 3 s pass between two words; a segment whose words the alignment
-    could not time gives its text. Without a line count each segment is one cue, timed by
-    its words where they are timed; no cue starts before the previous one ends."""
+    could not time gives its text; without words, each segment's cues share its time by
+    their characters. Without a line count each segment is one cue, timed by its words
+    where they are timed; no cue starts before the previous one ends."""
     said = [(" And", 0.0, 0.5), (" so", 0.5, 0.8), (" my", 0.8, 1.2), (" fellow", 1.2, 1.6), (" Americans,", 1.6, 2.4),
             (" ask", 3.0, 3.4), (" not", 3.4, 3.8), (" what", 3.8, 4.1), (" your", 4.1, 4.4), (" country", 4.4, 5.0)]
 
@@ -533,8 +548,10 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=40, max_line_count=2)) == (
         "WEBVTT\n\n00:00:00.000 --> 00:00:05.700\nAnd so my fellow Americans, ask not what\nyour country Ask what\n\n"
         "00:00:10.000 --> 00:00:14.000\nThanks. Bye.\n")  # "Thanks." would fit on the line: the pause ends the cue
+    # Without words, a segment's cues share its time by their characters (26 of 41 in the first).
     assert writers.to_vtt(untimed, two_lines) == (
-        "WEBVTT\n\n00:00:00.000 --> 00:00:05.200\nAnd so my fellow\nAmericans, ask\nnot what your\ncountry\n\n"
+        "WEBVTT\n\n00:00:00.000 --> 00:00:03.073\nAnd so my fellow\nAmericans, ask\n\n"
+        "00:00:03.073 --> 00:00:05.200\nnot what your\ncountry\n\n"
         "00:00:05.200 --> 00:00:05.800\nAsk what\n\n00:00:10.000 --> 00:00:10.500\nThanks.\n\n"
         "00:00:13.500 --> 00:00:14.000\nBye.\n")
     assert writers.to_vtt(timed, writers.SubtitleLayout(max_line_width=16)) == (
@@ -571,6 +588,21 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
             writers.SubtitleLayout(**wrong)
 
 
+def test_a_line_of_chinese_or_japanese_breaks_neither_a_latin_word_nor_before_its_punctuation():
+    """Lines of a script written without spaces were cut at any character: "Wh / isper" in
+    Japanese, a Chinese line starting with "，". A run of Latin letters stays whole, closing
+    punctuation stays with what it closes and opening punctuation with what it opens."""
+    info = _transcript().info
+    japanese = "今日はGoogleのWhisperモデルについて話します。「speculative」decodingは速いです。"
+    chinese = "我们今天讨论的是语音识别技术，它可以把人说的话转换成文字。这个技术在很多地方都有应用，比如会议记录和字幕生成。"
+    for text, width, whole in ((japanese, 16, ("Google", "Whisper", "「speculative」")), (chinese, 42, ())):
+        transcript = Transcript("t", [Segment(0, 0.0, 10.0, text, [1], -0.2, 1.1, 0.01, 0.0)], info)
+        lines = writers.to_srt(transcript, writers.SubtitleLayout(width)).split("\n")[2:-1]
+        assert "".join(lines) == text and all(columns(line) <= width for line in lines), lines
+        assert not any(line[0] in "，。、」" or line[-1] in "「" for line in lines), lines
+        assert all(any(word in line for line in lines) for word in whole), lines
+
+
 def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     clip = str(DEV / "en_short" / "jfk.flac")
     assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "srt,txt", "--language", "en",
@@ -580,9 +612,9 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     assert " ".join(cue[2] for cue in cues) == " ".join((tmp_path / "jfk.txt").read_text().split("\n")).strip()
     times = [t for cue in cues for t in cue[1].split(" --> ")]
     assert times == sorted(times)
-    for missing in (["--max-line-width", "20"], ["--word-timestamps"]):
-        assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2", *missing]) == 2
-        assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2",
+                 "--word-timestamps"]) == 2
+    assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
 
 
 def test_an_output_folder_that_cannot_be_made_is_a_usage_error_before_any_work(capsys):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import soxr
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.cli import main
@@ -246,10 +247,10 @@ def test_a_hypothesis_stopping_short_of_the_committed_words_does_not_commit_them
     assert stream.finish().committed_text == "Ask not what your country can do"
 
 
-def scripted_updates(transcriber, script: list[str], language: str = "en", chunks: int = 4) -> list:
+def scripted_updates(transcriber, script: list[str], language: str = "en", chunks: int = 4, **options) -> list:
     """A stream fed `chunks` seconds of JFK, a process() each, then finish(), whose decodes
     return the script's hypotheses in turn (its last thereafter): the updates."""
-    stream = StreamingTranscriber(transcriber)
+    stream = StreamingTranscriber(transcriber, **options)
     script = list(script)
 
     def scripted(samples, *_):
@@ -275,6 +276,15 @@ def scripted_updates(transcriber, script: list[str], language: str = "en", chunk
 def test_a_committed_full_stop_that_the_next_hypotheses_run_on_starts_a_sentence(transcriber, script, expected):
     updates = scripted_updates(transcriber, script)
     assert updates[-1].committed_text == expected
+
+
+def test_a_streams_first_word_starts_a_sentence_unless_the_prompt_leaves_one_open(transcriber):
+    """Whisper wrote " for a full hour" on a first buffer of two seconds, committed before
+    the next hypothesis wrote "For"."""
+    script = [" for a full hour", " for a full hour he had", " For a full hour he had paced up."]
+    assert scripted_updates(transcriber, script)[-1].committed_text == "For a full hour he had paced up."
+    opened = scripted_updates(transcriber, script, prompt="He walked")[-1].committed_text
+    assert opened == "for a full hour he had paced up."
 
 
 @pytest.mark.parametrize("script, expected", [
@@ -385,10 +395,11 @@ def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcri
 def test_chinese_is_agreed_on_character_by_character(transcriber):
     """Scripted: Chinese has no spaces between words, so a clause was one "word", committed
     only once two hypotheses agreed on all of it. Character by character, the agreeing
-    start of a growing clause is committed at once, and nothing is committed twice."""
+    start of a growing clause is committed at once, and nothing is committed twice (a
+    character is committed with the punctuation after it, as an English word is)."""
     script = [" 我们今天去公园", " 我们今天去公园，然后", " 我们今天去公园，然后回家吃饭。"]
     updates = scripted_updates(transcriber, script, "zh", chunks=3)
-    assert [u.committed_text for u in updates] == ["", "我们今天去公园", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
+    assert [u.committed_text for u in updates] == ["", "我们今天去公园，", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
     assert_append_only(updates)
 
 
@@ -436,6 +447,30 @@ def test_a_decode_that_raises_is_done_again_at_the_next_call(transcriber):
     assert "fellow" in stream.process().tentative_text.lower()
 
 
+def test_chunks_at_a_microphones_own_rate_are_resampled_as_they_come(transcriber):
+    """insert_audio took 16 kHz only, and 44.1 or 48 kHz chunks were silently decoded as
+    slowed-down speech. Chunks of 48 kHz, then 44.1 kHz (a microphone switched), make the
+    stream's 16 kHz audio, the resampler's held-back samples included; a rate that is no
+    positive number is refused, as are settings out of range."""
+    samples = load_audio(JFK)[: 4 * SAMPLE_RATE]
+    plain = StreamingTranscriber(transcriber)
+    plain.insert_audio(samples)
+    resampled = StreamingTranscriber(transcriber)
+    for part, rate in ((samples[: 2 * SAMPLE_RATE], 48_000), (samples[2 * SAMPLE_RATE :], 44_100)):
+        part = soxr.resample(part, SAMPLE_RATE, rate)
+        for at in range(0, len(part), rate // 10):
+            resampled.insert_audio(part[at : at + rate // 10], rate)
+    plain_text, resampled_text = plain.finish().committed_text, resampled.finish().committed_text
+    assert abs(resampled.audio_seconds - 4.0) < 0.002 and resampled_text == plain_text and "fellow" in plain_text
+    stream = StreamingTranscriber(transcriber)
+    for rate in (0, -16_000, float("nan"), True, "16k"):
+        with pytest.raises(AudioError, match="stream chunk: invalid sample rate"):
+            stream.insert_audio(samples[:160], rate)
+    for wrong in (dict(buffer_trim_seconds=0), dict(buffer_trim_seconds=float("nan")), dict(prompt=123)):
+        with pytest.raises(ValueError):
+            StreamingTranscriber(transcriber, **wrong)
+
+
 def test_chunks_as_a_microphone_gives_them(transcriber):
     """16-bit PCM and two channels are what browsers and sound cards hand over: a chunk in
     either layout becomes the same float mono samples; an empty chunk is nothing."""
@@ -445,7 +480,7 @@ def test_chunks_as_a_microphone_gives_them(transcriber):
     plain.insert_audio(pcm.astype(np.float32) / 32768)
     other.insert_audio(np.zeros(0, dtype=np.int16))
     other.insert_audio(np.stack([pcm, pcm], axis=1))
-    np.testing.assert_array_equal(other._waiting, plain._waiting)
+    np.testing.assert_array_equal(np.concatenate(other._waiting), np.concatenate(plain._waiting))
     assert other.audio_seconds == 1.0
     with pytest.raises(AudioError, match="stream chunk: contains NaN"):
         other.insert_audio(np.full(160, np.nan, dtype=np.float32))
@@ -537,6 +572,30 @@ def test_speech_after_room_noise_is_committed_to_its_last_word_and_timed_as_offl
     assert max(abs(a.end - b.end) for a, b in zip(words, expected)) < 0.15
 
 
+def test_a_sound_after_a_last_full_stop_is_no_tail_of_speech_to_decode(transcriber):
+    """JFK, then room noise, streamed: the last hypothesis ended "... for your country." with
+    the crowd's half second after it, which the last decode took for speech Whisper had left
+    to a next window; decoded alone, it was committed as "I'm afraid.". Scripted here over
+    1.5 s of loud sound, half a second 14 dB below it and quiet after. A hypothesis that
+    stops mid-sentence still has its tail decoded (JFK's "... ask what you can", above)."""
+    rng = np.random.default_rng(0)
+    samples = np.concatenate([rng.normal(0, level, round(seconds * SAMPLE_RATE))
+                              for level, seconds in ((0.1, 1.5), (0.02, 0.5), (0.0005, 3.0))]).astype(np.float32)
+    ts = lambda seconds: transcriber.vocab.timestamp_begin + round(seconds / 0.02)  # noqa: E731
+    for heard, tail in ((" Do for your country.", False), (" Do for your", True)):
+        stream = StreamingTranscriber(transcriber)
+
+        def scripted(buffer, *_):
+            said = heard if len(buffer) == len(samples) else " I'm afraid."  # the tail, once cut
+            info = TranscriptionInfo("en", 1.0, len(buffer) / SAMPLE_RATE, True)
+            return WindowResult([ts(0.0), *transcriber.vocab.encode(said), ts(1.2)], "en", 0.0, False, info)
+
+        stream.transcriber.transcribe_window = scripted
+        stream.insert_audio(samples)
+        stream.process()
+        assert stream.finish().committed_text.endswith("I'm afraid.") == tail, heard
+
+
 def test_aligned_words_are_the_streams_words_timed_wherever_the_alignment_cut_them():
     """The alignment's words (asr/words.py) join punctuation to the word before, across a
     segment's edge too, and split at it otherwise ("3.5"): grouped by segment, a later
@@ -615,6 +674,16 @@ def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transc
     assert stream._buffer_start > 0 and contexts[-1] == []
     with pytest.raises(ValueError, match="cannot decode without_timestamps"):
         StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, without_timestamps=True)))
+
+
+def test_ctrl_c_while_a_cli_stream_loads_its_models_says_so(capsys, monkeypatch):
+    """It printed a KeyboardInterrupt's traceback (from an import, or the resampler)."""
+    def interrupted(*_, **__):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("asr.cli.load_pair", interrupted)
+    assert main(["stream", str(DEV / "en_short" / "jfk.flac"), "--language", "en"]) == 130
+    assert capsys.readouterr().err == "asr: interrupted\n"
 
 
 def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
