@@ -121,7 +121,7 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                 subtitles = gr.Radio(
                     [("One cue per segment", "segments"), ("Lines of up to 42 characters", "42x2")], value="segments",
                     label="Subtitles (srt, vtt downloads)", elem_id="subtitles",
-                    info="With word timestamps, cues of two lines timed by their words.")
+                    info="Cues of two lines, timed by their words with word timestamps.")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3):

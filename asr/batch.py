@@ -468,8 +468,11 @@ class Sources:
             found.append(self._below[folder].get(self._key("/".join(parts[depth:]))))
         found += [ledger.get(self._key(f"{prefix}/{stem}")) for prefix, ledger in self._above]
         # Lines before 2026-11-30 have no time: older than any that has; among them, this OUT's first.
-        return max((record for record in found if record is not None), key=lambda record: record.get("time", 0.0),
-                   default=None)
+        def written(record: dict) -> float:  # a hand-edited time that is no number counts as none
+            time = record.get("time")
+            return time if isinstance(time, (int, float)) else 0.0
+
+        return max((record for record in found if record is not None), key=written, default=None)
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
@@ -936,10 +939,10 @@ class _Recorder:
                         if (was := self.sources.settings(item, fmt)) != self.run.settings}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
                 self.sources.add(item, result.recording, self.run.settings, formats, writing=True, kept=kept)
+                for fmt in replaced - asked:  # another recording's, in formats not rewritten: first, as recorded
+                    item.output(fmt).unlink(missing_ok=True)
                 # All written before any replaces its old one: a full disk leaves the old set whole.
                 write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats})
-                for fmt in replaced - asked:
-                    item.output(fmt).unlink(missing_ok=True)
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
                 self.summary.beside_other_settings += any(self._differs(was) for was in kept.values())
             except OSError as error:
@@ -999,7 +1002,7 @@ class _Recorder:
         self.summary.failed += 1
         self.log.add(source, reason)
         if self.run.echo:
-            tqdm.write(f"error: {printable(source)}: {reason}", file=sys.stderr)
+            tqdm.write(printable(f"error: {source}: {reason}"), file=sys.stderr)  # reasons name files too
 
 
 def transcribe_folder(run: FolderRun, build: Callable[[], Transcriber]) -> FolderSummary:

@@ -442,21 +442,21 @@ class StreamingTranscriber:
         next window (offline, the next window starts at that timestamp). A stream's last
         decode ended so, and JFK's last words were lost ("... ask what you can"). A shorter
         sound is the last word fading: the sonnet's "thee", decoded again as "nd the.". After
-        a full stop, a second of it: the crowd's half second after JFK's "country.", decoded
-        alone, was committed as "I'm afraid."."""
+        a full stop, within half as many dB of the loudest: the crowd's half second after JFK's
+        "country.", 15 dB below his voice and decoded alone, was committed as "I'm afraid."."""
         heard = segments[-1].end_timestamp * TIMESTAMP_SECONDS if segments and segments[-1].end_timestamp else 0.0
         ended = bool(segments) and SENTENCE_END.search(segments[-1].words[-1].text) is not None
-        return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 4 if ended else 2)
+        return heard >= 1.0 and self._speech_after(heard + TAIL_SECONDS, 2, SPEECH_DB / 2 if ended else SPEECH_DB)
 
-    def _speech(self) -> np.ndarray:
-        """Whether each whole quarter second of the buffer is speech: within SPEECH_DB of its loudest."""
+    def _speech(self, db: float = SPEECH_DB) -> np.ndarray:
+        """Whether each whole quarter second of the buffer is speech: within db of its loudest."""
         power = _quarter_powers(self._buffer)
-        return power > (power.max() if len(power) else 0.0) * 10 ** (-SPEECH_DB / 10)
+        return power > (power.max() if len(power) else 0.0) * 10 ** (-db / 10)
 
-    def _speech_after(self, seconds: float, quarters: int = 1) -> bool:
+    def _speech_after(self, seconds: float, quarters: int = 1, db: float = SPEECH_DB) -> bool:
         """Whether the buffer holds speech after `seconds` into it: `quarters` quarter seconds
-        in a row of it."""
-        loud = self._speech()[math.ceil(seconds * 4) :]
+        in a row of it (within db of the loudest)."""
+        loud = self._speech(db)[math.ceil(seconds * 4) :]
         return any(loud[i : i + quarters].all() for i in range(len(loud) - quarters + 1))
 
     def _heard_until(self, window: WindowResult) -> float | None:
@@ -784,7 +784,7 @@ def _split(text: str) -> list[str]:
     """Words with their leading spaces; in scripts written without spaces (Chinese, Japanese,
     Thai...) each character is one, so that two hypotheses agree on a clause's first
     characters, not only on the whole clause."""
-    return [piece for word in WORD.findall(text) for piece in cut_unspaced(word, 1)]
+    return [piece for word in WORD.findall(text) for piece in cut_unspaced(word, 1, lines=False)]
 
 
 def _keys(text: str) -> list[str]:

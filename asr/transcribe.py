@@ -32,7 +32,7 @@ from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
 from asr.vocab import language_code
-from asr.words import Word, align, speech_end
+from asr.words import Word, align
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -699,7 +699,7 @@ class Transcriber:
         )
 
     def _align(self, job: _Job, texts: list[list[int]], times: list[tuple[float, float]], frames: int, offset: float,
-               last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]]]:
+               last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]], float]:
         """asr.words.align over the job's current window."""
         sot_sequence = self.vocab.sot_sequence(job.language, self.options.task)
         # Words are split as the output's language writes them: English when translating.
@@ -757,10 +757,9 @@ class Transcriber:
         if self.options.word_timestamps:
             # As Whisper (and faster-whisper): segments take their words' times, and unless the
             # window ended on a lone timestamp the next one starts where its last word ended.
-            words, times = self._align(job, texts, [(start, end) for start, end, _ in pieces], segment_frames, offset,
-                                       job.last_speech)
+            words, times, job.last_speech = self._align(job, texts, [(start, end) for start, end, _ in pieces],
+                                                        segment_frames, offset, job.last_speech)
             pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
-            job.last_speech = speech_end(words, times, job.last_speech)
             if not single_ending and job.last_speech > offset:
                 seek = round(job.last_speech / FRAME_SECONDS)
         job.seek = seek

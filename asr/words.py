@@ -45,17 +45,18 @@ def _columns(char: str) -> int:
     return 2 if unicodedata.east_asian_width(char) in "WF" else 1
 
 
-def cut_unspaced(word: str, width: int) -> list[str]:
+def cut_unspaced(word: str, width: int, lines: bool = True) -> list[str]:
     """A word (text between spaces) wider than `width` columns: where it holds a script
-    written without spaces, pieces of at most `width` columns, cut between units a line
-    may not break inside (_unbroken; a wider unit is a piece of its own), the leading space
-    with the first; other words (a long name, a URL) stay whole."""
+    written without spaces, pieces of at most `width` columns, cut where a line may break
+    (joined, lines; without lines, between any two characters but a combining mark and the
+    one it marks; a wider unit is a piece of its own), the leading space with the first;
+    other words (a long name, a URL) stay whole."""
     text = word.lstrip()
     if columns(text) <= width or not UNSPACED_SCRIPTS.search(text):
         return [word]
     pieces = [word[: len(word) - len(text)]]  # the leading space goes with the first piece
     used = 0
-    for unit in _unbroken(text):
+    for unit in _unbroken(text, lines):
         wide = columns(unit)
         if used and used + wide > width:
             pieces.append("")
@@ -65,24 +66,32 @@ def cut_unspaced(word: str, width: int) -> list[str]:
     return pieces
 
 
-def _unbroken(text: str) -> list[str]:
-    """Text as the units a line may break between: a character of a script written without
-    spaces with its combining marks (Thai's vowel and tone marks); a run of any other
-    script's letters and digits whole ("Google" in Japanese); punctuation that closes ("，",
-    "。", "」") with what comes before it, and punctuation that opens ("「", "（") with what
-    follows, as no line starts or ends with them."""
+def _unbroken(text: str, lines: bool = True) -> list[str]:
+    """Text as the units a line may break between (joined; lines False: only marks)."""
     units: list[str] = []
     for char in text:
-        kind = unicodedata.category(char)
-        joins = units and (
-            _columns(char) == 0 or kind in ("Pe", "Pf", "Po")
-            or unicodedata.category(units[-1][-1]) in ("Ps", "Pi")
-            or not (UNSPACED_SCRIPTS.match(char) or UNSPACED_SCRIPTS.match(units[-1][-1])))
-        if joins:
+        if units and (_marks(units[-1][-1], char) or lines and joined(units[-1][-1], char)):
             units[-1] += char
         else:
             units.append(char)
     return units
+
+
+def _marks(before: str, char: str) -> bool:
+    """Whether char belongs to the character before it: a combining mark (Thai's vowel and
+    tone marks, Khmer's and Myanmar's spacing vowel signs), or a consonant stacked under the
+    one before by a coeng or virama."""
+    return _columns(char) == 0 or unicodedata.category(char) == "Mc" or unicodedata.combining(before) == 9
+
+
+def joined(before: str, char: str) -> bool:
+    """Whether a line may not break between these two characters: inside a run of letters
+    and digits of a script written with spaces ("Google" in Japanese) or of digits ("１００"),
+    before punctuation that closes ("，", "。", "」"), after punctuation that opens ("「", "（"),
+    or inside a character with its marks."""
+    kind, was = unicodedata.category(char), unicodedata.category(before)
+    return (_marks(before, char) or kind in ("Pe", "Pf", "Po") or was in ("Ps", "Pi")
+            or kind == was == "Nd" or not (UNSPACED_SCRIPTS.match(char) or UNSPACED_SCRIPTS.match(before)))
 
 
 @dataclass(frozen=True)
@@ -104,24 +113,27 @@ class _Timed:
 
 def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], segments: list[list[int]],
           times: list[tuple[float, float]], content_frames: int, offset: float, language: str, duration: float,
-          last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]]]:
-    """The words of each segment of one window (its text tokens, its start and end), and
-    each segment's start and end moved to its words' as Whisper moves them:
+          last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]], float]:
+    """The words of each segment of one window (its text tokens, its start and end), each
+    segment's start and end moved to its words' as Whisper moves them, and where the
+    window's speech ends, for the next window (its start and its align's last_speech):
     encoded [positions, width] is the window's encoder output, content_frames the mel frames
     of audio in it, offset the window's start and duration the decoded audio's, in seconds;
-    last_speech: where the speech of the recording's windows before ended (speech_end).
+    last_speech: where the speech of the recording's windows before ended.
     Timed as openai/whisper times them: punctuation joined to its word, a word much longer
     than the median cut at a sentence end, and a segment's first and last words kept from
-    running far past its own start and end."""
+    running far past its own start and end; here then cut to the segment (Whisper's can
+    start before it, or end past it and past the recording), while the speech's end, which
+    moves the next window, stays Whisper's last word's (faster-whisper's windows, so)."""
     text = [t for segment in segments for t in segment]
     if not text:
-        return [[] for _ in segments], times
+        return [[] for _ in segments], times, times[-1][1] if times else last_speech
     if content_frames < 4:
         # Under two encoder positions to time words in (one makes the scores' spread 0, and
         # them NaN): every word at the window's start, as faster-whisper's alignment puts
         # them, so the segments take no time and are dropped. Whisper fills so short a last
         # window with a copy of the previous text, which was kept.
-        return [[] for _ in segments], [(offset, offset)] * len(segments)
+        return [[] for _ in segments], [(offset, offset)] * len(segments), offset if segments else last_speech
     vocab = model.vocab
     tokens = torch.tensor([sot_sequence + [vocab.no_timestamps] + text + [vocab.eot]], device=encoded.device)
     heads = alignment_heads(model)
@@ -147,20 +159,25 @@ def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], s
     _cut_long_words_at_sentence_ends(timed, 2 * median)
     _join_punctuation(timed)
     words = _per_segment(timed, segments, offset, duration)
-    fitted = []
+    fitted, speech = _fitted(words, times, median, last_speech, duration)
+    return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words], fitted, speech
+
+
+def _fitted(words: list[list[_Timed]], times: list[tuple[float, float]], median: float, last_speech: float,
+            duration: float) -> tuple[list[tuple[float, float]], float]:
+    """Each segment's start and end fitted to its words (_fit_to_segment), its words then cut
+    to it; and where the speech ends as Whisper has it: its last word's end before that cut,
+    else the last segment's end."""
+    fitted, spoken = [], None
     for segment, (start, end) in zip(words, times):
         if segment:
-            start, end = _fit_to_segment(segment, start, time_within(end, duration), median, last_speech)
-            last_speech = end
+            start, end = _fit_to_segment(segment, start, end, median, last_speech)
+            last_speech, spoken = end, segment[-1].end
+            within = time_within(end, duration)
+            for word in segment:
+                word.start, word.end = (min(max(t, start), within) for t in (word.start, word.end))
         fitted.append((start, end))
-    return [[Word(w.text, w.start, w.end, w.probability) for w in segment] for segment in words], fitted
-
-
-def speech_end(words: list[list[Word]], times: list[tuple[float, float]], before: float) -> float:
-    """Where a window's speech ends, for the next window's align: its last word's end, else
-    its last segment's, else where it ended before."""
-    ends = [w.end for segment in words for w in segment]
-    return ends[-1] if ends else times[-1][1] if times else before
+    return fitted, spoken if spoken is not None else fitted[-1][1] if fitted else last_speech
 
 
 def alignment_heads(model: WhisperModel) -> list[tuple[int, int]]:
@@ -287,9 +304,8 @@ def _per_segment(timed: list[_Timed], segments: list[list[int]], offset: float, 
 def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float,
                     last_speech: float) -> tuple[float, float]:
     """A segment's first word after a pause, or its first and last words, can take in
-    silence: they are cut back to the segment's own start and end; otherwise the segment
-    takes its words' start and end, so that its words lie within it. Returns the segment's
-    start and end."""
+    silence: they are cut back towards the segment's own start and end; otherwise the
+    segment takes its words' start and end. Returns the segment's start and end."""
     longest = 2 * median
     first = words[0]
     if first.end - last_speech > 4 * median and (
@@ -298,15 +314,13 @@ def _fit_to_segment(words: list[_Timed], start: float, end: float, median: float
         if len(words) > 1 and words[1].end - words[1].start > longest:
             first.end = words[1].start = max(words[1].end / 2, words[1].end - longest)
         first.start = max(0.0, first.end - longest)
-    # Whisper cuts them back to a median word's length where that is longer (starting a word
-    # before its segment, ending one past it and past the recording); here to the segment.
     if start < first.end and start - 0.5 > first.start:
-        first.start = start
+        first.start = max(0.0, min(first.end - median, start))
     else:
         start = first.start
     last = words[-1]
     if end > last.start and end + 0.5 < last.end:
-        last.end = end
+        last.end = max(last.start + median, end)
     else:
         end = last.end
     return start, end

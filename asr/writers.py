@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from asr.transcribe import Segment, Transcript
-from asr.words import columns, cut_unspaced
+from asr.words import columns, cut_unspaced, joined
 
 FORMATS = ("txt", "srt", "vtt", "json")
 # The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
@@ -117,7 +117,15 @@ def _pieces(segment: Segment, width: int) -> list[Piece]:
     if not segment.words:
         parts = [piece for word in re.findall(r"\s*\S+", segment.text) for piece in cut_unspaced(word, width)]
         return _shared(segment.start, segment.end, parts)
-    return [piece for word in segment.words for piece in _shared(word.start, word.end, cut_unspaced(word.text, width))]
+    words: list[Piece] = []
+    for word in segment.words:
+        # A timed word of such a script is a token's piece ("Whis", "per"; "「"): one a
+        # line may not break before (words.joined) goes with the word before it.
+        if words and word.text[:1].strip() and words[-1][2] and joined(words[-1][2][-1], word.text[0]):
+            words[-1] = (words[-1][0], word.end, words[-1][2] + word.text)
+        else:
+            words.append((word.start, word.end, word.text))
+    return [piece for start, end, text in words for piece in _shared(start, end, cut_unspaced(text, width))]
 
 
 def _shared(start: float, end: float, parts: list[str]) -> list[Piece]:

@@ -212,6 +212,27 @@ def test_a_files_name_prints_on_one_line(tmp_path: Path):
     assert batch.printable(os.fsdecode(b"caf\xe9 \xe2\x80\x8d.wav")) == "caf\ufffd \u200d.wav"  # a joiner stays
 
 
+def test_the_latest_ledger_line_of_a_file_counts_wherever_it_is(tmp_path: Path):
+    """Of this OUT's line and a folder below's, the later; lines without a time (before
+    2026-11-30), or with one that is no number (edited by hand: it stopped every run), are
+    older than any, and among them this OUT's counts."""
+    out = tmp_path / "out"
+    (out / "sub").mkdir(parents=True)
+    item = PlannedFile(tmp_path / "talk.wav", out / "sub" / "talk")
+
+    def ledger(folder: Path, *lines: dict) -> None:
+        (folder / batch.SOURCES_FILE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+
+    ledger(out, {"stem": "sub/talk", "source": "above", "formats": ["txt"], "time": "noon"})
+    ledger(out / "sub", {"stem": "talk", "source": "below", "formats": ["json"], "time": 5.0})
+    assert batch.Sources(out, fold_case=False).formats(item) == {"json"}
+    ledger(out / "sub", {"stem": "talk", "source": "below", "formats": ["json"]})
+    assert batch.Sources(out, fold_case=False).formats(item) == {"txt"}
+    ledger(out, {"stem": "sub/talk", "source": "above", "formats": ["txt"], "time": 6.0})
+    ledger(out / "sub", {"stem": "talk", "source": "below", "formats": ["json"], "time": 5.0})
+    assert batch.Sources(out, fold_case=False).formats(item) == {"txt"}
+
+
 def test_an_output_folder_that_takes_no_locks_is_written_with_a_warning(tmp_path: Path, monkeypatch, capsys):
     """NFS without its lock service: the run ended with a bare "[Errno 37] No locks available"."""
     def no_locks(*_):

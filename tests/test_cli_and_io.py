@@ -23,7 +23,7 @@ from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load
 from asr.cli import build_parser, main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
-from asr.words import Word, columns
+from asr.words import Word, _fitted, _Timed, columns, cut_unspaced
 from conftest import DEV, SAMPLES, damaged_mp3_bytes, encoded, mp3_bytes, speech_between_silences
 
 
@@ -581,8 +581,9 @@ def test_subtitle_lines_break_at_a_width_and_cues_split_at_a_line_count():
     khmer = " ខ្ញុំទៅផ្ទះខ្ញុំទៅផ្ទះខ្ញុំទៅផ្ទះ"
     timed_khmer = Transcript("t", [replace(segments[0], text=khmer, words=[Word(khmer, 1.0, 4.0, 0.9)])], timed.info)
     cues = writers._cues(timed_khmer, writers.SubtitleLayout(max_line_width=10, max_line_count=1))
-    assert [columns(text) for _, _, text in cues] == [10, 10, 1] and "".join(text for _, _, text in cues) == khmer.strip()
-    assert [(round(start, 3), round(end, 3)) for start, end, _ in cues] == [(1.0, 2.429), (2.429, 3.857), (3.857, 4.0)]
+    # Cut between syllables: a consonant stacked by the coeng (U+17D2) stays with the one above it.
+    assert [text for _, _, text in cues] == ["ខ្ញុំទៅផ្ទះខ្ញុំ", "ទៅផ្ទះខ្ញុំទៅ", "ផ្ទះ"]
+    assert [(round(start, 3), round(end, 3)) for start, end, _ in cues] == [(1.0, 2.286), (2.286, 3.571), (3.571, 4.0)]
     for wrong in (dict(max_line_count=2), dict(max_line_width=0), dict(max_line_width=10, max_line_count=0)):
         with pytest.raises(ValueError):
             writers.SubtitleLayout(**wrong)
@@ -601,6 +602,37 @@ def test_a_line_of_chinese_or_japanese_breaks_neither_a_latin_word_nor_before_it
         assert "".join(lines) == text and all(columns(line) <= width for line in lines), lines
         assert not any(line[0] in "，。、」" or line[-1] in "「" for line in lines), lines
         assert all(any(word in line for line in lines) for word in whole), lines
+
+
+def test_words_are_cut_to_their_segment_and_the_next_window_starts_where_whispers_last_word_ends():
+    """Whisper cuts a segment's first and last words back to a median word's length, which
+    started " Hello" 0.2 s before its segment and ended " friend" 0.1 s past it (past the
+    recording's end too). They are cut to the segment now; the speech's end, where the next
+    window starts, stays Whisper's (a first version of that cut moved it, and the windows
+    after it parted from faster-whisper's)."""
+    words = [[_Timed(" Hello", [1], 9.0, 10.2, 0.9), _Timed(" my", [2], 10.2, 10.7, 0.9),
+              _Timed(" friend", [3], 10.7, 12.0, 0.9)]]
+    fitted, speech = _fitted(words, [(10.0, 11.0)], 0.4, 9.0, 10.9)
+    assert fitted == [(10.0, 11.0)] and speech == pytest.approx(11.1)
+    assert [(w.start, w.end) for w in words[0]] == [(10.0, 10.2), (10.2, 10.7), (10.7, 10.9)]
+
+
+def test_timed_chinese_or_japanese_words_break_lines_where_untimed_text_does():
+    """With word timestamps a Chinese or Japanese word is a token's piece: "Wh" and "isper",
+    a bracket alone. Lines broke between any two: "今日はWh / isper", "「速い / です」"."""
+    info = _transcript().info
+    for pieces, width, expected in ((["今日", "は", "Wh", "isper", "の", "モ", "デル", "です。"], 10,
+                                     ["今日は", "Whisperの", "モデル", "です。"]),
+                                    (["彼", "は", "「", "速", "い", "です", "」", "と", "言った。"], 8,
+                                     ["彼は「速", "いです」", "と", "言った。"])):
+        words = [Word(piece, 0.2 * i, 0.2 * (i + 1), 0.9) for i, piece in enumerate(pieces)]
+        segment = Segment(0, 0.0, 0.2 * len(pieces), "".join(pieces), [1], -0.2, 1.1, 0.01, 0.0, words)
+        cues = writers._cues(Transcript("t", [segment], info), writers.SubtitleLayout(width, 1))
+        assert [text for _, _, text in cues] == expected
+    # Khmer's and Myanmar's spacing vowel signs, and a consonant stacked by a coeng or virama, stay with their letter.
+    for text in ("កខគឃងចា", "ကကကကက္က"):
+        parts = cut_unspaced(text, 5)
+        assert "".join(parts) == text and len(parts) == 2 and parts[1] in ("ចា", "က္က"), parts
 
 
 def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):

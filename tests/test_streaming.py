@@ -395,11 +395,10 @@ def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcri
 def test_chinese_is_agreed_on_character_by_character(transcriber):
     """Scripted: Chinese has no spaces between words, so a clause was one "word", committed
     only once two hypotheses agreed on all of it. Character by character, the agreeing
-    start of a growing clause is committed at once, and nothing is committed twice (a
-    character is committed with the punctuation after it, as an English word is)."""
+    start of a growing clause is committed at once, and nothing is committed twice."""
     script = [" 我们今天去公园", " 我们今天去公园，然后", " 我们今天去公园，然后回家吃饭。"]
     updates = scripted_updates(transcriber, script, "zh", chunks=3)
-    assert [u.committed_text for u in updates] == ["", "我们今天去公园，", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
+    assert [u.committed_text for u in updates] == ["", "我们今天去公园", "我们今天去公园，然后", "我们今天去公园，然后回家吃饭。"]
     assert_append_only(updates)
 
 
@@ -577,12 +576,14 @@ def test_a_sound_after_a_last_full_stop_is_no_tail_of_speech_to_decode(transcrib
     the crowd's half second after it, which the last decode took for speech Whisper had left
     to a next window; decoded alone, it was committed as "I'm afraid.". Scripted here over
     1.5 s of loud sound, half a second 14 dB below it and quiet after. A hypothesis that
-    stops mid-sentence still has its tail decoded (JFK's "... ask what you can", above)."""
-    rng = np.random.default_rng(0)
-    samples = np.concatenate([rng.normal(0, level, round(seconds * SAMPLE_RATE))
-                              for level, seconds in ((0.1, 1.5), (0.02, 0.5), (0.0005, 3.0))]).astype(np.float32)
+    stops mid-sentence still has its tail decoded (JFK's "... ask what you can", above), and
+    so does one whose full stop half a second as loud as the rest follows ("Thanks.")."""
     ts = lambda seconds: transcriber.vocab.timestamp_begin + round(seconds / 0.02)  # noqa: E731
-    for heard, tail in ((" Do for your country.", False), (" Do for your", True)):
+    for heard, after, tail in ((" Do for your country.", 0.02, False), (" Do for your", 0.02, True),
+                               (" Do for your country.", 0.08, True)):
+        rng = np.random.default_rng(0)
+        samples = np.concatenate([rng.normal(0, level, round(seconds * SAMPLE_RATE))
+                                  for level, seconds in ((0.1, 1.5), (after, 0.5), (0.0005, 3.0))]).astype(np.float32)
         stream = StreamingTranscriber(transcriber)
 
         def scripted(buffer, *_):
