@@ -981,14 +981,14 @@ def test_a_files_warning_is_told_when_its_transcript_then_cannot_be_written(tmp_
     source = tmp_path / "in"
     source.mkdir()
     (source / "damaged.mp3").write_bytes(damaged_mp3_bytes(load_audio(SHORT / "1089-134691-0000.flac"), 64_000))
-    written = batch.write_atomic
+    written = batch.write_files_atomic
 
-    def refuse(path: Path, data) -> None:
-        if path.suffix == ".json":
-            raise PermissionError(errno.EACCES, "Permission denied", str(path))
-        written(path, data)
+    def refuse(files: dict[Path, str]) -> None:
+        if json_file := next((path for path in files if path.suffix == ".json"), None):
+            raise PermissionError(errno.EACCES, "Permission denied", str(json_file))
+        written(files)
 
-    monkeypatch.setattr(batch, "write_atomic", refuse)
+    monkeypatch.setattr(batch, "write_files_atomic", refuse)
     summary = transcribe_folder(FolderRun((source,), tmp_path / "out", **{**quiet(), "echo": True}),
                                 lambda: Transcriber(pair, batch_size=1))
     assert (summary.ok, summary.failed) == (0, 1)
