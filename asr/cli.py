@@ -327,6 +327,8 @@ def _missing(path: Path) -> bool:
         os.lstat(path)
     except (FileNotFoundError, NotADirectoryError):
         return True
+    except ValueError:  # a name no file can have here (one the locale's encoding lacks, a NUL)
+        return True
     except OSError:
         pass
     return False
@@ -411,7 +413,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run
             raise ValueError(f"--out {args.out}: {problem}")
-        missing = [c.path for c in clips if not c.path.exists()]
+        missing = [c.path for c in clips if _missing(c.path)]  # one that cannot be looked at fails alone, later
         if len(missing) == len(clips):  # said before the models load for nothing
             raise ValueError(f"{args.manifest}: none of its {len(clips)} files exists (the first: {missing[0]}; "
                              "a relative path in it is from the manifest's folder)")

@@ -364,7 +364,6 @@ class TransformersSystem(_OneFileAtATime):
         multilingual = vocab.multilingual
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         counter = _TokenCounter()
-        draft_decoder = self.assistant.model.decoder if self.assistant is not None else None
         started = time.perf_counter()
         samples = vad.speech_only(item.samples)[0] if options.vad_filter else item.samples
         if not len(samples):  # no speech kept: nothing to decode, as ours and faster-whisper (not 30 s of padding)
@@ -379,7 +378,7 @@ class TransformersSystem(_OneFileAtATime):
         with (
             _timed(target.encoder, target.device) as encoder,
             _encoder_output_as(target.encoder, target.dtype),
-            _counted(draft_decoder) as draft_passes,
+            _counted(self.assistant) as draft_passes,  # not its decoder: the target's own, with --draft target
             _quiet_transformers(),
             torch.inference_mode(),
         ):

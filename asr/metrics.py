@@ -138,7 +138,7 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
     in a notes column (default: English)."""
     clips = []
     for line, row in manifest_rows(path, ("file", "reference"), limit):
-        hint = re.search(r"(?<!\w)lang=(\w+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
+        hint = re.search(r"(?<!\w)lang=([\w-]+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
         language = language_code((row.get("language") or "").strip() or (hint.group(1) if hint else default_language))
         duration = (row.get("duration_seconds") or "").strip()
         try:

@@ -3,6 +3,7 @@ between vocabularies: English-only models and large-v3 differ from base)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,10 +14,14 @@ TIMESTAMPS = 1501  # <|0.00|> to <|30.00|>, the last rows of every Whisper vocab
 
 def language_code(language: str) -> str:
     """A language as Whisper's own command line takes it: its code in any case ("EN"), or its
-    name ("English", "castilian"); "English" was refused as unknown."""
+    name ("English", "castilian"); "English" was refused as unknown. A region or script
+    after the code ("en-US", "pt_BR", "zh-Hans", as spreadsheets and locales write them) is
+    dropped: Whisper's languages have none."""
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
     language = language.strip().lower()
+    if tagged := re.fullmatch(r"([a-z]{2,3})[-_][a-z0-9]{2,8}", language):
+        language = tagged.group(1)
     return TO_LANGUAGE_CODE.get(language, language)
 
 
