@@ -407,6 +407,12 @@ def recording_of(path: Path, stat: list[int] | None = None) -> dict | None:
         return None if stat is None else {"stat": stat, "fingerprint": "unreadable after it was read"}
 
 
+def _written_at(record: dict) -> float:
+    """When a ledger line was written (0: before lines told it, or a hand-edited time that is no number)."""
+    at = record.get("time")
+    return at if isinstance(at, (int, float)) else 0.0
+
+
 class Sources:
     """OUT/.sources.jsonl: for each file transcribed, the stem of its outputs (relative to OUT),
     its source, size, modification time, fingerprint and settings, appended as its outputs
@@ -468,11 +474,7 @@ class Sources:
             found.append(self._below[folder].get(self._key("/".join(parts[depth:]))))
         found += [ledger.get(self._key(f"{prefix}/{stem}")) for prefix, ledger in self._above]
         # Lines before 2026-11-30 have no time: older than any that has; among them, this OUT's first.
-        def written(record: dict) -> float:  # a hand-edited time that is no number counts as none
-            time = record.get("time")
-            return time if isinstance(time, (int, float)) else 0.0
-
-        return max((record for record in found if record is not None), key=written, default=None)
+        return max((record for record in found if record is not None), key=_written_at, default=None)
 
     def formats(self, item: PlannedFile) -> set[str]:
         """The formats of item's outputs that a run wrote (or began to write)."""
