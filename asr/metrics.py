@@ -119,7 +119,11 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
     # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
     if repeated := sorted({c for c in columns if c.strip() and columns.count(c) > 1}):
         raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
-    rows = [(reader.line_num, row) for row in itertools.islice(reader, limit)]
+    def written(row: dict) -> bool:  # DictReader skips an empty line; one of spaces and tabs is as blank
+        fields = [v or "" for k, v in row.items() if k is not None] + row.get(None, [])
+        return any(field.strip() for field in fields)
+
+    rows = [(reader.line_num, row) for row in itertools.islice(filter(written, reader), limit)]
     for line, row in rows:
         extra = [field for field in row.pop(None, []) if field.strip()]  # a trailing tab is no field
         if extra or any(row[column] is None for column in required):

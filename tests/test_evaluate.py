@@ -740,10 +740,15 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
     # --limit N reads the first N rows: a bad row after them refused the run.
     assert [c.path.name for c in read_manifest(tmp_path / "3.tsv", limit=1)] == ["a.wav"]
     # What does fit: a byte-order mark, Windows line ends, a trailing tab, an empty reference,
-    # spaces around a file name, a language code in capitals.
-    (tmp_path / "ok.tsv").write_bytes("\ufefffile\treference\tlanguage\t\t\r\na.wav \tHi\tDE\t\r\nsilence.wav\t\t\r\n".encode())
+    # spaces around a file name, a language code in capitals, a line of spaces and tabs
+    # (blank, as an empty line is; it was "a column is missing"), whose line still counts.
+    (tmp_path / "ok.tsv").write_bytes(
+        "\ufefffile\treference\tlanguage\t\t\r\na.wav \tHi\tDE\t\r\n \t \r\nsilence.wav\t\t\r\n".encode())
     assert [(c.path.name, c.reference, c.language) for c in read_manifest(tmp_path / "ok.tsv")] == [
         ("a.wav", "Hi", "de"), ("silence.wav", "", "en")]
+    (tmp_path / "ok.tsv").write_text("file\treference\na.wav\tok\n  \nb.wav\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'ok.tsv'}:4: 1 tab-separated fields")):
+        read_manifest(tmp_path / "ok.tsv")
     # An hour read aloud is about 60,000 characters; a long book chapter passes csv's 131,072.
     chapter = "the quick brown fox jumps over the lazy dog " * 5000
     (tmp_path / "long.tsv").write_text(f"file\treference\nbook.mp3\t{chapter}\n")
