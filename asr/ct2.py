@@ -200,10 +200,12 @@ def load_ct2_directory(directory: Path, dtype: torch.dtype, model_parts: list[Pa
             raise FileNotFoundError(f"{part}: missing; a CTranslate2 Whisper directory holds model.bin, config.json, "
                                     f"tokenizer.json{held}")
     data = parts[0].read_bytes() if len(parts) == 1 else _joined(parts)
+    # Damage in a later part was told as the first's.
+    source = str(parts[0]) if len(parts) == 1 else f"{' + '.join(map(str, parts))} (joined)"
     try:
-        return to_transformers(read_variables(data, str(parts[0])), dtype)
+        return to_transformers(read_variables(data, source), dtype)
     except CT2FormatError:
         raise
     except (KeyError, RuntimeError, ValueError) as error:  # a tensor's name, size or shape is not what Whisper's are
-        raise CT2FormatError(f"{parts[0]}: damaged CTranslate2 model file, or not a Whisper model's "
+        raise CT2FormatError(f"{source}: damaged CTranslate2 model file, or not a Whisper model's "
                              f"({type(error).__name__}: {error})") from error

