@@ -8,6 +8,7 @@ cheap head is most of a cheap draft, and exactness never depends on the draft.""
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import os
 import random
@@ -49,6 +50,11 @@ def list_audio(source: Path) -> list[Path]:
     return list(dict.fromkeys(files))  # a file listed twice is labelled once
 
 
+def resolved(files: list[Path] | list[str]) -> list[str]:
+    """Audio files as a work folder records them: the same file is the same name."""
+    return [str(Path(f).resolve()) for f in files]
+
+
 @dataclass
 class Label:
     """A window the target transcribed: its tokens (prompt, output, end-of-text) and, for
@@ -69,14 +75,18 @@ class PseudoLabels:
         """made_for: the target (encoder_fingerprint) and language the labels are made with."""
         work.mkdir(parents=True, exist_ok=True)
         self.path = work / "labels.pt"
-        self.files = [str(p) for p in files]
+        self.files = resolved(files)
         self.made_for = made_for
         saved = {"files": [], "labels": [], "next": 0, "made_for": made_for}
         if self.path.exists():
             with torch.serialization.safe_globals([Label]):
                 saved = torch.load(self.path, weights_only=True)
-        if saved["files"] != self.files[: len(saved["files"])]:
-            raise ValueError(f"{work}: labelled for other audio (more audio may only be appended to the list)")
+        # Resolved: the same audio named from another folder, or relative then absolute, was other audio.
+        if mismatch := next((f"{was} is now {now}" if now else f"{was} is no longer listed"
+                             for was, now in itertools.zip_longest(resolved(saved["files"]), self.files[: len(saved["files"])])
+                             if was != now), None):
+            raise ValueError(f"{work}: labelled for other audio ({mismatch}; more audio may only be appended to the "
+                             "list): delete it to label afresh")
         was = saved.get("made_for", made_for)  # a work folder of before 2026-11-29 has a fingerprint of fewer samples
         if was["language"] != made_for["language"] or any(was["target"].get(key, value) != value
                                                           for key, value in made_for["target"].items()):
@@ -84,7 +94,12 @@ class PseudoLabels:
             raise ValueError(f"{work}: labelled by another target or in another language than "
                              f"{made_for['language']!r}: resume with the same --target and --language")
         encoder_file = work / "encoder.f16"
-        size = len(files) * frames * width * np.dtype(np.float16).itemsize
+        row = frames * width * np.dtype(np.float16).itemsize
+        have = encoder_file.stat().st_size if encoder_file.exists() else 0
+        if have < saved["next"] * row:  # deleted to free space, or cut short: its clips would train on zeros
+            raise ValueError(f"{encoder_file}: {'holds fewer encoder outputs than' if have else 'missing, though'} "
+                             f"{saved['next']} clips were labelled: delete {self.path} to label them again")
+        size = len(files) * row
         if encoder_file.exists() and encoder_file.stat().st_size < size:
             os.truncate(encoder_file, size)  # grows it: audio was appended
         mode = "r+" if encoder_file.exists() else "w+"

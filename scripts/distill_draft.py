@@ -33,6 +33,7 @@ from asr.distill import (
     make_batch,
     previous_text_prompts,
     pseudo_label,
+    resolved,
     split_holdout,
     spread_layers,
 )
@@ -134,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and checkpoint.exists():
         state = torch.load(checkpoint, weights_only=True)
         # Another split would train on clips held out before, and inflate the agreement.
-        if state["files"] == store.files and state.get("train", train) != train:
+        same_files = resolved(state["files"]) == store.files  # named as given until 2026-11-30
+        if same_files and state.get("train", train) != train:
             print(f"{checkpoint} was trained on another split of the clips (--seed {state['seed']}, --holdout "
                   f"{state['holdout']}): resume with those, or delete it to train afresh", file=sys.stderr)
             return 2
-        if state["files"] != store.files or state["head"].tolist() != head.tolist():
+        if not same_files or state["head"].tolist() != head.tolist():
             print(f"{checkpoint} was trained on other labels (audio was added?): delete it to train on all of them",
                   file=sys.stderr)
             return 2

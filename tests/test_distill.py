@@ -59,7 +59,7 @@ def tiny_corpus(tmp_path: Path) -> tuple[Path, Path]:
     return audio_dir, save_tiny(model, tmp_path / "target")
 
 
-def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, capsys):
+def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, capsys, monkeypatch):
     audio_dir, target_dir = tiny_corpus(tmp_path)
     (audio_dir / "broken.wav").write_bytes(b"not audio")
     out = tmp_path / "draft"
@@ -94,9 +94,20 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     (out / "work" / "checkpoint.pt").unlink()
     assert main(common + ["--epochs", "1", "--resume"]) == 0
     assert "pseudo-labelling: 100%|██████████| 8/8" in capsys.readouterr().err
+    # The same audio named relative to another folder: the same (it was "labelled for other audio").
+    monkeypatch.chdir(audio_dir)
+    relative = ["--audio" if a == "--audio" else "." if a == str(audio_dir) else a for a in common]
+    assert main(relative + ["--epochs", "2", "--resume"]) == 0
+    assert "resumed after epoch 1" in capsys.readouterr().out
+    # Encoder outputs deleted to free space: their clips trained on zeros, without a word.
+    encoder_outputs = (out / "work" / "encoder.f16").read_bytes()
+    (out / "work" / "encoder.f16").unlink()
+    assert main(common + ["--epochs", "2", "--resume"]) == 2
+    assert f"encoder.f16: missing, though 8 clips were labelled: delete {out / 'work' / 'labels.pt'}" in capsys.readouterr().err
+    (out / "work" / "encoder.f16").write_bytes(encoder_outputs)
     (audio_dir / "clip0.wav").unlink()  # labels no longer match the list: refused, not silently misaligned
     assert main(common + ["--epochs", "1", "--resume"]) == 2
-    assert "labelled for other audio" in capsys.readouterr().err
+    assert f"labelled for other audio ({audio_dir / 'clip0.wav'} is now {audio_dir / 'clip1.wav'};" in capsys.readouterr().err
 
     pair = load_pair(str(target_dir), str(out))
     assert pair.draft.encoder is None and not pair.draft_has_own_encoder
@@ -199,7 +210,7 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     # refused, a row without a file became the manifest's folder, Latin-1 failed naming no file.
     manifest.write_bytes(b"\xef\xbb\xbfFile\tnotes\na.wav\tx\nsub/b.wav\n")
     assert list_audio(manifest) == [tmp_path / "a.wav", tmp_path / "sub" / "b.wav"]
-    manifest.write_text("file\na.wav\n\t\n")
+    manifest.write_text("file\tnotes\na.wav\n\tquiet\n")
     with pytest.raises(ValueError, match=f"{manifest}:3: no file named"):
         list_audio(manifest)
     manifest.write_bytes("file\nsof\u00eda.wav\n".encode("latin-1"))
