@@ -94,6 +94,21 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     (out / "work" / "checkpoint.pt").unlink()
     assert main(common + ["--epochs", "1", "--resume"]) == 0
     assert "pseudo-labelling: 100%|██████████| 8/8" in capsys.readouterr().err
+    # A full disk at an epoch's end: told in a line (it was a traceback); the checkpoint before stays.
+    saved = (out / "work" / "checkpoint.pt").read_bytes()
+    save = torch.save
+
+    def disk_full(obj, path, *args, **kwargs):
+        if Path(path).name == "checkpoint.part":
+            Path(path).write_bytes(b"half")
+            raise OSError(28, "No space left on device")
+        return save(obj, path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(torch, "save", disk_full)
+        assert main(common + ["--epochs", "3", "--resume"]) == 2
+    assert "epoch 2 could not be saved: [Errno 28] No space left on device" in capsys.readouterr().err
+    assert (out / "work" / "checkpoint.pt").read_bytes() == saved and not (out / "work" / "checkpoint.part").exists()
     # The same audio named relative to another folder: the same (it was "labelled for other audio").
     monkeypatch.chdir(audio_dir)
     relative = ["--audio" if a == "--audio" else "." if a == str(audio_dir) else a for a in common]
