@@ -55,6 +55,12 @@ def _floats(value: object) -> tuple[float, ...]:
     return tuple(float(item) for item in items)
 
 
+def check_whole(name: str, value: object, least: int | None) -> None:
+    """Refuses, naming it, a value that is no whole number (of Python or numpy; not a bool) of at least `least`."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (least is not None and value < least):
+        raise ValueError(f"{name} must be a whole number{f' of at least {least}' if least is not None else ''}, not {value!r}")
+
+
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: detect from the first window
@@ -104,12 +110,8 @@ class TranscribeOptions:
         # (max_new_tokens -5 ran a row backwards until the decoder's positions ran out).
         for name, least in [("max_new_tokens", 1), ("best_of", 1), ("max_draft_tokens", 0), ("seed", None),
                             ("num_draft_tokens", 0)]:
-            value = getattr(self, name)
-            if name == "num_draft_tokens" and value is None:
-                continue
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (least is not None and value < least):
-                raise ValueError(f"{name} must be a whole number{f' of at least {least}' if least is not None else ''}, "
-                                 f"not {value!r}")
+            if not (name == "num_draft_tokens" and self.num_draft_tokens is None):
+                check_whole(name, getattr(self, name), least)
         for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Real) and not math.isnan(value)):
@@ -365,8 +367,7 @@ class Transcriber:
                  scheduler: Scheduler | None = None):
         """scheduler: decode in its shared batches (many threads' work together) rather than
         in this thread."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be a whole number of recordings, at least 1, not {batch_size!r}")
+        check_whole("batch_size", batch_size, 1)  # 0 waited for ever for a batch's first recording
         self.models = models
         self.options = options
         self.batch_size = batch_size
@@ -389,8 +390,6 @@ class Transcriber:
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
-        if not self.vocab.multilingual and options.language not in (None, "en"):
-            raise ValueError(f"{target.name} is English-only: it cannot transcribe {options.language!r}")
 
     @property
     def speculative(self) -> bool:
@@ -567,7 +566,14 @@ class Transcriber:
         self._check_language(language)
         if encoder_frames is not None and not (0 < encoder_frames <= WINDOW_FRAMES and encoder_frames % 2 == 0):
             raise ValueError(f"encoder_frames must be an even number of frames up to {WINDOW_FRAMES}, not {encoder_frames}")
+        if max_new_tokens is not None:  # -5 ran a row backwards; 0 meant the options' limit
+            check_whole("max_new_tokens", max_new_tokens, 1)
         hints.check(hint or [], self.models.target.config.vocab_size)
+        try:  # ids outside the vocabulary failed the whole batch with a bare IndexError
+            hints.check(context, self.models.target.config.vocab_size)
+        except ValueError:
+            raise ValueError(f"context must be token ids, whole numbers from 0 to "
+                             f"{self.models.target.config.vocab_size - 1}: {context!r:.80}") from None
         job = self._start(AudioInput("window", samples), window_only=True)
         if language is not None:
             job.language = job.info.language = language
@@ -586,7 +592,11 @@ class Transcriber:
         return job.result
 
     def _check_language(self, language: str | None) -> None:
-        if language is not None and self.vocab.multilingual and language not in self.vocab.languages:
+        if language is None:
+            return
+        if not self.vocab.multilingual and language != "en":  # a window was decoded in English, reported as asked
+            raise ValueError(f"{self.models.target.name} is English-only: it cannot transcribe {language!r}")
+        if self.vocab.multilingual and language not in self.vocab.languages:
             raise ValueError(f"unknown language {language!r}; known: {', '.join(self.vocab.languages)}")
 
     def _start(self, audio: AudioInput, window_only: bool = False) -> _Job:
@@ -892,7 +902,7 @@ class _Decoding:
             t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
             prompt, sot_index = t._prompt(job)
-            limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)
+            limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)  # None: the options'
             max_new = min(limit, self.owner.engine.max_positions - 1 - len(prompt))
             # A retry at a higher temperature mostly repeats the failed attempt (a repetition
             # loop), so that attempt is its hint: a hint's proposals keep only what the target
@@ -976,6 +986,7 @@ class Scheduler:
     stream's updates, which a speaker waits for) join at once, ahead of queued recordings."""
 
     def __init__(self, rows: int = 8):
+        check_whole("rows", rows, 1)  # 0 queued every recording for ever, spinning a core
         self.rows = rows
         self._wake = threading.Condition()
         self._queue: list[tuple[_Job, int | None, float]] = []  # (job, encoder frames, arrival)

@@ -470,6 +470,9 @@ def test_english_only_packaged_model():
         assert Transcriber(pair, TranscribeOptions(language=named)).options.language == "en"
     with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="German"))
+    # A window in another language: it was decoded in English and reported as German.
+    with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
+        Transcriber(pair).transcribe_window(load_audio(DEV / "en_short" / "jfk.flac"), [], language="de")
 
 
 def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair, tmp_path):

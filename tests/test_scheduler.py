@@ -296,18 +296,25 @@ def test_a_bad_request_is_refused_in_its_callers_thread_not_in_the_shared_batch(
     scheduler = Scheduler(rows=4)
     try:
         live = Transcriber(pair, TranscribeOptions(temperatures=(0.0,)), scheduler=scheduler)
+        # max_new_tokens -5 ran a row backwards, 0 was the options' 224; a context of ids outside
+        # the vocabulary failed the worker's batch with a bare IndexError.
         for bad, message in [(dict(language="xx"), "unknown language 'xx'"), (dict(encoder_frames=3001), "even number"),
-                             (dict(hint=[10**6]), "hint tokens must be token ids")]:
+                             (dict(hint=[10**6]), "hint tokens must be token ids"),
+                             (dict(max_new_tokens=-5), "max_new_tokens must be a whole number of at least 1, not -5"),
+                             (dict(max_new_tokens=0), "max_new_tokens must be a whole number of at least 1, not 0"),
+                             (dict(context=[-1]), r"context must be token ids, whole numbers from 0 to 51864: \[-1\]")]:
             with pytest.raises(ValueError, match=message):
-                live.transcribe_window(window, context=[], **bad)
+                live.transcribe_window(window, **{"context": [], **bad})
         assert scheduler.load().failures == 0
     finally:
         scheduler.close()
     with pytest.raises(ValueError, match="at least one"):
         Transcriber(pair, TranscribeOptions(temperatures=()))
     for batch_size in (0, -1, 2.5):  # 0 waited for ever for a batch's first recording
-        with pytest.raises(ValueError, match=f"batch_size must be a whole number of recordings, at least 1, not {batch_size}"):
+        with pytest.raises(ValueError, match=f"batch_size must be a whole number of at least 1, not {batch_size}"):
             Transcriber(pair, batch_size=batch_size)
+        with pytest.raises(ValueError, match=f"rows must be a whole number of at least 1, not {batch_size}"):
+            Scheduler(rows=batch_size)  # 0 queued every recording for ever, spinning a core
     # Nothing decoded, no language detected: none reported, with no confidence.
     nothing = Transcriber(pair, TranscribeOptions()).transcribe(AudioInput("short", window[:100]))
     assert (nothing.info.language, nothing.info.language_probability, nothing.text) == ("", 0.0, "")
