@@ -13,7 +13,7 @@ import threading
 import time
 import traceback
 import zlib
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -508,24 +508,19 @@ class Transcriber:
         yields nothing. An input that cannot be read (AudioError, TypeError) is raised once
         the recordings decoding when it was reached are yielded; to go on past such files,
         read them first (Transcriber.read), as folder runs do."""
-        pending = enumerate(inputs)  # pulled lazily: a folder's audio is not all held at once
+        if self.scheduler is not None:  # its worker runs the engine: not this thread too
+            yield from self._handed_over(inputs)
+            return
+        pending = self._read(inputs)
         decoding = _Decoding(self, self.batch_size)
         exhausted, failure = False, None
         try:
             while True:
                 new = []
                 while not exhausted and decoding.recordings + len(new) < self.batch_size:
-                    index, item = next(pending, (None, None))
-                    if index is None:
-                        exhausted = True
-                        break
-                    try:
-                        item = self.input(item, f"audio[{index}]" if isinstance(item, np.ndarray) else None)
-                    except TypeError as error:  # not audio at all: which of the inputs it was
-                        exhausted, failure = True, TypeError(f"audio[{index}]: {error}")
-                        break
-                    except (AudioError, OSError) as error:  # these name the file, or the array by its place
-                        exhausted, failure = True, error
+                    item = next(pending, None)
+                    if not isinstance(item, AudioInput):
+                        exhausted, failure = True, item
                         break
                     if not item.cancelled:
                         new.append(self._start(item))
@@ -542,6 +537,44 @@ class Transcriber:
                     yield job.transcript()
         finally:
             decoding.close()
+
+    def _read(self, inputs: Iterable[Audio]) -> Iterator[AudioInput | Exception]:
+        """The inputs as AudioInputs, pulled lazily (a folder's audio is not all held at once),
+        up to the first that cannot be read: its error, naming it, ends them."""
+        for index, item in enumerate(inputs):
+            try:
+                yield self.input(item, f"audio[{index}]" if isinstance(item, np.ndarray) else None)
+            except TypeError as error:  # not audio at all: which of the inputs it was
+                yield TypeError(f"audio[{index}]: {error}")
+                return
+            except (AudioError, OSError) as error:  # these name the file, or the array by its place
+                yield error
+                return
+
+    def _handed_over(self, inputs: Iterable[Audio]) -> Iterator[Transcript]:
+        """transcribe_many through the scheduler: batch_size recordings handed over at a time,
+        each yielded when done; an abandoned generator cancels what it handed over."""
+        pending, running = self._read(inputs), set[Future]()
+        exhausted, failure = False, None
+        try:
+            while True:
+                while not exhausted and len(running) < self.batch_size:
+                    item = next(pending, None)
+                    if not isinstance(item, AudioInput):
+                        exhausted, failure = True, item
+                    elif not item.cancelled:
+                        running.add(self.submit(item))
+                if not running:
+                    if failure is not None:
+                        raise failure
+                    return
+                done, running = wait(running, return_when=FIRST_COMPLETED)
+                for future in done:
+                    with contextlib.suppress(Cancelled):
+                        yield future.result()
+        finally:
+            for future in running:
+                future.cancel()
 
     def transcribe_window(
         self,

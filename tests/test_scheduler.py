@@ -394,6 +394,16 @@ def test_transcribe_many_and_submit_take_what_transcribe_takes(pair):
     try:
         shared = Transcriber(pair, transcriber.options, scheduler=scheduler)
         assert shared.submit(clip).result(timeout=600).text == expected
+        # Through the scheduler's worker (it decoded in this thread, on the engine the worker
+        # runs); what cannot be read is raised once the recordings before it are yielded.
+        many = shared.transcribe_many([str(clip), load_audio(clip), b"RIFF"])
+        assert [next(many).text, next(many).text] == [expected, expected]
+        with pytest.raises(TypeError, match=r"^audio\[2\]: audio must be a file's path"):
+            next(many)
+        deadline = time.monotonic() + 60  # the load is measured after a round, its results settled before
+        while scheduler.load().recordings_served < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.load().recordings_served == 3
     finally:
         scheduler.close()
 
