@@ -64,13 +64,18 @@ class SpeechMap:
         both mapped by the chunk of its middle, as faster-whisper maps them, and a segment with
         words spans them (its own ends, mapped alone, could take in a cut's silence where
         its first or last word straddles the cut). A segment without words whose end falls in
-        the next chunk's padding ends in its own chunk: Whisper's end, 0.1 s past the speech,
-        stretched a subtitle over the 40 s cut between."""
+        the next chunk's padding, or less than a word's time past it, ends in its own chunk:
+        Whisper's end, at or just past the next speech's onset, stretched a subtitle over the
+        40 s cut between. So, mirrored, for a start in a chunk's trailing padding."""
         if not segment.words:
             first, last = self.chunk_of(segment.start), self.chunk_of(segment.end, is_end=True)
-            if last > first and round(segment.end * SAMPLE_RATE) - self.ends[last - 1] <= self.pad:
+            reach = self.pad + SAMPLE_RATE // 4
+            if last > first and round(segment.end * SAMPLE_RATE) - self.ends[last - 1] <= reach:
                 last -= 1
-            return replace(segment, start=self.original(segment.start, first), end=self.original(segment.end, last))
+            start = segment.start
+            if last > first and self.ends[first] - round(start * SAMPLE_RATE) <= reach:
+                start, first = self.ends[first] / SAMPLE_RATE, first + 1
+            return replace(segment, start=self.original(start, first), end=self.original(segment.end, last))
         words, last = [], len(self.chunks) - 1
         for word in segment.words:
             # A word may end past its chunk (the filter's guess) as the alignment heard it,

@@ -61,13 +61,21 @@ def test_a_segment_maps_its_ends_and_each_word_by_its_middle():
 def test_a_segment_without_words_ending_in_the_next_chunks_padding_ends_in_its_own():
     """Whisper's end of a segment, 0.1 s past its speech, fell in the next chunk: mapped
     there, a subtitle stretched over the 40 s of silence cut between (faster-whisper's does).
-    Within the padding the filter keeps before the next chunk's speech (0.4 s), it now ends
-    where its own chunk does; further in, the speech goes on across the cut."""
+    Within the padding the filter keeps before the next chunk's speech (0.4 s), or a quarter
+    second past it (Whisper's end is often at the next speech's onset, or just after: 0.46 s
+    into the next chunk missed by 0.06 s, and a cue hung over 5 s of cut silence), it now
+    ends where its own chunk does; further in, the speech goes on across the cut. Mirrored,
+    a start in a chunk's trailing padding is the next chunk's start."""
     speech = SpeechMap(CHUNKS, pad=6400)
-    just_past = speech.restore(Segment(0, 0.5, 1.1, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
-    assert (just_past.start, just_past.end) == (0.756, 1.28)  # not 3.34, after the cut's 2.24 s
-    across = speech.restore(Segment(0, 0.5, 1.5, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
-    assert (across.start, across.end) == (0.756, 3.74)
+    for end in (1.1, 1.45):  # 0.076 and 0.426 s into the second chunk
+        just_past = speech.restore(Segment(0, 0.5, end, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+        assert (just_past.start, just_past.end) == (0.756, 1.28)  # not 3.34 or 3.69, after the cut's 2.24 s
+    across = speech.restore(Segment(0, 0.3, 2.3, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (across.start, across.end) == (0.556, 6.764)  # 0.764 s into the third chunk, 4.464 s cut before it
+    late = speech.restore(Segment(0, 0.9, 2.3, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (late.start, late.end) == (3.264, 6.764)  # not 1.156, 0.124 s before the first chunk's end
+    within = speech.restore(Segment(0, 0.9, 1.45, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (within.start, within.end) == (1.156, 1.28)  # both in padding: its own chunk's
 
 
 def test_a_rounded_time_never_passes_its_chunks_end():
