@@ -5,12 +5,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
-from asr.audio import time_within
+from asr.audio import load_audio, time_within
 from asr.transcribe import Segment
-from asr.vad import SpeechMap
+from asr.vad import SpeechMap, speech_only
 from asr.words import Word
+from conftest import DEV
 
 SpeechTimestampsMap = pytest.importorskip("faster_whisper.vad").SpeechTimestampsMap
 
@@ -88,3 +90,17 @@ def test_a_rounded_time_never_passes_its_chunks_end():
     assert time_within(53.2665625, 53.2665625, places=2) == 53.26
     assert time_within(53.2664, 53.2665625) == 53.266
     assert time_within(12.0, 53.2665625) == 12.0
+
+
+def test_quiet_speech_is_found_as_loud_speech_is():
+    """Silero's judgement depends on the level, Whisper's does not: JFK peaking at -53 dBFS
+    kept 4.3 of its 11 s (the transcript lost its first half), at -60 dBFS nothing. A louder
+    recording is judged as faster-whisper's filter judges it."""
+    from faster_whisper.vad import VadOptions, get_speech_timestamps
+
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(jfk, VadOptions(), 16000))
+    for gain in (1.0, 0.003, 0.001):
+        kept, speech = speech_only(jfk * np.float32(gain))
+        assert speech.chunks == chunks and len(kept) == sum(end - start for start, end in chunks), gain
+    assert speech_only(np.zeros(16000, np.float32))[1].chunks == ()
