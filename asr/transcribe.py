@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from asr import hints, sampling, vad
-from asr.audio import (MAX_SECONDS, SAMPLE_RATE, AudioError, audio_seconds, load_audio, stream_audio, time_within,
-                       to_model_input, too_long)
+from asr.audio import (MAX_SECONDS, SAMPLE_RATE, AudioError, audio_seconds, checked_rate, load_audio, stream_audio,
+                       time_within, to_model_input, too_long)
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
@@ -422,9 +422,15 @@ class Transcriber:
                             draft_frames=models.draft.encoder.config.max_source_positions if own else None,
                             no_speech_token=self.vocab.no_speech)
 
-    def transcribe(self, audio: Audio, name: str | None = None) -> Transcript:
-        """A file, or an array of 16 kHz samples ([frames] or [frames, channels], float or PCM
-        integers). Raises Cancelled if the AudioInput's progress is cancelled before it is done."""
+    def transcribe(self, audio: Audio, name: str | None = None, sample_rate: int = SAMPLE_RATE) -> Transcript:
+        """A file, or an array of samples ([frames] or [frames, channels], float or PCM
+        integers) at sample_rate, resampled to 16 kHz (soundfile.read's 44.1 kHz, read as 16 kHz,
+        gave no text). Raises Cancelled if the AudioInput's progress is cancelled before it is done."""
+        if sample_rate != SAMPLE_RATE:
+            if not isinstance(audio, np.ndarray):
+                raise ValueError(f"sample_rate is an array's: a file tells its own, an AudioInput holds 16 kHz samples "
+                                 f"(given {sample_rate})")
+            audio = to_model_input(audio, checked_rate(sample_rate, name or "audio"), name or "audio")
         item = self.input(audio, name)
         if self.scheduler is not None:
             return self.submit(item).result()

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import soundfile
+import soxr
 import torch
 
 import asr.transcribe
@@ -485,6 +486,11 @@ def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair
     jfk = load_audio(DEV / "en_short" / "jfk.flac")
     expected = transcriber.transcribe(jfk).text
     assert transcriber.transcribe(AudioInput("float64", jfk.astype(np.float64))).text == expected
+    # At another rate, as soundfile.read gives it: read as 16 kHz it was no text at all.
+    cd = np.stack([soxr.resample(jfk, SAMPLE_RATE, 44100)] * 2, axis=1)
+    assert transcriber.transcribe(cd, sample_rate=44100).text == expected
+    with pytest.raises(ValueError, match="sample_rate is an array's: a file tells its own"):
+        transcriber.transcribe(DEV / "en_short" / "jfk.flac", sample_rate=44100)
     pcm = np.round(jfk * 32767).astype(np.int16)
     window = transcriber.transcribe_window(pcm, [], "en")
     assert transcriber.vocab.decode(window.tokens).strip() == expected.strip()
