@@ -72,6 +72,10 @@ CSS = """
 .asr-segment:last-child { border-bottom: none; }
 .asr-time { flex: none; width: 9.5rem; font-family: var(--font-mono); font-size: .85rem;
   color: var(--body-text-color-subdued); padding-top: .1rem; }
+/* The downloads are the server's: Gradio's × on each removed its link, for good. */
+#upload-downloads button[aria-label="Remove this file"] { display: none; }
+/* A phone's width: the times above their text (beside it, the text had three words a line). */
+@media (max-width: 600px) { .asr-segment { flex-direction: column; gap: .1rem; } .asr-time { width: auto; } }
 .asr-live { font-size: 1.25rem; line-height: 1.6; min-height: 6rem; padding: .8rem 1rem;
   border: 1px solid var(--border-color-primary); border-radius: 8px; }
 .asr-tentative { color: var(--body-text-color-subdued); opacity: .6; font-style: italic; }

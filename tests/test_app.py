@@ -616,6 +616,11 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     assert {"jfk.txt", "jfk.srt", "jfk.vtt", "jfk.json"} <= set(by_name), links
     assert EXPECTED in words(page.request.get(by_name["jfk.txt"]).text())
     assert "00:00:00,000 -->" in page.request.get(by_name["jfk.srt"]).text()
+    expect(page.locator("#upload-downloads button[aria-label='Remove this file']").first).to_be_hidden()  # it removed a link
+    # On a phone's width the times stand above their text (beside it, three words a line).
+    page.set_viewport_size({"width": 390, "height": 800})
+    time_box, text_box = (segments.first.locator(part).bounding_box() for part in (".asr-time", ".asr-text"))
+    assert text_box["y"] >= time_box["y"] + time_box["height"] and text_box["width"] > 250
 
 
 def test_the_upload_is_served_as_an_api_endpoint(server: str, tmp_path: Path) -> None:
