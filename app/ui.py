@@ -260,15 +260,17 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
 @dataclasses.dataclass
 class _Tab:
     """A browser tab's upload (by Gradio's session): what decodes, and what the page asked
-    while it did, which waits behind it (always_last). A new file or new settings stop it, as
-    its Stop button does. What waits is dropped by Stop, or when it is what just decoded
-    (Transcribe pressed as the file was dropped): it decoded the whole file again, after
-    Stop or after the first run."""
+    while it did, which waits behind it (always_last; the page reads its file and settings
+    when it sends it, once the upload has ended). A new file or new settings stop the upload,
+    as its Stop button does. What waits is dropped by Stop (or the file's ×), or when it is
+    what just decoded (Transcribe pressed as the file was dropped): it decoded the whole file
+    again, after Stop or after the first run."""
 
     running: tuple | None = None  # the file and settings decoding
     progress: Progress | None = None  # ... and its progress, which stops it
     waiting: tuple | None = None  # the file and settings the page asked for while it decoded
-    dropped: tuple | None = None  # what the next request to start decodes nothing for
+    stopped_waiting: bool = False  # Stop came after that: the next request decodes nothing
+    done: tuple | None = None  # ... or decodes nothing if it is this, which the page shows whole
 
 
 _TABS: dict[str, _Tab] = {}
@@ -282,7 +284,26 @@ def stop_upload(request: gr.Request) -> None:
     with _TABS_LOCK:
         if (tab := _TABS.get(request.session_hash)) is not None and tab.progress is not None:
             tab.progress.cancel()
-            tab.dropped = tab.waiting
+            tab.stopped_waiting = tab.waiting is not None
+
+
+def _dropped(session: str, request: tuple) -> bool:
+    """Whether this request, starting, is one the tab dropped (_Tab); either way, what was
+    dropped is dropped once."""
+    with _TABS_LOCK:
+        if (tab := _TABS.get(session)) is None:
+            return False
+        dropped = tab.stopped_waiting or tab.done == request
+        tab.stopped_waiting, tab.done = False, None
+        _forget_idle(session, tab)
+        return dropped
+
+
+def _forget_idle(session: str, tab: _Tab) -> None:
+    """Under _TABS_LOCK: a tab with nothing decoding or dropped is not kept (plain HTTP
+    clients' requests each come in a session of their own, and never leave)."""
+    if tab.progress is None and not tab.stopped_waiting and tab.done is None:
+        _TABS.pop(session, None)
 
 
 def replace_upload(session: str, request: tuple) -> None:
@@ -291,7 +312,7 @@ def replace_upload(session: str, request: tuple) -> None:
     clients' requests do not come through here."""
     with _TABS_LOCK:
         if request[0] and (tab := _TABS.get(session)) is not None and tab.progress is not None:
-            tab.waiting = request
+            tab.waiting, tab.stopped_waiting = request, False  # asked after a Stop: it decodes
             if tab.running != request:
                 tab.progress.cancel()
 
@@ -307,6 +328,10 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
     generator at the next yield, and CPython then finalizes this one at once (GeneratorExit at
     the yield): the decoding stops (Progress.cancel), freeing its row (tests/test_app.py
     checks each in a browser)."""
+    request = (path, language, task, draft_length, prompt, words, silences, subtitles)
+    if session is not None and _dropped(session, request):  # the page stays as it is
+        yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
+        return
     if not path:
         yield _failed("Choose an audio file first.")
         return
@@ -317,17 +342,11 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         return
     progress = Progress()
     handed_over = time.perf_counter()
-    request = (path, language, task, draft_length, prompt, words, silences, subtitles)
     folder = downloads_dir / uuid.uuid4().hex  # the transcript's downloads
     if session is not None:
         with _TABS_LOCK:
             tab = _TABS.setdefault(session, _Tab())
-            dropped, tab.dropped = tab.dropped == request, None
-            if not dropped:
-                tab.running, tab.progress = request, progress
-        if dropped:  # the page stays as it is
-            yield gr.skip(), gr.skip(), gr.skip(), gr.skip()
-            return
+            tab.running, tab.progress = request, progress
     # Named as the visitor's file, but never hidden (".take2.wav", "..flac") in their downloads folder.
     stem = Path(name).stem.lstrip(".") or "transcript"
     source = path  # what is read: the upload, or a link to it that Gradio's sweep leaves alone (_hold)
@@ -391,8 +410,9 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         with _TABS_LOCK:  # an API client's requests may overlap in one session
             if session is not None and (tab := _TABS.get(session)) is not None and tab.progress is progress:
                 if finished and tab.waiting == request:  # asked again as it decoded: the page shows it now
-                    tab.dropped = request
+                    tab.done = request
                 tab.running = tab.progress = tab.waiting = None
+                _forget_idle(session, tab)
     stats = upload_figures(result, seconds, engine.language_name(result.info.language), language == AUTO)
     yield (figures_html(stats), warnings_html(result.info.warnings) + transcript_html(result),
            gr.update(value=[str(f) for f in files], visible=True), gr.update(visible=False))

@@ -109,10 +109,20 @@ class PseudoLabels:
 
     def save(self) -> None:
         self.encoded.flush()
-        temporary = self.path.with_suffix(".part")
-        torch.save({"files": self.files[: self.next], "labels": self.labels, "next": self.next, "made_for": self.made_for},
-                   temporary)
-        os.replace(temporary, self.path)
+        save_whole({"files": self.files[: self.next], "labels": self.labels, "next": self.next, "made_for": self.made_for},
+                   self.path)
+
+
+def save_whole(state: dict, path: Path) -> None:
+    """torch.save to path, which holds the old state until the new is whole; a write that
+    fails (a full disk: torch raises RuntimeError, "unexpected pos") is an OSError naming it."""
+    temporary = path.with_suffix(".part")
+    try:
+        torch.save(state, temporary)
+    except (OSError, RuntimeError) as error:
+        temporary.unlink(missing_ok=True)
+        raise OSError(f"{path}: could not be written ({error})") from error
+    os.replace(temporary, path)
 
 
 @torch.inference_mode()
@@ -242,9 +252,14 @@ class DraftDecoder(nn.Module):
         # All three written first, then renamed, the config last: a kill between the renames
         # leaves this epoch's weights beside the last epoch's config, the same within a run.
         parts = {out / name: out / f".{name}.part" for name in (DRAFT_WEIGHTS, "tokenizer.json", "config.json")}
-        parts[out / DRAFT_WEIGHTS].write_bytes(save(tensors))  # save_file's file is its owner's alone (mode 0600)
-        parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())
-        parts[out / "config.json"].write_text(json.dumps(config, indent=2) + "\n")
+        try:
+            parts[out / DRAFT_WEIGHTS].write_bytes(save(tensors))  # save_file's file is its owner's alone (mode 0600)
+            parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())
+            parts[out / "config.json"].write_text(json.dumps(config, indent=2) + "\n")
+        except OSError:  # a full disk: the parts would take the room the next try needs
+            for temporary in parts.values():
+                temporary.unlink(missing_ok=True)
+            raise
         for path, temporary in parts.items():
             os.replace(temporary, path)
 

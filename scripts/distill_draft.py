@@ -34,6 +34,7 @@ from asr.distill import (
     previous_text_prompts,
     pseudo_label,
     resolved,
+    save_whole,
     split_holdout,
     spread_layers,
 )
@@ -184,15 +185,12 @@ def main(argv: list[str] | None = None) -> int:
             schedule.step()
             progress.set_postfix(loss=f"{loss.item():.3f}")
         print(f"{measure(f'epoch {epoch + 1}')} ({time.perf_counter() - started:.0f} s)")
-        temporary = checkpoint.with_suffix(".part")
         try:  # a full disk: told in a line; what was saved before stays whole (each file is replaced when written)
-            draft.save(args.out, target)
-            torch.save({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
+            draft.save(args.out, target)  # first: a checkpoint past the draft would resume with none to train
+            save_whole({"draft": draft.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(),
                         "epoch": epoch + 1, "head": head, "files": store.files, "train": train, "seed": args.seed,
-                        "holdout": args.holdout, "lr": args.lr, "rng": torch.get_rng_state()}, temporary)
-            temporary.replace(checkpoint)
+                        "holdout": args.holdout, "lr": args.lr, "rng": torch.get_rng_state()}, checkpoint)
         except OSError as error:
-            temporary.unlink(missing_ok=True)
             print(f"epoch {epoch + 1} could not be saved: {error}", file=sys.stderr)
             return 2
     print(f"draft saved to {args.out}")

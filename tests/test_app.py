@@ -22,6 +22,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Callable, Iterator
 
+import gradio as gr
 import numpy as np
 import pytest
 import soundfile
@@ -403,6 +404,51 @@ def test_a_stopped_upload_offers_what_was_decoded_as_partial_downloads(engine: E
     assert sorted(files) == ["sonnets.partial.srt", "sonnets.partial.txt", "sonnets.partial.vtt"]
     text = files["sonnets.partial.txt"].read_text()
     assert "fairest creatures" in text and text.count("fairest creatures") < 4  # a part: the recording holds it 4 times
+
+
+def test_what_the_page_asked_while_an_upload_decoded_is_dropped_by_stop_or_when_it_just_decoded(
+        engine: Engine, tmp_path: Path) -> None:
+    """The page sends a request asked while its tab's upload decodes once that upload ends
+    (always_last), with the file and settings it holds then. Transcribe pressed as the same
+    file decoded decoded it again; after Stop, it started again from 0 %, also with settings
+    changed since; after the file's ×, it said "Choose an audio file first" over the partial
+    transcript. A request after Stop, or once the upload ended, decodes."""
+    from app.ui import _TABS, replace_upload, stop_upload
+
+    upload = tmp_path / "cache" / "jfk.flac"
+    upload.parent.mkdir()
+    upload.write_bytes(CLIP.read_bytes())
+    settings = ("en", "transcribe", AUTO, "", False, False, "segments")
+    asked = (str(upload), *settings)
+    tab = type("Request", (), {"session_hash": "asking-tab"})()
+    skipped = [(gr.skip(),) * 4]
+
+    def upload_of(path: str | None = str(upload), language: str = "en") -> Iterator[tuple]:
+        return transcribe_upload(engine, tmp_path / "out", path, language, *settings[1:], session="asking-tab")
+
+    def final(updates: Iterator[tuple]) -> tuple:
+        return list(updates)[-1]
+
+    running = upload_of()
+    next(running)
+    replace_upload("asking-tab", asked)  # Transcribe, the same file and settings
+    assert "Real-time factor" in final(running)[0]
+    assert list(upload_of()) == skipped  # what just decoded
+    assert "Real-time factor" in final(upload_of())[0]  # pressed again, once it ended
+    for after_stop, waiting in [(None, upload_of()), (None, upload_of(None)), (None, upload_of(language="de")),
+                                (asked, upload_of())]:
+        running = upload_of()
+        next(running)
+        replace_upload("asking-tab", asked)
+        stop_upload(tab)
+        if after_stop:
+            replace_upload("asking-tab", after_stop)  # Transcribe again, as the stopped upload ends
+        assert "Stopped" in final(running)[0]
+        if after_stop:
+            assert "Real-time factor" in final(waiting)[0]
+        else:
+            assert list(waiting) == skipped
+    assert "asking-tab" not in _TABS  # nothing kept once idle (an HTTP client's every request is a session)
 
 
 def test_stop_ends_an_upload_waiting_for_another_requests_turn(engine: Engine, tmp_path: Path) -> None:
