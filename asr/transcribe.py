@@ -575,9 +575,13 @@ class Transcriber:
                         raise failure
                     return
                 done, running = wait(running, return_when=FIRST_COMPLETED)
-                for future in done:
-                    with contextlib.suppress(Cancelled):
+                failed = [future for future in done if future.exception() is not None]
+                for future in done:  # the transcripts done beside a failure first
+                    if future not in failed:
                         yield future.result()
+                for future in failed:
+                    if not isinstance(future.exception(), Cancelled):
+                        raise future.exception()
         finally:
             for future in running:
                 future.cancel()
@@ -608,6 +612,7 @@ class Transcriber:
         if max_new_tokens is not None:  # -5 ran a row backwards; 0 meant the options' limit
             check_whole("max_new_tokens", max_new_tokens, 1)
         hints.check(hint or [], self.models.target.config.vocab_size)
+        context = list(context)  # a generator, read by the check, was no context after it
         try:  # ids outside the vocabulary failed the whole batch with a bare IndexError
             hints.check(context, self.models.target.config.vocab_size)
         except ValueError:

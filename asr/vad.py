@@ -66,14 +66,14 @@ class SpeechMap:
         its first or last word straddles the cut). A segment without words whose end falls in
         the next chunk's padding, or less than a word's time past it, ends in its own chunk:
         Whisper's end, at or just past the next speech's onset, stretched a subtitle over the
-        40 s cut between. So, mirrored, for a start in a chunk's trailing padding."""
+        40 s cut between. A start in a chunk's trailing padding is the next chunk's start."""
         if not segment.words:
             first, last = self.chunk_of(segment.start), self.chunk_of(segment.end, is_end=True)
             reach = self.pad + SAMPLE_RATE // 4
             if last > first and round(segment.end * SAMPLE_RATE) - self.ends[last - 1] <= reach:
                 last -= 1
-            start = segment.start
-            if last > first and self.ends[first] - round(start * SAMPLE_RATE) <= reach:
+            start = segment.start  # a start in the trailing padding alone: speech before it is its chunk's
+            if last > first and self.ends[first] - round(start * SAMPLE_RATE) <= self.pad:
                 start, first = self.ends[first] / SAMPLE_RATE, first + 1
             return replace(segment, start=self.original(start, first), end=self.original(segment.end, last))
         words, last = [], len(self.chunks) - 1
@@ -91,6 +91,7 @@ class SpeechMap:
 # raised to this peak for the filter alone (noise, hum and clicks raised so stay no speech);
 # a louder one is judged as faster-whisper judges it.
 QUIET_PEAK = 0.1
+MAX_GAIN = 1000.0  # 60 dB: dither alone is not raised to speech's level (a peak near 0 overflowed to inf)
 
 
 def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
@@ -98,8 +99,8 @@ def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
     from faster_whisper.vad import VadOptions, get_speech_timestamps  # optional: see available()
 
     options = VadOptions()
-    peak = float(np.abs(samples).max()) if len(samples) else 0.0
-    heard = samples * np.float32(QUIET_PEAK / peak) if 0 < peak < QUIET_PEAK else samples
+    peak = max(float(samples.max()), -float(samples.min())) if len(samples) else 0.0  # no copy of an hour's samples
+    heard = samples * np.float32(min(QUIET_PEAK / peak, MAX_GAIN)) if 0 < peak < QUIET_PEAK else samples
     chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(heard, options, SAMPLE_RATE))
     kept = np.concatenate([samples[start:end] for start, end in chunks]) if chunks else samples[:0]
     return kept, SpeechMap(chunks, pad=options.speech_pad_ms * SAMPLE_RATE // 1000, length=len(samples))

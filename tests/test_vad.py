@@ -76,6 +76,8 @@ def test_a_segment_without_words_ending_in_the_next_chunks_padding_ends_in_its_o
     assert (across.start, across.end) == (0.556, 6.764)  # 0.764 s into the third chunk, 4.464 s cut before it
     late = speech.restore(Segment(0, 0.9, 2.3, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
     assert (late.start, late.end) == (3.264, 6.764)  # not 1.156, 0.124 s before the first chunk's end
+    spoken = speech.restore(Segment(0, 0.5, 2.3, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
+    assert (spoken.start, spoken.end) == (0.756, 6.764)  # 0.524 s before it: in its speech, a short word's
     within = speech.restore(Segment(0, 0.9, 1.45, " in two", [1, 2], -0.1, 1.0, 0.0, 0.0))
     assert (within.start, within.end) == (1.156, 1.28)  # both in padding: its own chunk's
 
@@ -104,3 +106,5 @@ def test_quiet_speech_is_found_as_loud_speech_is():
         kept, speech = speech_only(jfk * np.float32(gain))
         assert speech.chunks == chunks and len(kept) == sum(end - start for start, end in chunks), gain
     assert speech_only(np.zeros(16000, np.float32))[1].chunks == ()
+    with np.errstate(all="raise"):  # raised at most 60 dB: a peak of 1e-40 overflowed the gain to inf
+        assert speech_only(np.full(16000, 1e-40, np.float32))[1].chunks == ()
