@@ -54,6 +54,7 @@ MAX_UPLOAD = "1gb"
 PROGRESS_EVERY_S = 1.0
 QUIET_UPDATE_S = 5.0
 # Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
+DROP_A_FILE = "Drop a file above: its timed transcript appears here."  # the upload tab, empty
 SUBTITLE_LAYOUTS = {"segments": SubtitleLayout(), "42x2": SubtitleLayout(max_line_width=42, max_line_count=2)}
 
 CSS = """
@@ -223,8 +224,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
         run = gr.Button("Transcribe", variant="primary", elem_id="upload-run", scale=4)
         stop = gr.Button("Stop", variant="stop", visible=False, elem_id="upload-stop", scale=1)
     figures = gr.HTML(elem_id="upload-figures")
-    transcript = gr.HTML(PLACEHOLDER.format("Drop a file above: its timed transcript appears here."),
-                         elem_id="upload-transcript")
+    transcript = gr.HTML(PLACEHOLDER.format(DROP_A_FILE), elem_id="upload-transcript")
     downloads = gr.File(label="Download (txt, srt, vtt, json)", file_count="multiple", interactive=False,
                         visible=False, elem_id="upload-downloads")
 
@@ -248,7 +248,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
           concurrency_limit=UPLOADS, trigger_mode="always_last",
           api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
     stop.click(stop_upload, None, None, queue=False)
-    audio.clear(stop_upload, None, None, queue=False)  # its transcript would come for a file no longer shown
+    audio.clear(clear_upload, None, [figures, transcript, downloads], queue=False)
 
     def forget_tab(request: gr.Request) -> None:
         with _TABS_LOCK:
@@ -277,14 +277,26 @@ _TABS: dict[str, _Tab] = {}
 _TABS_LOCK = threading.Lock()
 
 
-def stop_upload(request: gr.Request) -> None:
+def stop_upload(request: gr.Request) -> bool:
     """Stops this tab's upload, and drops what waits behind it: its handler then shows it
     Stopped, with what was decoded. (The handler says so itself: a listener's `cancels` would
-    leave its progress updates in flight free to arrive after the page said Stopped.)"""
+    leave its progress updates in flight free to arrive after the page said Stopped.)
+    Returns whether an upload was decoding."""
     with _TABS_LOCK:
-        if (tab := _TABS.get(request.session_hash)) is not None and tab.progress is not None:
-            tab.progress.cancel()
-            tab.stopped_waiting = tab.waiting is not None
+        if (tab := _TABS.get(request.session_hash)) is None or tab.progress is None:
+            return False
+        tab.progress.cancel()
+        tab.stopped_waiting = tab.waiting is not None
+        return True
+
+
+def clear_upload(request: gr.Request) -> tuple[str | dict, str | dict, dict]:
+    """The file removed (its ×): a decoding upload stops, as with Stop (its transcript would
+    come for a file no longer shown); a finished one's transcript and downloads go with the
+    file (they stayed, under no file)."""
+    if stop_upload(request):
+        return gr.skip(), gr.skip(), gr.skip()
+    return "", PLACEHOLDER.format(DROP_A_FILE), gr.update(value=None, visible=False)
 
 
 def _dropped(session: str, request: tuple) -> bool:

@@ -667,6 +667,11 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     page.set_viewport_size({"width": 390, "height": 800})
     time_box, text_box = (segments.first.locator(part).bounding_box() for part in (".asr-time", ".asr-text"))
     assert text_box["y"] >= time_box["y"] + time_box["height"] and text_box["width"] > 250
+    # The file removed: its transcript and downloads go with it (they stayed, under no file).
+    page.locator("#upload-file button[aria-label='Clear']").click()
+    expect(page.locator("#upload-transcript")).to_contain_text("Drop a file above")
+    expect(page.locator("#upload-downloads")).to_be_hidden()
+    assert page.locator("#upload-figures").inner_text().strip() == ""
 
 
 def test_the_upload_is_served_as_an_api_endpoint(server: str, tmp_path: Path) -> None:
