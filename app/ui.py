@@ -53,8 +53,8 @@ MAX_UPLOAD = "1gb"
 # visitor is still there (it closes the handler of one who left, which stops the decoding).
 PROGRESS_EVERY_S = 1.0
 QUIET_UPDATE_S = 5.0
-# Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
 DROP_A_FILE = "Drop a file above: its timed transcript appears here."  # the upload tab, empty
+# Subtitle downloads: Whisper's segments as they are, or lines of a broadcast-style width.
 SUBTITLE_LAYOUTS = {"segments": SubtitleLayout(), "42x2": SubtitleLayout(max_line_width=42, max_line_count=2)}
 
 CSS = """
