@@ -622,7 +622,7 @@ class Transcriber:
         if language is not None:
             job.language = job.info.language = language
             job.info.language_probability = 1.0
-        job.context, job.hint = list(context), list(hint or [])
+        job.context, job.hint = context, list(hint or [])  # context: a list of its own already
         job.max_new_tokens = max_new_tokens
         if self.scheduler is not None:
             return self.scheduler.run(job, encoder_frames).result
