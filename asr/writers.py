@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -254,8 +255,12 @@ def write_atomic(path: Path, data: str | bytes) -> None:
 
 def write_files_atomic(files: dict[Path, str | bytes]) -> None:
     """write_atomic for files that go together (a report's): every one is written to its
-    temporary file before any is renamed, so a full disk leaves the old set whole."""
+    temporary file before any is renamed, so a full disk leaves the old set whole; a rename
+    that fails midway (a file held open on Windows, another user's in a sticky folder) puts
+    back those already replaced, from copies made before the first."""
     temporaries: dict[Path, str] = {}
+    olds: dict[Path, str] = {}  # the old files' copies
+    replaced: list[Path] = []
     try:
         for path, data in files.items():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -271,13 +276,30 @@ def write_files_atomic(files: dict[Path, str | bytes]) -> None:
                     with contextlib.suppress(PermissionError):
                         os.fchmod(out.fileno(), 0o666 & ~UMASK)
                 os.fsync(out.fileno())
-        for path in list(temporaries):
+        if len(files) > 1:
+            for path in files:
+                if path.is_file():
+                    handle, olds[path] = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name),
+                                                          suffix=".part")
+                    os.close(handle)
+                    shutil.copyfile(path, olds[path])
+        for path in files:
             os.replace(temporaries[path], path)
             del temporaries[path]
+            replaced.append(path)
     except BaseException:
         for temporary in temporaries.values():
             Path(temporary).unlink(missing_ok=True)
+        for path in replaced:
+            with contextlib.suppress(OSError):  # what can be put back is; the error raised is the first
+                if path in olds:
+                    os.replace(olds.pop(path), path)
+                else:
+                    path.unlink()
         raise
+    finally:
+        for old in olds.values():
+            Path(old).unlink(missing_ok=True)
 
 
 def name_length(name: str) -> int:

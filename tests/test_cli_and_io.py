@@ -723,6 +723,21 @@ def test_files_written_together_are_all_replaced_or_none(tmp_path: Path, monkeyp
     assert {p.name: p.read_text() for p in tmp_path.iterdir()} == {"report.md": "old\n", "report.json": "{}\n"}
 
 
+def test_a_rename_failing_midway_puts_back_the_files_already_replaced(tmp_path: Path):
+    """The renames themselves can fail after the first (here report.json is a folder; on
+    Windows, a file held open): report.md and the plot were left new beside the old json."""
+    old = {tmp_path / "report.md": "old\n", tmp_path / "plot.png": b"old"}
+    writers.write_files_atomic(old)
+    (tmp_path / "report.json").mkdir()
+    with pytest.raises(IsADirectoryError):
+        writers.write_files_atomic({**{path: "new\n" for path in old}, tmp_path / "new.txt": "new\n",
+                                    tmp_path / "report.json": "{}\n"})
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == {"report.md": b"old\n",
+                                                                                   "plot.png": b"old"}
+    writers.write_files_atomic({path: "new\n" for path in old})  # and when all go well, no copy is left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "report.json", "report.md"]
+
+
 def test_outputs_are_readable_as_a_plain_open_would_make_them(tmp_path: Path, monkeypatch):
     (path,) = writers.write_transcript(_transcript(), tmp_path, "talk", ["txt"])
     assert path.stat().st_mode & 0o777 == 0o666 & ~writers.UMASK  # not the temporary file's private 0600
