@@ -28,7 +28,7 @@ from asr.batch import (
     DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
     transcript_settings,
 )
-from asr.evaluate import PEERS, EvaluateOptions, evaluate, write_report
+from asr.evaluate import PEERS, EvaluateOptions, evaluate, system_names, write_report
 from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import AudioWarning, load_audio
@@ -413,6 +413,7 @@ def evaluate_command(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run
             raise ValueError(f"--out {args.out}: {problem}")
+        system_names(options.peers)  # a peer that cannot run, said before the models load
         missing = [c.path for c in clips if _missing(c.path)]  # one that cannot be looked at fails alone, later
         if len(missing) == len(clips):  # said before the models load for nothing
             raise ValueError(f"{args.manifest}: none of its {len(clips)} files exists (the first: {missing[0]}; "
@@ -443,8 +444,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
         return 1
     try:
         markdown = write_report(report, args.out, title=str(args.manifest))
-    except KeyboardInterrupt:  # while renaming: some files may be the new report's
-        print(f"asr: interrupted while writing the report into {args.out}: run the evaluation again", file=sys.stderr)
+    except KeyboardInterrupt:  # while writing: the files already renamed are put back (write_files_atomic)
+        print(f"asr: interrupted while writing the report into {args.out}, which keeps its previous one: run the "
+              "evaluation again", file=sys.stderr)
         return 130
     except OSError as error:  # the figures are not lost: report.json goes where it can
         handle, kept = tempfile.mkstemp(prefix="asr-report-", suffix=".json")

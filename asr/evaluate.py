@@ -56,7 +56,8 @@ PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time
 NOTES = [
     "Timing: each file is decoded by every system in one process, in an order that rotates from batch to batch; "
     "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; each language's first "
-    "batch is decoded once beforehand, untimed, to warm up; on a GPU our engines capture every step their batches can meet "
+    "batch, cut to 30 s, is decoded once beforehand, untimed, to warm up (by a peer, its first file; a faster-whisper "
+    "process started again after a file failed is not warmed); on a GPU our engines capture every step their batches can meet "
     "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times.",
 ]
@@ -424,8 +425,6 @@ class FasterWhisperSystem(_OneFileAtATime):
     process of its own (asr/peer_process.py)."""
 
     def __init__(self, pair: ModelPair, options: TranscribeOptions):
-        if importlib.util.find_spec("faster_whisper") is None:  # imported in its process only
-            raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'")
         self.target = pair.target
         self.options = options
         device, dtype = pair.target.device, pair.target.dtype
@@ -466,6 +465,8 @@ def system_names(peers: tuple[str, ...]) -> list[str]:
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {', '.join(unknown)}; choose from {', '.join(PEERS)}")
+    if "faster-whisper" in peers and importlib.util.find_spec("faster_whisper") is None:  # imported in its process only
+        raise ValueError("--peers faster-whisper needs faster-whisper: pip install 'asr[faster-whisper]'")
     return [TARGET, SPECULATIVE] + [name for peer in peers for name in PEERS[peer]]
 
 
@@ -631,6 +632,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             # counted in tokens per target pass, not in the draft's acceptance.
             entry["hint_tokens"] = {"proposed": stats.hint_proposed, "accepted": stats.hint_accepted}
             entry["tokens_per_target_pass"] = stats.tokens_per_target_pass
+            entry["target_passes"] = stats.target_passes
             # How many draft tokens each target pass that verified some accepted: {accepted: passes}.
             entry["accepted_per_pass_histogram"] = dict(sorted(Counter(stats.accepted_per_pass).items()))
         if system != TARGET:
@@ -771,9 +773,11 @@ def render_markdown(report: dict, title: str) -> str:
             "",
             f"Speculative vs target-only: {identical}/{report['n_files']} transcripts identical"
             f"{f' ({uncompared} more not compared, see Failures)' if uncompared else ''}, WER delta {delta}, "
-            f"{_number(report['speedup'], 'x')} faster end to end, "
-            f"{_number(report['decoder_speedup'], 'x')} in the decoder.",
+            f"{_pace(report['speedup'])} end to end, {_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
+        if report["systems"][SPECULATIVE]["draft_tokens"]["proposed"] == 0:
+            lines[-1] += (" The draft proposed no token (every target pass was the target's own): both did the same "
+                          "work, and the difference is run-to-run noise.")
         differing = [f for f in report["per_file"] if f.get("identical") is False]
         if differing:
             lines += ["", f"Files where ours speculative differs from ours target-only ({len(differing)}):", ""]
@@ -829,6 +833,15 @@ def render_markdown(report: dict, title: str) -> str:
     return "\n".join(lines)
 
 
+def _pace(speedup: float | None) -> str:
+    """A speed ratio in words that read right on both sides of 1."""
+    if speedup is None:
+        return "-"
+    if speedup >= 1:
+        return f"{_number(speedup, 'x')} faster"
+    return f"{_number(speedup, 'x')} the speed (slower)"
+
+
 def render_plots(report: dict) -> dict[str, bytes]:
     """The plots as PNG files' contents, by name."""
     # The object-oriented API renders with Agg without touching pyplot's global backend.
@@ -857,11 +870,12 @@ def render_plots(report: dict) -> dict[str, bytes]:
     for i, (s, histogram) in enumerate(histograms):
         passes = sum(histogram.values())
         ax.bar([a + i * width for a in histogram], [100 * n / passes for n in histogram.values()], width,
-               label=f"{LABELS[s]} ({passes} passes)")
+               label=f"{LABELS[s]} ({passes} of its {report['systems'][s]['target_passes']} target passes)")
     if histograms:
         ax.legend()
-    ax.set(xlabel="draft tokens accepted by a target pass", ylabel="target passes (%)",
-           title="Acceptance: draft tokens accepted per target pass")
+    # Passes that verified no draft token (the draft declined, or a retry's hint) are not in it.
+    ax.set(xlabel="draft tokens accepted by a target pass", ylabel="target passes that verified draft tokens (%)",
+           title="Acceptance: draft tokens accepted per target pass that verified some")
 
     ax = figures["wer.png"].subplots()
     scored = [(i, s) for i, s in enumerate(systems) if report["systems"][s]["wer"] is not None]  # not 0 % for no file

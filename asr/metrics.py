@@ -102,20 +102,27 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
     limit: only the first rows are read (a bad row after them is not looked at)."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
     data = path.read_bytes()
-    bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # not part of "file"
-    try:
-        text = data[bom:].decode("utf-8")
-    except UnicodeDecodeError as error:  # decoded whole: a reader's error.start counts from its last chunk
-        at = bom + error.start
-        line = len((data[:at] + b"x").splitlines())  # \n, \r\n or \r, as csv reads them
-        raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {at})") from None
+    if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # a spreadsheet's "Unicode Text"
+        try:
+            text = data.decode("utf-16")
+        except UnicodeDecodeError as error:
+            raise ValueError(f"{path}: not UTF-16 text, as its start says ({error.reason} at byte {error.start})") from None
+    else:
+        bom = len(codecs.BOM_UTF8) if data.startswith(codecs.BOM_UTF8) else 0  # not part of "file"
+        try:
+            text = data[bom:].decode("utf-8")
+        except UnicodeDecodeError as error:  # decoded whole: a reader's error.start counts from its last chunk
+            at = bom + error.start
+            line = len((data[:at] + b"x").splitlines())  # \n, \r\n or \r, as csv reads them
+            raise ValueError(f"{path}:{line}: not UTF-8 text ({error.reason} at byte {at})") from None
     reader = csv.DictReader(io.StringIO(text, newline=""), delimiter="\t", quoting=csv.QUOTE_NONE)
     # A spreadsheet's "Language" column was ignored: its clips were decoded as English.
     columns = reader.fieldnames = [c.strip().lower() for c in reader.fieldnames or []]
     missing = set(required) - set(columns)
     if missing:
+        found = f"missing {', '.join(sorted(missing))}" if any(columns) else "its first line, the header, is blank"
         raise ValueError(f"{path}: a manifest needs the column{'s' * (len(required) > 1)} {' and '.join(required)} "
-                         f"(tab-separated); missing {', '.join(sorted(missing))}")
+                         f"(tab-separated); {found}")
     # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
     if repeated := sorted({c for c in columns if c.strip() and columns.count(c) > 1}):
         raise ValueError(f"{path}: the header names {', '.join(repeated)} more than once")
