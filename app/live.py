@@ -16,13 +16,10 @@ import numpy as np
 
 from app.engine import Engine, Settings
 from asr.audio import AudioError, checked_rate, float_mono
-from asr.streaming import StreamingTranscriber, StreamSummary, StreamUpdate, summarize
+from asr.streaming import MIN_STEP_SECONDS, StreamingTranscriber, StreamSummary, StreamUpdate, summarize
 
 # No chunk for this long: the visitor's browser stopped sending (its tab is closed at once: cancel).
 IDLE_SECONDS = 30.0
-# Audio a decode waits for (chunks come every 0.5 s, Gradio's stream_every): a buffer of a
-# fraction of a second only misleads the language detection, and each decode re-reads the whole buffer.
-STEP_SECONDS = 1.0
 
 
 def microphone_chunk(rate: int, samples: np.ndarray) -> np.ndarray:
@@ -87,7 +84,7 @@ class LiveSession:
                 self._started = time.monotonic() - samples.size / rate
             self._pending.append((rate, samples))
             self._pending_seconds += samples.size / rate
-            if self._pending_seconds >= STEP_SECONDS:
+            if self._pending_seconds >= MIN_STEP_SECONDS:  # what the streamer would decode (chunks come every 0.5 s)
                 self._wake.notify()
 
     def finish(self) -> None:
@@ -146,7 +143,7 @@ class LiveSession:
         retried = False
         while True:
             with self._wake:
-                while not self._stopping and self._pending_seconds < STEP_SECONDS:
+                while not self._stopping and self._pending_seconds < MIN_STEP_SECONDS:
                     if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
                         self._stopping, self._stopped, self.idle = True, self._fed, IDLE_SECONDS
                     else:

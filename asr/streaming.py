@@ -85,6 +85,7 @@ SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's l
 # A buffer whose loudest quarter second is quieter than this (in dB of a full-scale signal's
 # power) holds nothing a microphone picked up: its own noise is louder (-60 to -50 dBFS).
 INAUDIBLE_DBFS = -70
+RESPELT_SIMILARITY = 0.75  # difflib's ratio of letters at which a hypothesis's words are the committed ones respelt
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 # A hypothesis's last word that ends a sentence this close to the buffer's end is not
@@ -92,6 +93,9 @@ UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its
 # ("Americans. ask not what your country can do for you. ask what"). It waits for words
 # after it, or for this much more audio.
 SETTLE_SECONDS = 1.0
+# Audio a process() call waits for before it decodes again (whisper_streaming's min-chunk-size):
+# two hypotheses of almost the same buffer agreed on a word cut off at its end ("rip-er").
+MIN_STEP_SECONDS = 1.0
 SENTENCE_END = re.compile(r"[.?!…。？！؟।][\"'”’)\]]*$")
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
@@ -134,8 +138,9 @@ class _Segment:
 
 class StreamingTranscriber:
     """Feed audio with insert_audio(), call process() whenever it suits (each call decodes
-    the buffer once, or twice when the first hypothesis is a hallucination), and finish() at
-    the end of the stream.
+    the buffer once, or twice when the first hypothesis is a hallucination, once
+    min_step_seconds of audio came since its last decode), and finish() at the end of the
+    stream.
 
     prompt: text before the stream (what was said before, names and spelling to expect),
     the first prompt (whisper_streaming's init_prompt); later the committed text follows it.
@@ -165,6 +170,7 @@ class StreamingTranscriber:
         *,
         hypothesis_draft: bool = True,
         buffer_trim_seconds: float = 15.0,
+        min_step_seconds: float = MIN_STEP_SECONDS,
         encoder_padding_seconds: float | None = None,
         prompt: str | None = None,
         clock: Callable[[], float] | None = None,
@@ -173,6 +179,9 @@ class StreamingTranscriber:
         if not 0 < buffer_trim_seconds < WINDOW_SECONDS:  # NaN too
             raise ValueError(f"buffer_trim_seconds must be above 0 and below the {WINDOW_SECONDS} s window, "
                              f"not {buffer_trim_seconds}")
+        if not 0 <= min_step_seconds < WINDOW_SECONDS:
+            raise ValueError(f"min_step_seconds must be at least 0 and below the {WINDOW_SECONDS} s window, "
+                             f"not {min_step_seconds}")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be text, not {type(prompt).__name__}")
         if encoder_padding_seconds is not None and encoder_padding_seconds < 0:
@@ -184,6 +193,7 @@ class StreamingTranscriber:
                                        scheduler=transcriber.scheduler)
         self.hypothesis_draft = hypothesis_draft
         self.buffer_trim_seconds = buffer_trim_seconds
+        self.min_step_seconds = min_step_seconds
         self.encoder_padding_seconds = encoder_padding_seconds
         self.clock = clock
         self.timer = timer
@@ -195,6 +205,8 @@ class StreamingTranscriber:
         # came, an hour inserted before a finish() took minutes of copying.
         self._waiting: deque[np.ndarray] = deque()
         self._received = 0
+        # Seconds of audio inserted, at the chunks' own rates (a resampler holds some back), and when last decoded.
+        self._inserted, self._stepped = 0.0, 0.0
         self._rate: float = SAMPLE_RATE  # of the chunks inserted last
         self._resampler: soxr.ResampleStream | None = None  # theirs to 16 kHz, where it is another
         self._decoded_until = 0  # stream sample index of the buffer's end when it was last decoded
@@ -248,6 +260,7 @@ class StreamingTranscriber:
         if np.size(samples) == 0:
             return
         samples = to_model_input(samples, SAMPLE_RATE, "stream chunk")  # checked; resampled below
+        self._inserted += len(samples) / sample_rate
         held = np.zeros(0, np.float32)
         if sample_rate != self._rate:
             if self._resampler is not None:
@@ -288,7 +301,9 @@ class StreamingTranscriber:
         committed: list[Word] = []
         self._decoded, decoded_seconds = [], 0.0
         tail = False  # a last decode cut the buffer before speech it left to a next window (_agree)
-        while True:  # once; when final, until no audio waits
+        # (10 chunks of 0.1 s add up to 0.9999999999999999)
+        soon = not final and self._inserted - self._stepped < self.min_step_seconds - 1e-6
+        while not soon:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
             if (until == self._decoded_until and not self._waiting and not tail
@@ -316,6 +331,8 @@ class StreamingTranscriber:
                 tail = True
             elif not (final and self._waiting):
                 break
+        if not soon:
+            self._stepped = self._inserted
         if final:
             committed += self._commit(self._tentative)
             # All heard is committed: a second finish() finds nothing to decode (it decoded a
@@ -639,8 +656,9 @@ class StreamingTranscriber:
         else, where the model changed its mind about committed audio, as many as align with
         them (after the last run of words the two have in common, one for one), or none if
         too few align (the model no longer hears them, at the buffer's start): at least half
-        of them, or a run of two or more that ends them. One word in common ("for" of "can
-        do for you" and "For a full hour") took the new words after it as committed."""
+        of them, or a run of two or more that ends them; or else the words that spell about
+        what the committed ones do (_respelt). One word in common ("for" of "can do for you"
+        and "For a full hour") took the new words after it as committed."""
         known = [_key(w) for w in self._in_buffer]
         keys = [_key(w) for w in words]
         if not known:
@@ -652,13 +670,17 @@ class StreamingTranscriber:
                 total += len(keys[done])
                 done += 1
             return done
-        blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks() if b.size]
-        if not blocks:
-            return 0
-        last = blocks[-1]
-        ends_them = last.a + last.size == len(known) and last.size >= 2
-        if 2 * sum(b.size for b in blocks) < len(known) and not ends_them:
-            return 0
+        # A word in common further on in the hypothesis than among the committed words is
+        # another saying of it ("to the" committed, "to a gaudy spring ... Pity the world"
+        # took the 17 words up to "the" as committed); fewer, where the model no longer hears
+        # the first committed words, is not.
+        near = max(2, len(known) // 4)
+        blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks()
+                  if b.size and b.b - b.a <= near]
+        last = blocks[-1] if blocks else None
+        if last is None or 2 * sum(b.size for b in blocks) < len(known) and not (
+                last.a + last.size == len(known) and last.size >= 2):  # a run of two or more that ends them
+            return _respelt(committed, keys)
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
 
     def _split_at_committed(self, segments: list[_Segment]) -> list[_Segment]:
@@ -778,6 +800,21 @@ def _before_repeats(keys: list[str], before: list[str]) -> int:
             if run == keys[i + n : i + 2 * n] and (n >= LOOP_WORDS or run * 2 == keys[i + 2 * n : i + 4 * n]):
                 return i + n
     return len(keys)
+
+
+def _respelt(committed: str, keys: list[str]) -> int:
+    """How many leading words spell about what the committed words do, letter by letter
+    (the same audio heard with other spellings: "and crease that thereby beauties rose",
+    then "increase, that there by beauty's rows"; too few words agreed, and all were
+    committed again): the prefix most like them, if at least RESPELT_SIMILARITY alike; else 0."""
+    blocks = difflib.SequenceMatcher(None, committed, "".join(keys), autojunk=False).get_matching_blocks()
+    best, most, end = 0, RESPELT_SIMILARITY, 0
+    for words, key in enumerate(keys, 1):
+        end += len(key)
+        alike = 2 * sum(max(0, min(b.size, end - b.b)) for b in blocks) / (len(committed) + end)
+        if alike >= most:
+            best, most = words, alike
+    return best
 
 
 def _split(text: str) -> list[str]:

@@ -182,6 +182,7 @@ def test_a_hypothesis_that_loops_stops_there_and_its_retry_follows_it(transcribe
     prompt = " 1. From fairest creatures we desire and crease, that thereby beauty's rows might never die,"
     stream = StreamingTranscriber(transcriber, prompt=prompt)
     stream._buffer, stream._buffer_start, stream._received = buffer, 145_280, 376_000
+    stream._inserted = 376_000 / SAMPLE_RATE
     stream._hint = [50364, 457, 382, 264, 12782, 260, 820, 538, 565, 33156, 11, 702, 15036, 1988, 1062, 6155, 702, 4675, 13,
                     583, 24757, 11, 37629, 50754, 50754, 281, 258, 533, 1065, 4730, 2575, 11, 579, 1720, 15196, 1442, 311,
                     13287, 365, 2698, 12, 30131, 372, 394, 831, 6616, 11, 652, 51058]  # the update before's, to "make"
@@ -336,6 +337,44 @@ def test_a_hypothesis_that_no_longer_hears_the_committed_words_keeps_its_own(tra
     updates = scripted_updates(transcriber, [first, first, later])
     assert updates[-1].committed_text == (first + later).strip()
     assert_append_only(updates)
+
+
+@pytest.mark.parametrize("script, expected", [
+    # "the" re-heard as "a": aligned on a later "the", the 17 words before it were taken as committed, and lost.
+    ([" And only herald to the", " And only herald to the",
+      " And only herald to a gaudy spring, within thine own bud. Pity the world, or else"],
+     "And only herald to the gaudy spring, within thine own bud. Pity the world, or else"),
+    # The same audio heard with other spellings: too few words agreed, and all were committed again.
+    ([" We desire and crease that thereby beauties rose", " We desire and crease that thereby beauties rose",
+      " We desire increase, that there by beauty's rows might never die,"],
+     "We desire and crease that thereby beauties rose might never die,"),
+])
+def test_committed_words_heard_otherwise_are_neither_lost_nor_committed_again(transcriber, script, expected):
+    """Scripted as Whisper heard the dev sonnet in 0.25 s steps (the first cost 9 s of it)."""
+    updates = scripted_updates(transcriber, script)
+    assert updates[-1].committed_text == expected
+    assert_append_only(updates)
+
+
+def test_a_stream_decodes_once_a_step_of_audio_has_come(transcriber):
+    """A microphone's 0.1 s blocks, a process() after each: every decode had one block more
+    than the last, and two hypotheses of nearly the same buffer agreed on a word cut off at
+    its end ("rip-er", "self-substant-" were committed on the sonnet)."""
+    samples = load_audio(JFK)[: 3 * SAMPLE_RATE]
+    for step, decodes in [(1.0, 3), (0.0, 30)]:
+        stream = StreamingTranscriber(transcriber, min_step_seconds=step)
+        heard = []
+        stream.transcriber.transcribe_window = lambda window, *_: heard.append(len(window)) or WindowResult(
+            transcriber.vocab.encode(" Ask not"), "en", 0.0, False, TranscriptionInfo("en", 1.0, 1.0, True))
+        updates = list(feed_recording(stream, samples, 0.1))
+        assert len(heard) == decodes and summarize(updates).updates == decodes
+        # finish() decodes what came after the last step; here nothing did, and it decodes nothing.
+        assert heard[-1] == len(samples) and updates[-1].final
+    stream = StreamingTranscriber(transcriber)
+    stream.insert_audio(samples[: SAMPLE_RATE // 2])
+    assert stream.process().buffer_seconds == 0 and stream.finish().buffer_seconds == 0.5  # finish() waits for none
+    with pytest.raises(ValueError, match="min_step_seconds must be at least 0"):
+        StreamingTranscriber(transcriber, min_step_seconds=-1)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
