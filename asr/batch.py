@@ -488,6 +488,12 @@ class Sources:
         ours = self.formats(item)
         return [fmt for fmt in formats if fmt not in ours and item.output(fmt).is_file()]
 
+    def redo(self, item: PlannedFile) -> None:
+        """item's outputs are to be written again (--overwrite): recorded as being written,
+        so that a run cut short leaves them to the next, with or without --overwrite."""
+        if (record := self._record(item)) is not None and not record.get("writing"):
+            self._append({**record, "stem": self._stem(item), "writing": True, "time": round(time.time(), 3)})
+
     def writing(self, item: PlannedFile) -> bool:
         """Whether the run that wrote item's outputs was stopped before they were all written."""
         return bool((self._record(item) or {}).get("writing"))
@@ -536,6 +542,11 @@ class Sources:
         try:
             if self._handle is None:
                 self._handle = open(self.path, "a", encoding="ascii")  # names not UTF-8 as JSON's \udcXX escapes
+                if self._handle.tell():  # a last line that a full disk cut short: this run's first goes below it
+                    with open(self.path, "rb") as ledger:
+                        ledger.seek(-1, os.SEEK_END)
+                        if ledger.read(1) != b"\n":
+                            self._handle.write("\n")
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()
         except OSError as error:
@@ -861,6 +872,8 @@ class _Recorder:
                                                    f"{run.out_dir / SOURCES_FILE} does not list it as a run's output: "
                                                    "--overwrite replaces it, or give another --out-dir")
                 elif run.overwrite or not is_complete(item, run.formats) or self.sources.writing(item):
+                    if run.overwrite:
+                        self.sources.redo(item)
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
                     self.summary.skipped += 1

@@ -789,6 +789,38 @@ def test_a_full_disk_stops_the_run_and_leaves_no_mix_of_old_and_new_outputs(tmp_
     assert errors_of(out) == {"a.wav": "earlier"}
 
 
+def test_an_overwrite_cut_short_is_resumed_without_overwrite(tmp_path: Path, pair):
+    """Ctrl-C says "the same command without --overwrite resumes": it skipped the files not
+    yet redone as done, and they kept their old transcripts."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    for name in ("a.wav", "b.wav"):
+        shutil.copy(SHORT / "LJ002-0020.wav", source / name)
+    assert transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair)).ok == 2
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, overwrite=True, **quiet(("txt",))), interrupted)
+    resumed = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))
+    assert (resumed.ok, resumed.skipped) == (2, 0)
+    again = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))
+    assert (again.ok, again.skipped) == (0, 2)
+
+
+def test_a_ledger_line_cut_short_does_not_swallow_the_next_runs_first(tmp_path: Path):
+    """A full disk cut .sources.jsonl mid-line; the next run's first record was glued to it, and lost."""
+    source, out = tmp_path / "a.wav", tmp_path / "out"
+    shutil.copy(SHORT / "LJ002-0020.wav", source)
+    out.mkdir()
+    as_written_by_a_run(source, out, "c")  # a line before it: a ledger of as many lines as files is not rewritten
+    with open(out / batch.SOURCES_FILE, "a") as ledger:
+        ledger.write('{"stem": "b", "source": "b.wav", "settings": {"condition_on_prev')
+    as_written_by_a_run(source, out, "a", writing=True)
+    assert batch.Sources(out, fold_case=False).writing(PlannedFile(source, out / "a"))
+
+
 def test_a_run_cut_short_puts_back_the_earlier_failures_of_the_files_it_did_not_get_to(tmp_path: Path):
     source, out = tmp_path / "in", tmp_path / "out"
     source.mkdir()
