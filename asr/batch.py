@@ -960,6 +960,9 @@ class _Recorder:
                 write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats})
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
                 self.summary.beside_other_settings += any(self._differs(was) for was in kept.values())
+            except (OutputError, KeyboardInterrupt):  # the ledger full, or Ctrl-C: not done, its earlier failure kept
+                self.by_source[result.source] = item
+                raise
             except OSError as error:
                 if error.errno in FULL:
                     self.by_source[result.source] = item  # not done: left to the next run

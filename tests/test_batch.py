@@ -809,6 +809,25 @@ def test_an_overwrite_cut_short_is_resumed_without_overwrite(tmp_path: Path, pai
     assert (again.ok, again.skipped) == (0, 2)
 
 
+def test_a_file_whose_writing_stops_the_run_keeps_its_earlier_failure(tmp_path: Path, pair, monkeypatch):
+    """The ledger that cannot take the file's record (a full disk) stops the run: the file,
+    no longer pending, lost its earlier line in errors.jsonl."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    out.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    earlier = {"file": str(source / "a.wav"), "reason": "earlier", "time": "2026-11-25T00:00:00+00:00"}
+    (out / ERRORS_FILE).write_text(json.dumps(earlier) + "\n")
+
+    def full(self, *args, **kwargs):
+        raise OutputError(f"{self.path}: cannot record a finished file (No space left on device)")
+
+    monkeypatch.setattr(batch.Sources, "add", full)
+    with pytest.raises(OutputError, match="cannot record"):
+        transcribe_folder(FolderRun((source,), out, **quiet()), lambda: Transcriber(pair))
+    assert errors_of(out) == {"a.wav": "earlier"}
+
+
 def test_a_ledger_line_cut_short_does_not_swallow_the_next_runs_first(tmp_path: Path):
     """A full disk cut .sources.jsonl mid-line; the next run's first record was glued to it, and lost."""
     source, out = tmp_path / "a.wav", tmp_path / "out"
