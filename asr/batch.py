@@ -1072,7 +1072,14 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                      runtime_env={"env_vars": env} if env else None)
         resources = ray.cluster_resources()
-        workers, cpus_per_worker, gpu = _pool(resources, options, spec.device)
+        node_cpus = max((int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
+        workers, cpus_per_worker, gpu = _pool(resources, node_cpus, options, spec.device)
+        if cpus_per_worker > node_cpus:  # Ray waits for a node that can hold a worker, for ever
+            problem = f"--cpus-per-worker {cpus_per_worker}: the cluster's largest node has {node_cpus} CPU(s)"
+            if started_here:  # a cluster of this machine alone: none will join
+                raise WorkerError(problem)
+            if on_cluster is not None:  # an autoscaling cluster may yet add one
+                on_cluster(f"asr: warning: {problem}; no worker starts until a larger node joins")
         if on_cluster is not None:
             on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; "
                        f"cluster has {int(resources.get('CPU', 1))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")
@@ -1133,12 +1140,14 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
     return recorder.finish(lost)
 
 
-def _pool(resources: dict, options: RayOptions, device: str) -> tuple[int, int, int]:
-    """Workers, CPUs each and GPUs each (0 or 1) on a cluster of these resources. With
-    --device cpu, as on a cluster without GPUs: each worker held a GPU it never used."""
+def _pool(resources: dict, node_cpus: int, options: RayOptions, device: str) -> tuple[int, int, int]:
+    """Workers, CPUs each and GPUs each (0 or 1) on a cluster of these resources, whose
+    largest node has node_cpus. With --device cpu, as on a cluster without GPUs: each
+    worker held a GPU it never used."""
     gpus = 0 if device == "cpu" else int(resources.get("GPU", 0))
     cpus = max(1, int(resources.get("CPU", 1)))
-    cpus_per_worker = options.cpus_per_worker or (1 if gpus else min(4, cpus))
+    # Not above a node's CPUs: on nodes of 2, the default of 4 held every worker for ever.
+    cpus_per_worker = options.cpus_per_worker or (1 if gpus else max(1, min(4, node_cpus)))
     workers = options.workers or (gpus if gpus else max(1, cpus // cpus_per_worker))
     return workers, cpus_per_worker, 1 if gpus else 0
 

@@ -1086,6 +1086,10 @@ def test_ray_on_a_local_two_worker_cluster_matches_a_single_process_run(tmp_path
 
     again = transcribe_folder_on_ray(run, spec, RayOptions(workers=2, cpus_per_worker=1))  # same resume rules
     assert (again.ok, again.failed, again.skipped) == (0, 1, 4)
+    # More CPUs a worker than this machine's: Ray waited for a node to hold one, for ever.
+    with pytest.raises(batch.WorkerError, match=r"--cpus-per-worker 512: the cluster's largest node has \d+ CPU"):
+        transcribe_folder_on_ray(FolderRun((Path("in"),), Path("big"), **quiet()), spec, RayOptions(cpus_per_worker=512))
+    assert not ray.is_initialized()
 
 
 def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named_target(tmp_path: Path, monkeypatch):
@@ -1100,9 +1104,10 @@ def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named
                                  RayOptions(address="127.0.0.1:1"))
     assert time.monotonic() - started < 15 and not (tmp_path / "out").exists()
     cluster = {"CPU": 16.0, "GPU": 2.0}
-    assert batch._pool(cluster, RayOptions(), "auto") == (2, 1, 1)
-    assert batch._pool(cluster, RayOptions(), "cpu") == (4, 4, 0)
-    assert batch._pool({"CPU": 2.0}, RayOptions(workers=3), "auto") == (3, 2, 0)
+    assert batch._pool(cluster, 16, RayOptions(), "auto") == (2, 1, 1)
+    assert batch._pool(cluster, 16, RayOptions(), "cpu") == (4, 4, 0)
+    assert batch._pool({"CPU": 2.0}, 2, RayOptions(workers=3), "auto") == (3, 2, 0)
+    assert batch._pool({"CPU": 8.0}, 2, RayOptions(), "auto") == (4, 2, 0)  # four nodes of 2: 4 CPUs each fit none
     monkeypatch.chdir(tmp_path)
     (tmp_path / "target").mkdir()  # cargo's, Maven's
     (tmp_path / "mine").mkdir()
