@@ -31,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from stat import S_ISREG
 from typing import Callable, Iterable, Iterator
 
 try:
@@ -244,15 +245,16 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             failures += [FileResult(str(e.filename), error=f"cannot read this folder ({e.strerror})") for e in unreadable]
             if not files and not unreadable:
                 failures.append(FileResult(str(path), error=f"folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})"))
-        elif exists:
+        elif exists or path.is_symlink():  # a link named that leads nowhere is told as such below
             files = [(path, Path(path.name))]
         else:
             failures.append(FileResult(str(path), error="no such file or folder"))
             files = []
         for source, relative in files:
             try:
-                real = source.resolve(strict=True)
-                regular = real.is_file()
+                # Through links: /dev/stdin's leads to a pipe, which resolve() takes for a file that does not exist.
+                regular = S_ISREG(source.stat().st_mode)
+                real = source.resolve(strict=True) if regular else source
             except FileNotFoundError:
                 failures.append(FileResult(str(source), error="a symbolic link to a file that does not exist"))
                 continue

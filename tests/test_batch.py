@@ -122,6 +122,19 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     assert reasons["locked"] == "cannot read this folder (Permission denied)"
     assert reasons["b.wav"].startswith(f"same output name as {source / 'a' / 'b.flac'}")
     assert reasons["missing"] == "no such file or folder" and reasons["empty"].startswith("folder holds no audio files")
+    # Named on their own: the links were "no such file or folder", and /dev/stdin's pipe a link that leads nowhere.
+    monkeypatch.undo()
+    read, write = os.pipe()
+    stdin = Path(f"/proc/self/fd/{read}")  # /dev/stdin in `cat talk.wav | asr transcribe /dev/stdin`
+    piped = stdin.exists()  # Linux's
+    try:
+        named = [source / "gone.wav", source / "self.wav"] + [stdin] * piped
+        reasons = {f.source: f.error for f in plan_outputs(named, out)[1]}
+    finally:
+        os.close(read), os.close(write)
+    assert reasons.pop(str(source / "gone.wav")) == "a symbolic link to a file that does not exist"
+    assert reasons.pop(str(source / "self.wav")) == "a symbolic link that leads back to itself"
+    assert set(reasons.values()) <= {"not a regular file (a named pipe, socket or device)"} and len(reasons) == piped
 
 
 def test_names_too_long_for_outputs_and_names_alike_but_for_case_fail_before_decoding(tmp_path: Path):
