@@ -33,7 +33,7 @@ from asr.metrics import read_manifest
 from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.audio import AudioWarning, load_audio
 from asr.features import WINDOW_SECONDS
-from asr.streaming import StreamingTranscriber, StreamUpdate, feed_recording, summarize
+from asr.streaming import MIN_STEP_SECONDS, StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 from asr.vocab import language_code
 from asr.writers import FORMATS, SubtitleLayout, unwritable
@@ -201,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--buffer-trim-seconds", type=number(0, above=True, below=WINDOW_SECONDS), default=15.0,
                    help="cut the buffer at a committed segment once it is longer, below Whisper's 30 s window "
                         "(default: %(default)s)")
+    s.add_argument("--min-step-seconds", type=number(0, below=WINDOW_SECONDS), default=MIN_STEP_SECONDS, metavar="S",
+                   help="decode once S seconds of audio came since the last decode (default: %(default)s; shorter "
+                        "steps commit words cut off at the buffer's end)")
     s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
@@ -492,7 +495,7 @@ def stream_command(args: argparse.Namespace) -> int:
                                                           initial_prompt=args.prompt,
                                                           word_timestamps=args.word_timestamps, **engine_options(args)))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
-                                      buffer_trim_seconds=args.buffer_trim_seconds,
+                                      buffer_trim_seconds=args.buffer_trim_seconds, min_step_seconds=args.min_step_seconds,
                                       encoder_padding_seconds=args.encoder_padding_seconds,
                                       clock=(lambda: time.monotonic() - started) if args.realtime else None)
         stream.warm_up()
