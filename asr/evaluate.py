@@ -29,7 +29,7 @@ from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts, device_clock
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
-from asr.metrics import NORMALIZER, LabelledClip, normalize, normalized_wer
+from asr.metrics import NORMALIZER, SCORED_BY_LETTER, LabelledClip, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
@@ -621,6 +621,12 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
             "decoder_seconds": _total(run.decoder_seconds for run in runs),
             "speedup_vs_target": _ratio(sum(r.runs[TARGET].seconds for r, _ in done), seconds),
         }
+        languages = sorted({r.clip.language for r, _ in done})
+        if len(languages) > 1:  # one corpus WER adds words of some with letters of others (SCORED_BY_LETTER)
+            entry["wer_by_language"] = {
+                language: normalized_wer([n["reference"] for r, n in done if r.clip.language == language],
+                                         [n[system] for r, n in done if r.clip.language == language])
+                for language in languages}
         if done and len(done) < len(scored):  # its WER is over fewer files: ours on those same files beside it
             entry["target_wer_on_these_files"] = normalized_wer([n["reference"] for _, n in done], [n[TARGET] for _, n in done])
         if system in (TARGET, SPECULATIVE) and environment.get("cuda_graphs"):
@@ -765,6 +771,13 @@ def render_markdown(report: dict, title: str) -> str:
             f"| {_percent(s.get('acceptance_rate'), 0)} | {_number(s.get('tokens_per_target_pass'))} "
             f"| {_percent(s.get('identical_to_target_fraction'), 0)} |"
         )
+    by_language = [(system, s["wer_by_language"]) for system, s in report["systems"].items() if "wer_by_language" in s]
+    if by_language:
+        letters = sorted(set(by_language[0][1]) & SCORED_BY_LETTER)
+        lines += ["", "WER by language" + (f" (of letters for {', '.join(letters)}: written without spaces)" if letters
+                                           else "") + ": " + "; ".join(
+            f"{LABELS[system]}: " + ", ".join(f"{language} {_percent(wer)}" for language, wer in wers.items())
+            for system, wers in by_language) + "."]
     if report["n_files"]:
         identical = sum(1 for f in report["per_file"] if f.get("identical"))
         delta = "-" if report["wer_delta"] is None else f"{100 * report['wer_delta']:+.2f} points"

@@ -333,6 +333,25 @@ def test_a_file_that_fails_in_a_later_repeat_is_reported_failed():
     assert median_attempt([[Run(seconds=3.0)], [Run(seconds=1.0)], [Run(seconds=2.0)]]) == [Run(seconds=2.0)]
 
 
+def test_a_manifest_of_several_languages_gets_each_languages_wer_too():
+    """One corpus WER over English and Chinese adds English words to Chinese letters (2 errors
+    in 2 words and 4 letters: 33 %): each language's is given beside it."""
+    results = []
+    for name, reference, said, language in [("a.wav", "hello world", "hello world", "en"), ("b.wav", "你好世界", "你好", "zh")]:
+        result = FileResult(LabelledClip(Path(name), 1.0, reference, language), 1.0)
+        result.runs = {TARGET: Run(text=said, tokens=[1], seconds=1.0), SPECULATIVE: Run(text=said, tokens=[1], seconds=1.0)}
+        results.append(result)
+    environment = {"device": "cpu", "dtype": "float32", "threads": 2, "preset": None, "target": "t", "draft": "d",
+                   "batch_size": 1, "torch": "-", "transformers": "-", "notes": [], "normalizer": "-"}
+    report = build_report(results, [TARGET, SPECULATIVE], environment)
+    assert report["systems"][TARGET]["wer"] == pytest.approx(2 / 6)
+    assert report["systems"][TARGET]["wer_by_language"] == {"en": 0.0, "zh": 0.5}
+    assert ("WER by language (of letters for zh: written without spaces): ours, target only: en 0.00%, zh 50.00%; "
+            in render_markdown(report, "t"))
+    del results[1]
+    assert "wer_by_language" not in build_report(results, [TARGET, SPECULATIVE], environment)["systems"][TARGET]
+
+
 def test_a_draft_that_proposed_nothing_has_no_acceptance_rather_than_none_accepted():
     """A German clip where the adaptive length never drafted read "acceptance 0%"."""
     drafted = DecodeStats(target_passes=5, tokens=5)
