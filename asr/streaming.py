@@ -86,6 +86,7 @@ SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's l
 # power) holds nothing a microphone picked up: its own noise is louder (-60 to -50 dBFS).
 INAUDIBLE_DBFS = -70
 RESPELT_SIMILARITY = 0.75  # difflib's ratio of letters at which a hypothesis's words are the committed ones respelt
+HEARD_BEFORE_SECONDS = 1.0  # a segment ending this long before the committed words' end is of their audio
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 # A hypothesis's last word that ends a sentence this close to the buffer's end is not
@@ -500,7 +501,7 @@ class StreamingTranscriber:
         words = [w for s in segments for w in s.words]
         unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
-        done = self._already_committed(words)
+        done = self._already_committed(segments)
         new = words[done:]
         before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
         kept = _before_repeats([_key(w) for w in new], before)
@@ -650,15 +651,17 @@ class StreamingTranscriber:
             segments.append(_Segment(words, run.end_token, run.closing))
         return [s for s in segments if s.words]
 
-    def _already_committed(self, words: list[Word]) -> int:
+    def _already_committed(self, segments: list[_Segment]) -> int:
         """How many leading words of a hypothesis of the buffer were committed before: the
         committed words in the buffer when it starts with them (as it nearly always does);
         else, where the model changed its mind about committed audio, as many as align with
         them (after the last run of words the two have in common, one for one), or none if
         too few align (the model no longer hears them, at the buffer's start): at least half
         of them, or a run of two or more that ends them; or else the words that spell about
-        what the committed ones do (_respelt). One word in common ("for" of "can do for you"
-        and "For a full hour") took the new words after it as committed."""
+        what the committed ones do (_respelt), or else those of the segments that Whisper
+        ends well before the committed words' end (_heard_before). One word in common ("for"
+        of "can do for you" and "For a full hour") took the new words after it as committed."""
+        words = [w for s in segments for w in s.words]
         known = [_key(w) for w in self._in_buffer]
         keys = [_key(w) for w in words]
         if not known:
@@ -680,8 +683,22 @@ class StreamingTranscriber:
         last = blocks[-1] if blocks else None
         if last is None or 2 * sum(b.size for b in blocks) < len(known) and not (
                 last.a + last.size == len(known) and last.size >= 2):  # a run of two or more that ends them
-            return _respelt(committed, keys)
+            return _respelt(committed, keys) or self._heard_before(segments)
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
+
+    def _heard_before(self, segments: list[_Segment]) -> int:
+        """The words of a hypothesis's first segments that Whisper ends HEARD_BEFORE_SECONDS
+        or more before the committed words in the buffer end: audio they were committed for,
+        heard otherwise ("to him and painful to myself. And so my fellow Americans, ask not"
+        committed, then heard as "to hitman and painful to myself." alone; its words were
+        committed again, after "not"). Whole segments: Whisper's timestamps are its own, a
+        word's share of its segment is a guess."""
+        end, done = self._in_buffer[-1].end - HEARD_BEFORE_SECONDS, 0
+        for segment in segments:
+            if segment.end_timestamp is None or segment.words[-1].end > end:
+                break
+            done += len(segment.words)
+        return done
 
     def _split_at_committed(self, segments: list[_Segment]) -> list[_Segment]:
         """A hypothesis that starts with the committed words of the buffer but writes the last

@@ -356,6 +356,36 @@ def test_committed_words_heard_otherwise_are_neither_lost_nor_committed_again(tr
     assert_append_only(updates)
 
 
+def test_committed_words_heard_again_as_fewer_words_earlier_in_the_buffer_are_not_committed_again(transcriber):
+    """Scripted as a 3-minute recording went (JFK after a pause): "... painful to myself. And
+    so my fellow Americans, ask not" committed, the next hypotheses heard only "to hitman and
+    painful to myself." (too few words agreed, and no spelling), and committed it again after
+    "not". Whisper ends that segment seconds before the committed words end: their audio."""
+    step = transcriber.vocab.timestamp_begin
+
+    def hypothesis(*segments: tuple[float, float, str]) -> list[int]:
+        return [token for start, end, text in segments
+                for token in [step + round(start / 0.02), *transcriber.vocab.encode(text), step + round(end / 0.02)]]
+
+    said = [(0.0, 2.0, " to him and painful to myself."), (3.0, 4.8, " And so my fellow Americans, ask not")]
+    script = [hypothesis(*said)] * 2 + [hypothesis((0.0, 2.0, " to hitman and painful to myself."))] * 2 + [
+        hypothesis(*said, (4.8, 9.0, " what your country can do"))]
+    stream = StreamingTranscriber(transcriber)
+    stream.transcriber.transcribe_window = lambda samples, *_: WindowResult(
+        script.pop(0) if len(script) > 1 else script[0], "en", 0.0, False,
+        TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True))
+    samples = load_audio(JFK)
+    updates = []
+    for chunk in (samples[: 5 * SAMPLE_RATE], *np.split(samples[5 * SAMPLE_RATE : 8 * SAMPLE_RATE], 3)):
+        stream.insert_audio(chunk)
+        updates.append(stream.process())
+    stream.insert_audio(samples[8 * SAMPLE_RATE : 9 * SAMPLE_RATE])
+    updates.append(stream.finish())
+    assert updates[-1].committed_text == ("To him and painful to myself. And so my fellow Americans, ask not what your "
+                                          "country can do")
+    assert_append_only(updates)
+
+
 def test_a_stream_decodes_once_a_step_of_audio_has_come(transcriber):
     """A microphone's 0.1 s blocks, a process() after each: every decode had one block more
     than the last, and two hypotheses of nearly the same buffer agreed on a word cut off at
