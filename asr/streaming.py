@@ -449,9 +449,11 @@ class StreamingTranscriber:
         transcript a sentence early; offline the next window starts there, but a stream's
         buffer keeps its start, so the same prompt and audio would lose that sentence in
         every update, and at the end for good. Such a buffer is decoded again without the
-        prompt, and the hypothesis that hears further is kept."""
+        prompt, and the hypothesis that hears further is kept. One that heard no word at all
+        is not short of one: without the prompt, Whisper made "Great." of a crowd's noise."""
         heard = self._heard_until(window)
-        return (not window.silent and heard is not None and len(self._buffer) / SAMPLE_RATE - heard >= UNHEARD_SECONDS
+        said = any(token < self._vocab.timestamp_begin for token in window.tokens)
+        return (not window.silent and said and heard is not None and len(self._buffer) / SAMPLE_RATE - heard >= UNHEARD_SECONDS
                 and self._speech_after(heard))
 
     def _unheard_tail(self, segments: list[_Segment]) -> bool:
@@ -556,6 +558,15 @@ class StreamingTranscriber:
         elif pause := self._pause_after(segments):
             self._cut(pause, len(self._in_buffer))
             self._hint = []
+        elif (not self._tentative and not self._held_back and len(self._in_buffer) == len(words) and words
+              and self._stops_short(window) and self._unheard_tail(segments)
+              and (cut := self._committed_segment(segments)) is not None):
+            # Its words all committed, it ends with speech to come, with the prompt and without:
+            # Whisper given a committed sentence and a pause before new speech heard only the
+            # sentence, update after update (JFK after a pause came only at the stream's end).
+            # As offline, where the next window starts at the last timestamp. (A crowd after a
+            # full stop is no speech to come: decoded alone, it was "Thank you.")
+            self._cut_at(*cut)
         elif len(self._buffer) > self.buffer_trim_seconds * SAMPLE_RATE:
             self._trim_at_segment(segments)
         return committed

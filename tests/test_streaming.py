@@ -386,6 +386,22 @@ def test_committed_words_heard_again_as_fewer_words_earlier_in_the_buffer_are_no
     assert_append_only(updates)
 
 
+def test_speech_after_a_committed_sentence_and_a_short_pause_is_heard_live(transcriber):
+    """A buffer trimmed to "The narrative would be tedious to him and painful to myself.",
+    all committed, then 1.5 s of silence and JFK: Whisper heard only the committed sentence,
+    with the prompt and without, update after update, and JFK came at the stream's end. The
+    buffer is now cut after that sentence, as offline's next window would start there."""
+    silence = np.zeros(3 * SAMPLE_RATE // 2, np.float32)
+    samples = np.concatenate([load_audio(DEV / "en_short" / "2412-153948-0000.flac"), silence, load_audio(JFK), silence])
+    start = round((len(samples) - len(silence) - len(load_audio(JFK))) / SAMPLE_RATE)  # JFK's first second, about
+    stream = StreamingTranscriber(transcriber, timer=keeping_up())
+    updates = list(feed_recording(stream, samples, 0.5))
+    heard = next(u.audio_seconds for u in updates if "Americans" in "".join(w.text for w in u.committed))
+    assert heard < start + 8, (heard, start)  # committed live: at 26 s of 27 (JFK from 15 s) before
+    assert updates[-1].committed_text.endswith("painful to myself. And so my fellow Americans, ask not what your "
+                                               "country can do for you, ask what you can do for your country.")
+
+
 def test_a_stream_decodes_once_a_step_of_audio_has_come(transcriber):
     """A microphone's 0.1 s blocks, a process() after each: every decode had one block more
     than the last, and two hypotheses of nearly the same buffer agreed on a word cut off at
