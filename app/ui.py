@@ -77,6 +77,8 @@ CSS = """
 #upload-downloads button[aria-label="Remove this file"] { display: none; }
 /* A phone's width: the times above their text (beside it, the text had three words a line). */
 @media (max-width: 600px) { .asr-segment { flex-direction: column; gap: .1rem; } .asr-time { width: auto; } }
+/* ... and the tabs above the settings, which stacked first put Record three screens down. */
+@media (max-width: 600px) { #work { order: -1; } }
 .asr-live { font-size: 1.25rem; line-height: 1.6; min-height: 6rem; padding: .8rem 1rem;
   border: 1px solid var(--border-color-primary); border-radius: 8px; }
 .asr-tentative { color: var(--body-text-color-subdued); opacity: .6; font-style: italic; }
@@ -103,7 +105,7 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
             "the same text as the target alone, in fewer passes.</p></div>"
         )
         with gr.Row(equal_height=False):
-            with gr.Column(scale=1, min_width=240):
+            with gr.Column(scale=1, min_width=240, elem_id="settings"):
                 gr.Markdown("### Settings")
                 language = gr.Dropdown(engine.language_choices(), value=engine.language_choices()[0][1], label="Language")
                 task = gr.Radio(
@@ -129,7 +131,7 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                     info="Cues of two lines, timed by their words with word timestamps.")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
-            with gr.Column(scale=3):
+            with gr.Column(scale=3, elem_id="work"):
                 with gr.Tabs():
                     with gr.Tab("Upload", id="upload"):
                         left_upload = upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
@@ -568,18 +570,22 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                 return error_html(str(error)), gr.skip(), live
         return show(live)
 
-    def on_stop(live: LiveSession | None, request: gr.Request) -> tuple[str | dict, str | dict]:
+    def on_stop(live: LiveSession | None, request: gr.Request) -> Iterator[tuple[str | dict, str | dict]]:
         """Not an output: the session. Record pressed while this waits for the final decode has
         reset it for the next recording (on_start), and writing this finished one back would
         hand that recording's chunks to it, which takes no more audio."""
         if live is None:  # Stop as the first chunk's handler was making it: not yet in the state, but here
             live = recordings.get(request.session_hash)
         if live is None:  # stopped before a chunk arrived: nothing was heard
-            return live_html("", "", listening=False), gr.skip()
+            yield live_html("", "", listening=False), gr.skip()
+            return
         if recordings.get(request.session_hash) is live:
             recordings.pop(request.session_hash, None)  # the unload may have taken it meanwhile
+        if not live.finished:  # the last decode takes a second or two: the figures said "recording"
+            yield gr.skip(), figures_html(live_figures(live.summary(), live.recorded_seconds(),
+                                                       "finishing: decoding the last of it"))
         live.finish()
-        return show(live)[:2]
+        yield show(live)[:2]
 
     def on_leave(request: gr.Request) -> None:
         # Nobody sees what a decode would show: the recording's slot and the batch's rows are freed now.

@@ -173,13 +173,15 @@ def live_figures(summary: StreamSummary, recorded_seconds: float, status: str) -
         latency = Figure("Commit latency", f"{summary.median_commit_latency:.1f} s",
                          f"median · p90 {summary.p90_commit_latency:.1f} s · max {summary.max_commit_latency:.1f} s "
                          f"over {summary.words} words")
-    rtf = summary.compute_seconds / summary.audio_seconds if summary.audio_seconds else 0.0
+    # As an upload's: a recording of a fraction of a second showed its fixed costs as "real-time factor 2.17".
+    rtf = (f"real-time factor {summary.compute_seconds / summary.audio_seconds:.2f}"
+           if summary.audio_seconds >= MIN_TIMED_SECONDS else "too short for a real-time factor")
     passes = summary.target_passes
     return [
         Figure("Audio heard", f"{summary.audio_seconds:.1f} s",
                f"of {max(recorded_seconds, summary.audio_seconds):.1f} s recorded · {status}"),
         latency,
-        Figure("Compute", f"{summary.compute_seconds:.1f} s", f"real-time factor {rtf:.2f} · {summary.updates} decodes"),
+        Figure("Compute", f"{summary.compute_seconds:.1f} s", f"{rtf} · {summary.updates} decodes"),
         Figure("Target passes", f"{passes}",
                f"{summary.decoded_tokens} tokens, {summary.decoded_tokens / passes:.1f} per pass" if passes else ""),
         # Each re-decode proposes the previous hypothesis first; what the target keeps costs no new pass.

@@ -33,10 +33,10 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
 from app.ui import build, transcribe_upload
-from app.views import BEHIND_SECONDS, clock, live_html, live_status, speed, stopped_html, upload_figures
+from app.views import BEHIND_SECONDS, clock, live_figures, live_html, live_status, speed, stopped_html, upload_figures
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.models import load_pair
-from asr.streaming import StreamingTranscriber
+from asr.streaming import StreamingTranscriber, StreamUpdate, summarize
 from asr.transcribe import Transcriber, Transcript
 from conftest import DEV, REPO, SAMPLES, damaged_mp3_bytes, speech_between_silences
 
@@ -587,7 +587,7 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     assert "No audio came from the microphone for 2 s" in shown and "Stop, then Record" in shown
     assert shown.index("Stop, then Record") < shown.index(live_html(live.last.committed_text, "", False)[:60])
     assert "Cannot transcribe" not in shown  # a notice above its final text, not an error
-    handlers["on_stop"](live, request=visitor)
+    list(handlers["on_stop"](live, request=visitor))
     assert live.recorded_seconds() == recorded
 
     # Stop pressed as the first chunk's handler makes the session: Gradio hands Stop the state
@@ -595,8 +595,12 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     visitor = SimpleNamespace(session_hash="quick")
     handlers["on_start"](visitor)
     live = handlers["on_chunk"](next(chunks), None, *settings, request=visitor)[2]
-    handlers["on_stop"](None, request=visitor)
-    assert live.finished and live.last.final and LiveSession.running() == running
+    stopping = handlers["on_stop"](None, request=visitor)
+    # The last decode takes a second or two: the figures say so (they said "recording") until it is done.
+    text, shown = next(stopping)
+    assert text == gr.skip() and "finishing" in shown and "recording" not in shown and not live.finished
+    text, shown = next(stopping)
+    assert "finished" in shown and live.finished and live.last.final and LiveSession.running() == running
 
     # A visitor who left as their first chunk's handler was making the session: found by neither.
     gone, make = SimpleNamespace(session_hash="gone"), LiveSession.__init__
@@ -628,6 +632,12 @@ def test_live_text_is_escaped_and_shows_tentative_words_apart() -> None:
     # A recording that ended with nothing heard (silence) showed the idle "Press Record and speak".
     assert "No speech heard" in live_html("", "", listening=False, ended=True)
     assert "Press Record" in live_html("", "", listening=False)
+    # A recording of a fraction of a second showed its fixed costs as "real-time factor 2.17".
+    short = StreamUpdate([], [], "", "", audio_seconds=0.2, buffer_seconds=0.2, commit_latencies=[], target_passes=1,
+                         decoded_tokens=1, hypothesis_tokens_proposed=0, hypothesis_tokens_accepted=0,
+                         draft_tokens_accepted=0, compute_seconds=0.43, now=0.6, final=True)
+    compute = next(f for f in live_figures(summarize([short]), 0.3, "finished") if f.label == "Compute")
+    assert compute.note == "too short for a real-time factor · 1 decodes"
 
 
 def test_a_file_too_short_to_time_shows_no_real_time_factor() -> None:
@@ -667,6 +677,8 @@ def test_upload_shows_the_timed_transcript_figures_and_downloads(page: Page) -> 
     page.set_viewport_size({"width": 390, "height": 800})
     time_box, text_box = (segments.first.locator(part).bounding_box() for part in (".asr-time", ".asr-text"))
     assert text_box["y"] >= time_box["y"] + time_box["height"] and text_box["width"] > 250
+    # ... and the tabs come before the settings (stacked after them, Record was three screens down).
+    assert page.locator("#work").bounding_box()["y"] < page.locator("#settings").bounding_box()["y"]
     # The file removed: its transcript and downloads go with it (they stayed, under no file).
     page.locator("#upload-file button[aria-label='Clear']").click()
     expect(page.locator("#upload-transcript")).to_contain_text("Drop a file above")
