@@ -432,7 +432,9 @@ class Sources:
         self.out_dir, self.fold_case = out_dir, fold_case
         self.path = out_dir / SOURCES_FILE
         self._known, lines = self._read(self.path)
-        if len(lines) > 2 * len(self._known):  # two lines a file; files redone leave lines that no longer count
+        # Up to three lines a file a run (to be redone with --overwrite, being written, written);
+        # files redone leave lines that no longer count.
+        if len(lines) > 3 * len(self._known):
             write_atomic(self.path, "".join(json.dumps(record) + "\n" for record in self._known.values()))
         # Other OUTs' lines: of folders below this OUT (read as met), and above it, each with
         # this OUT's path from there.

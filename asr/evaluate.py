@@ -56,8 +56,7 @@ PLOTS = ("speedup_vs_duration.png", "acceptance_histogram.png", "wer.png", "time
 NOTES = [
     "Timing: each file is decoded by every system in one process, in an order that rotates from batch to batch; "
     "seconds are end to end (log-mel features, encoder, decoder), audio loading excluded; each language's first "
-    "batch, cut to 30 s, is decoded once beforehand, untimed, to warm up (by a peer, its first file; a faster-whisper "
-    "process started again after a file failed is not warmed); on a GPU our engines capture every step their batches can meet "
+    "batch, cut to 30 s, is decoded once beforehand, untimed, to warm up (by a peer, its first file); on a GPU our engines capture every step their batches can meet "
     "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times.",
 ]
@@ -91,7 +90,7 @@ PEER_NOTES = {
         "(its max_new_tokens is refused where a long previous text leaves less room), so on a window that repeats "
         "itself to the limit it decodes up to twice our tokens; "
         f"a file it has not transcribed within {PEER_SECONDS:.0f} s plus {PEER_SECONDS_PER_AUDIO_SECOND:.0f} s per second "
-        "of audio fails, and the next gets a new process; a model not loaded within "
+        "of audio fails, and the next gets a new process, not warmed; a model not loaded within "
         f"{PEER_LOAD_SECONDS / 60:.0f} minutes ends the evaluation before any file, or after a crash fails every "
         "later file.",
     ],
