@@ -87,12 +87,16 @@ class LiveSession:
             if self._pending_seconds >= MIN_STEP_SECONDS:  # what the streamer would decode (chunks come every 0.5 s)
                 self._wake.notify()
 
-    def finish(self) -> None:
-        """Ends the recording and waits for its final update."""
+    def stop(self) -> None:
+        """Ends the recording; its worker makes the final update. Returns at once."""
         with self._wake:
             if not self._stopping:  # a recording that ended (idle, time limit) keeps its end
                 self._stopping, self._stopped = True, time.monotonic()
             self._wake.notify()
+
+    def finish(self) -> None:
+        """Ends the recording and waits for its final update."""
+        self.stop()
         self._worker.join()
 
     def cancel(self) -> None:

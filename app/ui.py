@@ -581,6 +581,9 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
             return
         if recordings.get(request.session_hash) is live:
             recordings.pop(request.session_hash, None)  # the unload may have taken it meanwhile
+        # Stopped first: a page closed while this waits ends the handler at its yield, and the
+        # worker must not go on recording for nobody (the session is no longer in recordings).
+        live.stop()
         if not live.finished:  # the last decode takes a second or two: the figures said "recording"
             yield gr.skip(), figures_html(live_figures(live.summary(), live.recorded_seconds(),
                                                        "finishing: decoding the last of it"))

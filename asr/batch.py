@@ -496,7 +496,10 @@ class Sources:
         """item's outputs are to be written again (--overwrite): recorded as being written,
         so that a run cut short leaves them to the next, with or without --overwrite."""
         if (record := self._record(item)) is not None and not record.get("writing"):
-            self._append({**record, "stem": self._stem(item), "writing": True, "time": round(time.time(), 3)})
+            # Of this recording, however it changed since its outputs were made (a recording
+            # changed is what --overwrite redoes): nothing to compare them with.
+            self._append({**record, "stem": self._stem(item), "source": str(item.source), "stat": None,
+                          "fingerprint": None, "writing": True, "time": round(time.time(), 3)})
 
     def writing(self, item: PlannedFile) -> bool:
         """Whether the run that wrote item's outputs was stopped before they were all written."""

@@ -511,6 +511,8 @@ def stream_command(args: argparse.Namespace) -> int:
     def show(update: StreamUpdate) -> None:
         # Kept for the summary without its texts: each holds all committed so far (GBs for hours of audio).
         updates.append(replace(update, committed_text="", tentative_text="", committed=[], tentative=[]))
+        if not (update.buffer_seconds or update.committed or update.final):
+            return  # a call before a step of audio came (min_step_seconds): the update before again
         if args.json:  # each update's committed words, not committed_text (all so far: lines would grow with the stream)
             fields = {key: value for key, value in asdict(update).items() if key != "committed_text"}
             print(json.dumps({"type": "update", **fields}), flush=True)

@@ -87,6 +87,7 @@ SPEECH_DB = 20  # speech: a quarter second within this many dB of the buffer's l
 INAUDIBLE_DBFS = -70
 RESPELT_SIMILARITY = 0.75  # difflib's ratio of letters at which a hypothesis's words are the committed ones respelt
 HEARD_BEFORE_SECONDS = 1.0  # a segment ending this long before the committed words' end is of their audio
+HEARD_BEFORE_LETTERS = 0.75  # if this share of its letters are theirs
 HEARD_AGAIN_WORDS = 3  # at most this many committed words heard again after a cut are recognised as such
 UNHEARD_KEEP_SECONDS = 3.0  # a buffer in which nothing was heard keeps only its last seconds (_cut_unheard)
 # A hypothesis's last word that ends a sentence this close to the buffer's end is not
@@ -278,7 +279,8 @@ class StreamingTranscriber:
             self._received += len(samples)
 
     def process(self) -> StreamUpdate:
-        """Decodes the buffer once if audio came since the last decode."""
+        """Decodes the buffer once if min_step_seconds of audio came since the last decode, or
+        audio waits behind a full buffer (a window of its backlog a call)."""
         self._check_open()
         return self._update(final=False)
 
@@ -302,8 +304,10 @@ class StreamingTranscriber:
         committed: list[Word] = []
         self._decoded, decoded_seconds = [], 0.0
         tail = False  # a last decode cut the buffer before speech it left to a next window (_agree)
-        # (10 chunks of 0.1 s add up to 0.9999999999999999)
-        soon = not final and self._inserted - self._stepped < self.min_step_seconds - 1e-6
+        # Less than a step inserted since the last decode (10 chunks of 0.1 s add up to
+        # 0.9999999999999999), and no more than that unheard: a backlog is decoded a window a call.
+        soon = (not final and self._inserted - self._stepped < self.min_step_seconds - 1e-6
+                and self._received - self._decoded_until < self.min_step_seconds * SAMPLE_RATE)
         while not soon:  # once; when final, until no audio waits
             self._fill()
             until = self._buffer_start + len(self._buffer)
@@ -558,8 +562,7 @@ class StreamingTranscriber:
         elif pause := self._pause_after(segments):
             self._cut(pause, len(self._in_buffer))
             self._hint = []
-        elif (not self._tentative and not self._held_back and len(self._in_buffer) == len(words) and words
-              and self._stops_short(window) and self._unheard_tail(segments)
+        elif (self._all_committed(len(words)) and self._stops_short(window) and self._unheard_tail(segments)
               and (cut := self._committed_segment(segments)) is not None):
             # Its words all committed, it ends with speech to come, with the prompt and without:
             # Whisper given a committed sentence and a pause before new speech heard only the
@@ -571,14 +574,17 @@ class StreamingTranscriber:
             self._trim_at_segment(segments)
         return committed
 
+    def _all_committed(self, words: int) -> bool:
+        """Whether a hypothesis of this many words has all of them committed (none waits)."""
+        return bool(words) and not self._tentative and not self._held_back and len(self._in_buffer) == words
+
     def _pause_after(self, segments: list[_Segment]) -> int:
         """Where to cut a buffer (samples) whose words are all committed, its last segment
         closed with no speech after it: as an unheard buffer is cut (_cut_unheard), to the
         last UNHEARD_KEEP_SECONDS of the pause decoded twice; 0 if not so. Kept, the pause set
         Whisper timing the next speech from the end of the words before it: up to the whole
         pause early (20 s), the words after it piled at one instant."""
-        words = sum(len(segment.words) for segment in segments)
-        if self._tentative or self._held_back or not words or len(self._in_buffer) != words:
+        if not self._all_committed(sum(len(segment.words) for segment in segments)):
             return 0
         end = segments[-1].end_timestamp
         if end is None or end * SAMPLES_PER_TIMESTAMP > len(self._buffer):
@@ -684,32 +690,37 @@ class StreamingTranscriber:
                 total += len(keys[done])
                 done += 1
             return done
-        # A word in common further on in the hypothesis than among the committed words is
+        # A lone word in common further on in the hypothesis than among the committed words is
         # another saying of it ("to the" committed, "to a gaudy spring ... Pity the world"
         # took the 17 words up to "the" as committed); fewer, where the model no longer hears
-        # the first committed words, is not.
+        # the first committed words, is not, nor is a run of two or more (words said otherwise
+        # before it: "$2,500 a year" heard as "two thousand five hundred dollars a year").
         near = max(2, len(known) // 4)
         blocks = [b for b in difflib.SequenceMatcher(None, known, keys, autojunk=False).get_matching_blocks()
-                  if b.size and b.b - b.a <= near]
+                  if b.size >= 2 or b.size and b.b - b.a <= near]
         last = blocks[-1] if blocks else None
         if last is None or 2 * sum(b.size for b in blocks) < len(known) and not (
                 last.a + last.size == len(known) and last.size >= 2):  # a run of two or more that ends them
-            return _respelt(committed, keys) or self._heard_before(segments)
+            return _respelt(committed, keys) or self._heard_before(segments, committed)
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
 
-    def _heard_before(self, segments: list[_Segment]) -> int:
+    def _heard_before(self, segments: list[_Segment], committed: str) -> int:
         """The words of a hypothesis's first segments that Whisper ends HEARD_BEFORE_SECONDS
-        or more before the committed words in the buffer end: audio they were committed for,
-        heard otherwise ("to him and painful to myself. And so my fellow Americans, ask not"
-        committed, then heard as "to hitman and painful to myself." alone; its words were
-        committed again, after "not"). Whole segments: Whisper's timestamps are its own, a
-        word's share of its segment is a guess."""
+        or more before the committed words in the buffer end, if most of their letters are
+        the committed words' too, in order: audio they were committed for, heard otherwise
+        ("to him and painful to myself. And so my fellow Americans, ask not" committed, then
+        heard as "to hitman and painful to myself." alone; its words were committed again,
+        after "not"). Whole segments: Whisper's timestamps are its own, a word's share of its
+        segment is a guess. (The letters: a committed segment left open ends at the buffer's
+        end, however long before it its words were said.)"""
         end, done = self._in_buffer[-1].end - HEARD_BEFORE_SECONDS, 0
         for segment in segments:
             if segment.end_timestamp is None or segment.words[-1].end > end:
                 break
             done += len(segment.words)
-        return done
+        heard = "".join(_key(w) for w in [w for s in segments for w in s.words][:done])
+        shared = difflib.SequenceMatcher(None, committed, heard, autojunk=False).get_matching_blocks()
+        return done if heard and sum(b.size for b in shared) >= HEARD_BEFORE_LETTERS * len(heard) else 0
 
     def _split_at_committed(self, segments: list[_Segment]) -> list[_Segment]:
         """A hypothesis that starts with the committed words of the buffer but writes the last

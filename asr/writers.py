@@ -257,7 +257,7 @@ def write_files_atomic(files: dict[Path, str | bytes]) -> None:
     """write_atomic for files that go together (a report's): every one is written to its
     temporary file before any is renamed, so a full disk leaves the old set whole; a rename
     that fails midway (a file held open on Windows, another user's in a sticky folder) puts
-    back those already replaced, from copies made before the first."""
+    back those already replaced, from links (or copies) made before the first."""
     temporaries: dict[Path, str] = {}
     olds: dict[Path, str] = {}  # the old files' copies
     replaced: list[Path] = []
@@ -282,7 +282,11 @@ def write_files_atomic(files: dict[Path, str | bytes]) -> None:
                     handle, olds[path] = tempfile.mkstemp(dir=path.parent, prefix=temporary_prefix(path.name),
                                                           suffix=".part")
                     os.close(handle)
-                    shutil.copyfile(path, olds[path])
+                    try:  # a second name for the old file: no space taken, its mode kept
+                        os.unlink(olds[path])
+                        os.link(path, olds[path])
+                    except OSError:  # FAT, exFAT: no links
+                        shutil.copy2(path, olds[path])
         for path in files:
             os.replace(temporaries[path], path)
             del temporaries[path]
@@ -293,7 +297,8 @@ def write_files_atomic(files: dict[Path, str | bytes]) -> None:
         for path in replaced:
             with contextlib.suppress(OSError):  # what can be put back is; the error raised is the first
                 if path in olds:
-                    os.replace(olds.pop(path), path)
+                    os.replace(olds[path], path)
+                    del olds[path]
                 else:
                     path.unlink()
         raise

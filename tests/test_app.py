@@ -601,6 +601,15 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     assert text == gr.skip() and "finishing" in shown and "recording" not in shown and not live.finished
     text, shown = next(stopping)
     assert "finished" in shown and live.finished and live.last.final and LiveSession.running() == running
+    # The page closed while Stop waits for that last decode: Gradio ends the handler at its
+    # yield, and the recording must still end (it went on, holding its slot, until idle).
+    visitor = SimpleNamespace(session_hash="closed")
+    live = handlers["on_chunk"](next(chunks), None, *settings, request=visitor)[2]
+    stopping = handlers["on_stop"](live, request=visitor)
+    next(stopping)
+    stopping.close()
+    live._worker.join(timeout=60)
+    assert live.finished and live.idle is None and live.last.final and LiveSession.running() == running  # not idled
 
     # A visitor who left as their first chunk's handler was making the session: found by neither.
     gone, make = SimpleNamespace(session_hash="gone"), LiveSession.__init__

@@ -818,6 +818,13 @@ def test_an_overwrite_cut_short_is_resumed_without_overwrite(tmp_path: Path, pai
         transcribe_folder(FolderRun((source,), out, overwrite=True, **quiet(("txt",))), interrupted)
     resumed = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))
     assert (resumed.ok, resumed.skipped) == (2, 0)
+    # A recording changed since its transcript (what --overwrite is for): resumed too, not
+    # failed as "the transcript of an earlier version of this file".
+    shutil.copy(SHORT / "LJ002-0035.wav", source / "a.wav")
+    with pytest.raises(KeyboardInterrupt):
+        transcribe_folder(FolderRun((source,), out, overwrite=True, **quiet(("txt",))), interrupted)
+    resumed = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))
+    assert (resumed.ok, resumed.failed, resumed.skipped) == (2, 0, 0)
     again = transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair))
     assert (again.ok, again.skipped) == (0, 2)
 

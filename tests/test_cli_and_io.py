@@ -734,6 +734,7 @@ def test_a_rename_failing_midway_puts_back_the_files_already_replaced(tmp_path: 
                                     tmp_path / "report.json": "{}\n"})
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir() if p.is_file()} == {"report.md": b"old\n",
                                                                                    "plot.png": b"old"}
+    assert (tmp_path / "report.md").stat().st_mode & 0o777 == 0o666 & ~writers.UMASK  # not a private copy's 0600
     writers.write_files_atomic({path: "new\n" for path in old})  # and when all go well, no copy is left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plot.png", "report.json", "report.md"]
 

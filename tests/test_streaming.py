@@ -344,6 +344,11 @@ def test_a_hypothesis_that_no_longer_hears_the_committed_words_keeps_its_own(tra
     ([" And only herald to the", " And only herald to the",
       " And only herald to a gaudy spring, within thine own bud. Pity the world, or else"],
      "And only herald to the gaudy spring, within thine own bud. Pity the world, or else"),
+    # A run of words in common after words said otherwise: it was dropped as far from its place,
+    # and the committed words were committed again.
+    ([" It costs $2,500 a year and we pay it", " It costs $2,500 a year and we pay it",
+      " It costs two thousand five hundred dollars a year and we pay it every month"],
+     "It costs $2,500 a year and we pay it every month"),
     # The same audio heard with other spellings: too few words agreed, and all were committed again.
     ([" We desire and crease that thereby beauties rose", " We desire and crease that thereby beauties rose",
       " We desire increase, that there by beauty's rows might never die,"],
@@ -356,33 +361,49 @@ def test_committed_words_heard_otherwise_are_neither_lost_nor_committed_again(tr
     assert_append_only(updates)
 
 
+def timed(transcriber, *segments: tuple[float, float | None, str]) -> list[int]:
+    """A scripted hypothesis with Whisper's timestamps: (start, end, text) segments; an end of None leaves it open."""
+    step = transcriber.vocab.timestamp_begin
+    return [token for start, end, text in segments
+            for token in [step + round(start / 0.02), *transcriber.vocab.encode(text)]
+            + ([] if end is None else [step + round(end / 0.02)])]
+
+
+def timed_stream(transcriber, script: list[list[int]], seconds: list[float], after_cut: list[int] | None = None) -> list:
+    """A stream fed JFK in chunks of these seconds, a process() each but the last's finish(),
+    whose decodes return the script's hypotheses in turn (its last thereafter), or once the
+    buffer is cut, after_cut: the updates."""
+    stream = StreamingTranscriber(transcriber)
+    stream.transcriber.transcribe_window = lambda samples, *_: WindowResult(
+        after_cut if after_cut is not None and stream._buffer_start else script.pop(0) if len(script) > 1 else script[0],
+        "en", 0.0, False, TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True))
+    samples, fed, updates = load_audio(JFK), 0, []
+    for i, length in enumerate(seconds):
+        stream.insert_audio(samples[fed : fed + round(length * SAMPLE_RATE)])
+        fed += round(length * SAMPLE_RATE)
+        updates.append(stream.finish() if i == len(seconds) - 1 else stream.process())
+    return updates
+
+
 def test_committed_words_heard_again_as_fewer_words_earlier_in_the_buffer_are_not_committed_again(transcriber):
     """Scripted as a 3-minute recording went (JFK after a pause): "... painful to myself. And
     so my fellow Americans, ask not" committed, the next hypotheses heard only "to hitman and
     painful to myself." (too few words agreed, and no spelling), and committed it again after
     "not". Whisper ends that segment seconds before the committed words end: their audio."""
-    step = transcriber.vocab.timestamp_begin
-
-    def hypothesis(*segments: tuple[float, float, str]) -> list[int]:
-        return [token for start, end, text in segments
-                for token in [step + round(start / 0.02), *transcriber.vocab.encode(text), step + round(end / 0.02)]]
-
     said = [(0.0, 2.0, " to him and painful to myself."), (3.0, 4.8, " And so my fellow Americans, ask not")]
-    script = [hypothesis(*said)] * 2 + [hypothesis((0.0, 2.0, " to hitman and painful to myself."))] * 2 + [
-        hypothesis(*said, (4.8, 9.0, " what your country can do"))]
-    stream = StreamingTranscriber(transcriber)
-    stream.transcriber.transcribe_window = lambda samples, *_: WindowResult(
-        script.pop(0) if len(script) > 1 else script[0], "en", 0.0, False,
-        TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True))
-    samples = load_audio(JFK)
-    updates = []
-    for chunk in (samples[: 5 * SAMPLE_RATE], *np.split(samples[5 * SAMPLE_RATE : 8 * SAMPLE_RATE], 3)):
-        stream.insert_audio(chunk)
-        updates.append(stream.process())
-    stream.insert_audio(samples[8 * SAMPLE_RATE : 9 * SAMPLE_RATE])
-    updates.append(stream.finish())
+    script = [timed(transcriber, *said)] * 2 + [timed(transcriber, (0.0, 2.0, " to hitman and painful to myself."))] * 2
+    updates = timed_stream(transcriber, script + [timed(transcriber, *said, (4.8, 9.0, " what your country can do"))],
+                           [5.0, 1.0, 1.0, 1.0, 1.0])
     assert updates[-1].committed_text == ("To him and painful to myself. And so my fellow Americans, ask not what your "
                                           "country can do")
+    assert_append_only(updates)
+    # Not new words that Whisper ends early (a committed segment left open ends at the buffer's
+    # end): segments that say other words are no saying of the committed ones, and are kept.
+    first, later = (0.0, None, " Ask not what your country can do for you,"), (0.0, 4.8, " For a full hour he had paced.")
+    updates = timed_stream(transcriber, [timed(transcriber, first)] * 2 + [timed(transcriber, later)],
+                           [5.0, 1.0, 1.0, 1.0, 1.0], after_cut=timed(transcriber, (0.0, 1.0, " Then he sat.")))
+    assert updates[-1].committed_text == ("Ask not what your country can do for you, For a full hour he had paced. "
+                                          "Then he sat.")
     assert_append_only(updates)
 
 
@@ -581,13 +602,16 @@ def test_audio_past_a_full_window_waits_and_none_is_lost(transcriber):
     stream.insert_audio(samples)
     first = stream.process()
     assert first.buffer_seconds == 30.0 and first.committed_text.startswith("1. From fairest creatures"), first
+    # A call with no new audio still decodes a window of the backlog (one a second of new audio did not).
+    second = stream.process()
+    assert second.buffer_seconds > 0 and len(second.committed_text) > len(first.committed_text)
     last = stream.finish()
-    assert last.final and last.buffer_seconds > samples.size / SAMPLE_RATE - 30.0
+    assert last.final and second.buffer_seconds + last.buffer_seconds > samples.size / SAMPLE_RATE - 30.0
     reference = next(c.reference for c in read_manifest(DEV / "manifest.tsv") if c.path.name == clip.name)
     stream_wer = normalized_wer([normalize(reference)], [normalize(last.committed_text)])
     offline_wer = normalized_wer([normalize(reference)], [normalize(transcriber.transcribe(samples).text)])
     assert stream_wer <= offline_wer + 0.02, last.committed_text
-    assert_append_only([first, last])
+    assert_append_only([first, second, last])
 
 
 def test_silence_and_room_noise_before_speech_commit_nothing_and_lose_no_speech(transcriber):
@@ -790,10 +814,11 @@ def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
     assert main(["stream", str(clip), "--chunk-seconds", "0.5", "--json", "--language", "en"]) == 130
     captured = capsys.readouterr()
     lines = [json.loads(line) for line in captured.out.splitlines()]
-    assert len(lines) == 4 and lines[2]["final"] and lines[3]["type"] == "summary"  # two updates, the stop's, the summary
+    # The updates that decoded (of two calls: a call before a second of audio decodes nothing), the stop's, the summary.
+    assert 3 <= len(lines) <= 4 and lines[-2]["final"] and lines[-1]["type"] == "summary"
     # The third call's audio: 1.5 s on a machine that decodes 0.5 s in under 0.5 s, more on a slower one.
     assert f"stopped at {calls[2]:.1f} s: finishing what was heard" in captured.err
-    assert lines[3]["committed_text"] and lines[3]["audio_seconds"] == pytest.approx(calls[2])
+    assert lines[-1]["committed_text"] and lines[-1]["audio_seconds"] == pytest.approx(calls[2])
 
 
 def test_a_cli_stream_whose_reader_goes_away_stops_quietly(tmp_path):
@@ -826,6 +851,9 @@ def test_cli_json_lines(capsys):
     assert "".join(w["text"] for u in updates for w in u["committed"]).strip() == summary["committed_text"]
     assert summary["target_passes"] == sum(u["target_passes"] for u in updates)
     assert updates[-1]["final"] and abs(summary["audio_seconds"] - 2.1) < 0.1
+    # Calls before a second of audio came decode nothing: not printed (each 0.5 s chunk repeated the update before).
+    assert all(u["buffer_seconds"] > 0 or u["committed"] or u["final"] for u in updates)
+    assert summary["updates"] == sum(u["buffer_seconds"] > 0 for u in updates)
     # --word-timestamps: each word timed by cross-attention, within the clip
     assert main(["stream", str(clip), "--json", "--language", "en", "--word-timestamps"]) == 0
     words = [w for line in capsys.readouterr().out.splitlines()[:-1] for w in json.loads(line)["committed"]]
