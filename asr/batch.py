@@ -496,10 +496,15 @@ class Sources:
         """item's outputs are to be written again (--overwrite): recorded as being written,
         so that a run cut short leaves them to the next, with or without --overwrite."""
         if (record := self._record(item)) is not None and not record.get("writing"):
-            # Of this recording, however it changed since its outputs were made (a recording
-            # changed is what --overwrite redoes): nothing to compare them with.
-            self._append({**record, "stem": self._stem(item), "source": str(item.source), "stat": None,
-                          "fingerprint": None, "writing": True, "time": round(time.time(), 3)})
+            # Still of the recording its outputs are of (writing them tells another's apart, to
+            # remove its other formats), but redone whatever it is: a recording changed since is
+            # what --overwrite is for.
+            self._append({**record, "stem": self._stem(item), "writing": True, "redo": True,
+                          "time": round(time.time(), 3)})
+
+    def redoing(self, item: PlannedFile) -> bool:
+        """Whether an --overwrite run cut short was to redo item's outputs, of whatever recording."""
+        return bool((self._record(item) or {}).get("redo"))
 
     def writing(self, item: PlannedFile) -> bool:
         """Whether the run that wrote item's outputs was stopped before they were all written."""
@@ -863,7 +868,7 @@ class _Recorder:
             for item in files:
                 # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
                 written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
-                if written and (other := self.sources.other_recording(item)) is not None:
+                if written and not self.sources.redoing(item) and (other := self.sources.other_recording(item)) is not None:
                     if other == str(item.source):
                         self._failed(str(item.source), f"its outputs {item.stem}.* are the transcript of an earlier "
                                                        "version of this file (its contents changed since): remove them "
