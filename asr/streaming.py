@@ -701,10 +701,10 @@ class StreamingTranscriber:
         last = blocks[-1] if blocks else None
         if last is None or 2 * sum(b.size for b in blocks) < len(known) and not (
                 last.a + last.size == len(known) and last.size >= 2):  # a run of two or more that ends them
-            return _respelt(committed, keys) or self._heard_before(segments, committed)
+            return _respelt(committed, keys) or self._heard_before(segments, committed, keys)
         return min(last.b + last.size + len(known) - (last.a + last.size), len(keys))
 
-    def _heard_before(self, segments: list[_Segment], committed: str) -> int:
+    def _heard_before(self, segments: list[_Segment], committed: str, keys: list[str]) -> int:
         """The words of a hypothesis's first segments that Whisper ends HEARD_BEFORE_SECONDS
         or more before the committed words in the buffer end, if most of their letters are
         the committed words' too, in order: audio they were committed for, heard otherwise
@@ -718,7 +718,7 @@ class StreamingTranscriber:
             if segment.end_timestamp is None or segment.words[-1].end > end:
                 break
             done += len(segment.words)
-        heard = "".join(_key(w) for w in [w for s in segments for w in s.words][:done])
+        heard = "".join(keys[:done])
         shared = difflib.SequenceMatcher(None, committed, heard, autojunk=False).get_matching_blocks()
         return done if heard and sum(b.size for b in shared) >= HEARD_BEFORE_LETTERS * len(heard) else 0
 
