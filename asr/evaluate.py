@@ -133,6 +133,8 @@ class FileResult:
     duration: float = 0.0
     runs: dict[str, Run] = field(default_factory=dict)
     error: str | None = None  # the audio could not be read
+    # With --repeats: each system's seconds for this file in every timed run (runs holds the median one).
+    repeat_seconds: dict[str, list[float]] = field(default_factory=dict)
 
     def ok(self, system: str) -> bool:
         run = self.runs.get(system)
@@ -536,8 +538,9 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                         for name in names[shift:] + names[:shift]:
                             attempts[name].append(systems[name].run(items, language))
                     for name, runs in attempts.items():
-                        for (result, _), run in zip(loaded, median_attempt(runs)):
+                        for i, ((result, _), run) in enumerate(zip(loaded, median_attempt(runs))):
                             result.runs[name] = run
+                            result.repeat_seconds[name] = [attempt[i].seconds for attempt in runs]
                 bar.update(len(batch))
                 bar.set_postfix_str(Path(batch[-1].clip.path).name)
     finally:
@@ -626,6 +629,10 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                 language: normalized_wer([n["reference"] for r, n in done if r.clip.language == language],
                                          [n[system] for r, n in done if r.clip.language == language])
                 for language in languages}
+        if environment.get("repeats", 1) > 1 and runs:
+            # Each timed round's seconds over these files: the spread the median hides.
+            entry["seconds_by_repeat"] = [sum(r.repeat_seconds[system][k] for r, _ in done)
+                                          for k in range(environment["repeats"])]
         if done and len(done) < len(scored):  # its WER is over fewer files: ours on those same files beside it
             entry["target_wer_on_these_files"] = normalized_wer([n["reference"] for _, n in done], [n[TARGET] for _, n in done])
         if system in (TARGET, SPECULATIVE) and environment.get("cuda_graphs"):
@@ -695,6 +702,9 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         "wer_delta": None if target["wer"] is None else speculative["wer"] - target["wer"],  # None: no reference words
         "speedup": _ratio(target["seconds"], speculative["seconds"]),
         "decoder_speedup": _ratio(target["decoder_seconds"], speculative["decoder_seconds"]),
+        # Both systems ran in the same round of turns, one after the other: a round's ratio is like with like.
+        "speedup_by_repeat": [_ratio(t, s) for t, s in zip(target.get("seconds_by_repeat", []),
+                                                          speculative.get("seconds_by_repeat", []))],
         "per_file": per_file,
         "failures": failures,
         "environment": environment,
@@ -787,6 +797,9 @@ def render_markdown(report: dict, title: str) -> str:
             f"{f' ({uncompared} more not compared, see Failures)' if uncompared else ''}, WER delta {delta}, "
             f"{_pace(report['speedup'])} end to end, {_number(report['decoder_speedup'], 'x')} in the decoder.",
         ]
+        if rounds := [r for r in report.get("speedup_by_repeat", []) if r is not None]:
+            lines[-1] += (f" Round by round ({len(rounds)} timed rounds, the two systems in turn) the end-to-end speed-up "
+                          f"ran from {_number(min(rounds), 'x')} to {_number(max(rounds), 'x')}.")
         if report["systems"][SPECULATIVE]["draft_tokens"]["proposed"] == 0:
             lines[-1] += (" The draft proposed no token (every target pass was the target's own): both did the same "
                           "work, and the difference is run-to-run noise.")

@@ -323,7 +323,13 @@ def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_
     assert [r.runs[TARGET].seconds for r in results] == [1.0, 1.0] and results[0].runs[TARGET].text == "took 1.0"
     assert [r.runs[SPECULATIVE].seconds for r in results] == [4.0, 4.0]
     report = build_report(results, system_names(()), describe_environment(embedded, EvaluateOptions(repeats=3)))
-    assert "the median of 3 timed runs per batch" in render_markdown(report, "dev")
+    markdown = render_markdown(report, "dev")
+    assert "the median of 3 timed runs per batch" in markdown
+    # The spread the median hides: each round's seconds, and each round's speed-up (both systems in turn).
+    assert report["systems"][TARGET]["seconds_by_repeat"] == [0.0, 6.0, 2.0]
+    assert report["systems"][SPECULATIVE]["seconds_by_repeat"] == [4.0, 10.0, 8.0]
+    assert report["speedup_by_repeat"] == [0.0, 0.6, 0.25]
+    assert "the end-to-end speed-up ran from 0.00x to 0.60x" in markdown
 
 
 def test_a_file_that_fails_in_a_later_repeat_is_reported_failed():
