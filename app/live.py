@@ -38,6 +38,7 @@ class LiveSession:
 
     def __init__(self, engine: Engine, settings: Settings):
         self._engine = engine
+        self.created = time.time()  # the date, for the downloads' names
         # Word timestamps are the uploads' (the page shows no live word times: a pass an update for nothing).
         self._streamer = StreamingTranscriber(engine.transcriber(replace(settings, word_timestamps=False)),
                                               clock=self._stream_clock)

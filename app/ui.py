@@ -30,6 +30,7 @@ from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figur
                        warnings_html)
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
+from asr.streaming import stream_segments
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript, TranscriptionInfo
 from asr.writers import FORMATS, SubtitleLayout, write_transcript
 
@@ -74,7 +75,8 @@ CSS = """
 .asr-time { flex: none; width: 9.5rem; font-family: var(--font-mono); font-size: .85rem;
   color: var(--body-text-color-subdued); padding-top: .1rem; }
 /* The downloads are the server's: Gradio's × on each removed its link, for good. */
-#upload-downloads button[aria-label="Remove this file"] { display: none; }
+#upload-downloads button[aria-label="Remove this file"], #live-downloads button[aria-label="Remove this file"] {
+  display: none; }
 /* A phone's width: the times above their text (beside it, the text had three words a line). */
 @media (max-width: 600px) { .asr-segment { flex-direction: column; gap: .1rem; } .asr-time { width: auto; } }
 /* ... and the tabs above the settings, which stacked first put Record three screens down. */
@@ -137,7 +139,8 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                         left_upload = upload_tab(engine, downloads_dir, language, task, draft_length, prompt, words,
                                                  silences, subtitles)
                     with gr.Tab("Microphone", id="microphone"):
-                        left_microphone = microphone_tab(engine, language, task, draft_length, prompt)
+                        left_microphone = microphone_tab(engine, downloads_dir, subtitles, language, task,
+                                                         draft_length, prompt)
 
         def on_leave(request: gr.Request) -> None:
             left_upload(request)
@@ -488,8 +491,10 @@ def _failed(message: str) -> tuple[str, str, dict, dict]:
     return "", error_html(message), gr.update(value=None, visible=False), gr.update(visible=False)
 
 
-def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callable[[gr.Request], None]:
-    """The tab; returns what to call when a visitor leaves (Blocks.unload)."""
+def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components.Component,
+                   *settings: gr.components.Component) -> Callable[[gr.Request], None]:
+    """The tab; returns what to call when a visitor leaves (Blocks.unload). A stopped
+    recording's committed text is offered as txt, srt and vtt (under downloads_dir)."""
     gr.Markdown("Press **Record** and speak. Black text is final; grey text is the current guess and may "
                 "still change as more speech arrives. Commit latency: from the end of a spoken word to its "
                 "final text.")
@@ -497,6 +502,9 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                           elem_id="microphone")
     text = gr.HTML(live_html("", "", listening=False), elem_id="live-transcript")
     figures = gr.HTML(elem_id="live-figures")
+    downloads = gr.File(label="Download (txt, srt, vtt)", file_count="multiple", interactive=False,
+                        visible=False, elem_id="live-downloads")
+    hidden = gr.update(value=None, visible=False)
     session = gr.State(None)  # this visitor's LiveSession: every browser tab has its own
     # The same, by Gradio's session: a visitor who closes the page sends no Stop, and Gradio
     # hands an unload handler no State.
@@ -527,15 +535,15 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                                                        "came after is not transcribed. Stop, then Record, to go on.") + text
         return text, figures_html(live_figures(live.summary(), recorded, status)), live
 
-    def on_start(request: gr.Request) -> tuple[str, str, None]:
+    def on_start(request: gr.Request) -> tuple[str, str, dict, None]:
         # The last recording's must not be found by this one's Stop; if still running (its Stop
         # queued, to find no session), nobody is left to see it.
         if (last := recordings.pop(request.session_hash, None)) is not None:
             last.cancel()
         if LiveSession.running() >= LIVE_SESSIONS:  # this recording's chunks wait in the queue, unheard, for a slot
             return error_html(f"All {LIVE_SESSIONS} live transcriptions are taken: what you say is not transcribed "
-                              "until one ends (uploads still work)."), "", None
-        return live_html("", "", listening=True), "", None  # the first chunk starts a new LiveSession
+                              "until one ends (uploads still work)."), "", hidden, None
+        return live_html("", "", listening=True), "", hidden, None  # the first chunk starts a new LiveSession
 
     def on_chunk(chunk: tuple[int, np.ndarray] | None, live: LiveSession | None, language: str, task: str,
                  draft_length: str, prompt: str, request: gr.Request) -> tuple[str | dict, str | dict, LiveSession | None]:
@@ -570,14 +578,15 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
                 return error_html(str(error)), gr.skip(), live
         return show(live)
 
-    def on_stop(live: LiveSession | None, request: gr.Request) -> Iterator[tuple[str | dict, str | dict]]:
+    def on_stop(live: LiveSession | None, subtitles: str,
+                request: gr.Request) -> Iterator[tuple[str | dict, str | dict, dict]]:
         """Not an output: the session. Record pressed while this waits for the final decode has
         reset it for the next recording (on_start), and writing this finished one back would
         hand that recording's chunks to it, which takes no more audio."""
         if live is None:  # Stop as the first chunk's handler was making it: not yet in the state, but here
             live = recordings.get(request.session_hash)
         if live is None:  # stopped before a chunk arrived: nothing was heard
-            yield live_html("", "", listening=False), gr.skip()
+            yield live_html("", "", listening=False), gr.skip(), hidden
             return
         if recordings.get(request.session_hash) is live:
             recordings.pop(request.session_hash, None)  # the unload may have taken it meanwhile
@@ -586,9 +595,10 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
         live.stop()
         if not live.finished:  # the last decode takes a second or two: the figures said "recording"
             yield gr.skip(), figures_html(live_figures(live.summary(), live.recorded_seconds(),
-                                                       "finishing: decoding the last of it"))
+                                                       "finishing: decoding the last of it")), hidden
         live.finish()
-        yield show(live)[:2]
+        files = live_downloads(live, downloads_dir / uuid.uuid4().hex, SUBTITLE_LAYOUTS[subtitles])
+        yield *show(live)[:2], gr.update(value=[str(f) for f in files] or None, visible=bool(files))
 
     def on_leave(request: gr.Request) -> None:
         # Nobody sees what a decode would show: the recording's slot and the batch's rows are freed now.
@@ -598,12 +608,28 @@ def microphone_tab(engine: Engine, *settings: gr.components.Component) -> Callab
         if (live := recordings.pop(request.session_hash, None)) is not None:
             live.cancel()
 
-    microphone.start_recording(on_start, None, [text, figures, session], show_progress="hidden")
+    microphone.start_recording(on_start, None, [text, figures, downloads, session], show_progress="hidden")
     microphone.stream(on_chunk, [microphone, session, *settings], [text, figures, session],
                       concurrency_limit=LIVE_SESSIONS, time_limit=LIVE_TIME_LIMIT_S, show_progress="hidden")
-    microphone.stop_recording(on_stop, [session], [text, figures], concurrency_limit=LIVE_SESSIONS,
+    microphone.stop_recording(on_stop, [session, subtitles], [text, figures, downloads], concurrency_limit=LIVE_SESSIONS,
                               show_progress="hidden")
     return on_leave
+
+
+def live_downloads(live: LiveSession, folder: Path, layout: SubtitleLayout) -> list[Path]:
+    """A finished recording's committed words (an error's too: what came before it) as txt,
+    srt and vtt in folder, named by when it started; none for no words or a full disk (the
+    text stays on the page)."""
+    segments = stream_segments([word for update in live.updates for word in update.committed])
+    if not segments:
+        return []
+    stem = "recording-" + time.strftime("%Y-%m-%d-%H%M%S", time.localtime(live.created))
+    info = TranscriptionInfo("", 0.0, live.summary().audio_seconds, False)
+    try:
+        return write_transcript(Transcript(stem, segments, info), folder, stem, ["txt", "srt", "vtt"], layout)
+    except OSError:
+        traceback.print_exc()
+        return []
 
 
 def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) -> None:

@@ -66,7 +66,7 @@ import soxr
 from asr.audio import SAMPLE_RATE, checked_rate, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.slots import DecodeStats
-from asr.transcribe import TIMESTAMP_SECONDS, Transcriber, WindowResult, compression_ratio, text_runs
+from asr.transcribe import TIMESTAMP_SECONDS, Segment, Transcriber, WindowResult, compression_ratio, text_runs
 from asr.words import Word as TimedWord
 from asr.words import cut_unspaced
 
@@ -958,6 +958,31 @@ def summarize(updates: list[StreamUpdate]) -> StreamSummary:
         p90_commit_latency=quantile(0.9),
         max_commit_latency=max(latencies, default=None),
     )
+
+
+# A stream's committed words as subtitle segments (stream_segments): one ends at a sentence's
+# end, a pause this long, or this long after its start.
+SEGMENT_PAUSE_SECONDS = 1.0
+SEGMENT_MAX_SECONDS = 10.0
+
+
+def stream_segments(words: list[Word]) -> list[Segment]:
+    """Committed words (every update's `committed`, in order) as segments for the writers'
+    txt, srt and vtt. A stream keeps no segments of Whisper's (each update re-cuts its
+    buffer's), so they are cut at sentence ends and pauses; they carry no tokens or
+    decoding figures (0.0), which only the JSON writer reads."""
+    groups: list[list[Word]] = []
+    for word in words:
+        if not word.text.strip():
+            continue
+        last = groups[-1] if groups else None
+        if (last is None or SENTENCE_END.search(last[-1].text) or word.start - last[-1].end >= SEGMENT_PAUSE_SECONDS
+                or word.end - last[0].start > SEGMENT_MAX_SECONDS):
+            groups.append([word])
+        else:
+            last.append(word)
+    return [Segment(i, group[0].start, group[-1].end, "".join(w.text for w in group), [], 0.0, 0.0, 0.0, 0.0)
+            for i, group in enumerate(groups)]
 
 
 def feed_recording(

@@ -32,12 +32,13 @@ from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 from app.engine import AUTO, Engine, Settings
 from app.live import LiveSession
-from app.ui import build, transcribe_upload
+from app.ui import build, live_downloads, transcribe_upload
 from app.views import BEHIND_SECONDS, clock, live_figures, live_html, live_status, speed, stopped_html, upload_figures
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, StreamUpdate, summarize
 from asr.transcribe import Transcriber, Transcript
+from asr.writers import SubtitleLayout
 from conftest import DEV, REPO, SAMPLES, damaged_mp3_bytes, speech_between_silences
 
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
@@ -144,8 +145,9 @@ def browser_chunks(seconds: float | None = None) -> Iterator[tuple[int, np.ndarr
         yield rate, np.stack([pcm[start : start + rate // 10]] * 2, axis=1)
 
 
-def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
-    """The session counts among those running (the page's live slots) until it ends."""
+def test_live_session_transcribes_browser_chunks(engine: Engine, tmp_path: Path) -> None:
+    """The session counts among those running (the page's live slots) until it ends; its
+    committed text is what Stop offers to download."""
     running = LiveSession.running()
     live = LiveSession(engine, Settings(language="en"))
     assert LiveSession.running() == running + 1
@@ -156,6 +158,20 @@ def test_live_session_transcribes_browser_chunks(engine: Engine) -> None:
     assert live.finished and live.error is None and live.last.final
     assert EXPECTED in words(live.last.committed_text)
     assert abs(live.summary().audio_seconds - len(load_audio(CLIP)) / SAMPLE_RATE) < 0.05
+    # What Stop offers to download: the committed text, as subtitles timed by the stream.
+    files = live_downloads(live, tmp_path / "downloads", SubtitleLayout(max_line_width=42, max_line_count=2))
+    assert [f.suffix for f in files] == [".txt", ".srt", ".vtt"]
+    assert re.fullmatch(r"recording-\d{4}-\d\d-\d\d-\d{6}\.txt", files[0].name)
+    assert words(files[0].read_text()) == words(live.last.committed_text)
+    cues = re.findall(r"(\d\d):(\d\d):(\d\d),(\d{3}) --> (\d\d):(\d\d):(\d\d),(\d{3})", files[1].read_text())
+    ends = [int(h) * 3600 + int(m) * 60 + int(s) + int(ms) / 1000 for *_, h, m, s, ms in cues]
+    assert len(cues) >= 2 and ends == sorted(ends) and ends[-1] <= 11.1
+    assert all(len(line) <= 42 for line in files[2].read_text().splitlines())
+    # A recording of nothing committed offers nothing (not empty files).
+    silent = LiveSession(engine, Settings(language="en"))
+    silent.feed(SAMPLE_RATE, np.zeros(SAMPLE_RATE // 2, np.float32))
+    silent.finish()
+    assert live_downloads(silent, tmp_path / "nothing", SubtitleLayout()) == [] and not (tmp_path / "nothing").exists()
 
 
 def test_a_live_session_keeps_every_sample_when_the_microphones_rate_changes(engine: Engine) -> None:
@@ -858,6 +874,17 @@ def test_microphone_commits_live_while_another_visitor_uploads(server: str, brow
     # A machine that fell behind decodes the audio still waiting first.
     expect(speaker.locator("#live-figures")).to_contain_text("finished", timeout=TRANSCRIBE_MS)
     assert all(phrase.search(committed.inner_text()) for phrase in EXPECTED_LIVE)
+    # Stopped: the committed text to download, as text and subtitles.
+    expect(speaker.locator("#live-downloads")).to_be_visible()
+    links = speaker.locator("#live-downloads a").evaluate_all("links => links.map(a => a.href)")
+    by_suffix = {Path(link.split("?")[0]).suffix: link for link in links}
+    assert set(by_suffix) == {".txt", ".srt", ".vtt"}, links
+    assert words(speaker.request.get(by_suffix[".txt"]).text()) == words(committed.inner_text())
+    assert " --> " in speaker.request.get(by_suffix[".srt"]).text()
+    # Record again: the last recording's downloads go (its text is replaced too).
+    speaker.locator("#microphone").get_by_role("button", name="Record").click()
+    expect(speaker.locator("#live-downloads")).to_be_hidden()
+    speaker.locator("#microphone").get_by_role("button", name="Stop").click()
     for page in (speaker, other):
         page.context.close()
 

@@ -17,7 +17,7 @@ from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.cli import main
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
-from asr.streaming import StreamingTranscriber, feed_recording, replay, summarize
+from asr.streaming import StreamingTranscriber, Word, feed_recording, replay, stream_segments, summarize
 from asr.transcribe import TranscribeOptions, Transcriber, TranscriptionInfo, WindowResult
 from conftest import DEV
 
@@ -704,6 +704,18 @@ def test_a_sound_after_a_last_full_stop_is_no_tail_of_speech_to_decode(transcrib
         stream.insert_audio(samples)
         stream.process()
         assert stream.finish().committed_text.endswith("I'm afraid.") == tail, heard
+
+
+def test_committed_words_make_segments_at_sentence_ends_pauses_and_ten_seconds():
+    """What the web page offers to download after a recording: the stream keeps no segments."""
+    said = [(" Hello", 0.0, 0.4), (" there.", 0.4, 0.9), (" How", 1.0, 1.2), (" are", 1.2, 1.4), (" you", 1.4, 1.6),
+            (" doing", 3.0, 3.4), ("", 3.4, 3.4)] + [(f" w{i}", 5.0 + i, 5.5 + i) for i in range(12)]
+    segments = stream_segments([Word(text, start, end) for text, start, end in said])
+    assert [s.text for s in segments] == [" Hello there.", " How are you", " doing",
+                                          "".join(f" w{i}" for i in range(10)), " w10 w11"]
+    assert [(s.id, s.start, s.end) for s in segments] == [(0, 0.0, 0.9), (1, 1.0, 1.6), (2, 3.0, 3.4), (3, 5.0, 14.5),
+                                                          (4, 15.0, 16.5)]
+    assert stream_segments([]) == []
 
 
 def test_aligned_words_are_the_streams_words_timed_wherever_the_alignment_cut_them():
