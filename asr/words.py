@@ -84,13 +84,17 @@ def _marks(before: str, char: str) -> bool:
     return _columns(char) == 0 or unicodedata.category(char) == "Mc" or unicodedata.combining(before) == 9
 
 
+NO_LINE_START = frozenset("ぁぃぅぇぉっゃゅょゎゕゖァィゥェォッャュョヮヵヶㇰㇱㇲㇳㇴㇵㇶㇷㇸㇹㇺㇻㇼㇽㇾㇿーｧｨｩｪｫｯｬｭｮｰ")
+
+
 def joined(before: str, char: str) -> bool:
     """Whether a line may not break between these two characters: inside a run of letters
     and digits of a script written with spaces ("Google" in Japanese) or of digits ("１００"),
     before punctuation that closes ("，", "。", "」"), after punctuation that opens ("「", "（"),
-    or inside a character with its marks."""
+    or inside a character with its marks; nor before Japanese small kana or the long-vowel
+    mark ("しょ", "ラー": a line starting "ょうか" is against Japanese line breaking, JLReq)."""
     kind, was = unicodedata.category(char), unicodedata.category(before)
-    return (_marks(before, char) or kind in ("Pe", "Pf", "Po") or was in ("Ps", "Pi")
+    return (_marks(before, char) or kind in ("Pe", "Pf", "Po") or was in ("Ps", "Pi") or char in NO_LINE_START
             or kind == was == "Nd" or not (UNSPACED_SCRIPTS.match(char) or UNSPACED_SCRIPTS.match(before)))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -77,7 +78,7 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
     if width is None:
         laid_out = [(s.start, s.end, s.text) for s in segments]
     elif layout.max_line_count is not None and all(s.words is not None for s in segments):
-        laid_out = _laid_out([piece for s in segments for piece in _pieces(s, width)], width, layout.max_line_count)
+        laid_out = _laid_out(_flowing(segments, width), width, layout.max_line_count)
     else:  # without words, each segment on its own (its text's times are a guess)
         laid_out = [cue for s in segments for cue in _laid_out(_pieces(s, width), width, layout.max_line_count)]
     cues: list[Piece] = []
@@ -107,6 +108,20 @@ def _cues(transcript: Transcript, layout: SubtitleLayout) -> list[Piece]:
                 else:  # or, where that leaves either too short to read (words piled up at an instant), after it
                     cues.append((start, start + MIN_CUE_SECONDS, text))
     return cues
+
+
+def _flowing(segments: list[Segment], width: int) -> list[Piece]:
+    """The segments' words in one run, to flow from one segment into the next: a segment
+    written without a leading space ("Yes", "반갑습니다.") is spaced from the one before, but
+    between two Chinese or Japanese characters ("Hello friend.Yes indeed.")."""
+    pieces: list[Piece] = []
+    for segment in segments:
+        words = _pieces(segment, width)
+        if pieces and words and not words[0][2][:1].isspace() and not (
+                CJK.match(pieces[-1][2][-1:]) and CJK.match(words[0][2][:1])):
+            words[0] = (words[0][0], words[0][1], " " + words[0][2])
+        pieces += words
+    return pieces
 
 
 def _pieces(segment: Segment, width: int) -> list[Piece]:
@@ -206,12 +221,24 @@ def to_json(transcript: Transcript) -> str:
             "decoder_seconds": round(info.decoder_seconds, 4),
         },
     }
-    return json.dumps(document, ensure_ascii=False, indent=2) + "\n"
+    return json.dumps(_finite(document), ensure_ascii=False, indent=2, allow_nan=False) + "\n"
+
+
+def _finite(value: object) -> object:
+    """NaN and infinities are not JSON (JSON.parse refuses the file): a figure that overflowed is null."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite(item) for item in value]
+    return value
 
 
 def _segment(s: Segment) -> dict:
     # openai/whisper's keys, which tools written for its JSON read (seek aside: ours are not per window)
-    document = {"id": s.id, "start": s.start, "end": s.end, "text": s.text.strip(), "tokens": s.tokens,
+    # The text as Whisper wrote it, leading space included: joined, the segments make the text.
+    document = {"id": s.id, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
                 "temperature": s.temperature, "avg_logprob": round(s.avg_logprob, 4),
                 "compression_ratio": round(s.compression_ratio, 4), "no_speech_prob": round(s.no_speech_prob, 4)}
     if s.words is not None:

@@ -604,6 +604,39 @@ def test_a_line_of_chinese_or_japanese_breaks_neither_a_latin_word_nor_before_it
         assert all(any(word in line for line in lines) for word in whole), lines
 
 
+def test_segments_flowing_into_one_cue_are_spaced_but_between_chinese_or_japanese_and_no_line_starts_with_small_kana():
+    """A segment Whisper wrote without a leading space was glued to the one before in the
+    flowing layout ("Hello friend.Yes indeed.", "안녕하세요.반갑습니다."); Japanese lines started
+    with a small kana or the long-vowel mark ("東京でし / ょうか")."""
+    info = _transcript().info
+
+    def segment(start: float, words: list[str]) -> Segment:
+        timed = [Word(w, start + i, start + i + 1, 0.9) for i, w in enumerate(words)]
+        return Segment(0, start, start + len(words), "".join(words), [1], -0.2, 1.1, 0.01, 0.0, timed)
+
+    flowing = writers.SubtitleLayout(max_line_width=40, max_line_count=2)
+    for first, second, expected in (([" Hello", " friend."], ["Yes", " indeed."], "Hello friend. Yes indeed."),
+                                    ([" 안녕하세요."], ["반갑습니다."], "안녕하세요. 반갑습니다."),
+                                    (["你好。"], ["世界。"], "你好。世界。")):
+        transcript = Transcript("t", [segment(0.0, first), segment(len(first), second)], info)
+        assert [text for _, _, text in writers._cues(transcript, flowing)] == [expected]
+    assert cut_unspaced("東京でしょうか", 8) == ["東京で", "しょうか"]
+    assert cut_unspaced("ラーメンです", 4) == ["ラー", "メン", "です"]
+
+
+def test_json_has_no_nan_and_keeps_whispers_segment_text():
+    """NaN and infinities are not JSON: JSON.parse refused the file (a figure overflowed in
+    float16 is null). A segment's text keeps its leading space, as openai/whisper's JSON."""
+    transcript = _transcript()
+    transcript.segments[0] = replace(transcript.segments[0], avg_logprob=float("-inf"), no_speech_prob=float("nan"),
+                                     words=[Word(" Hello", 0.0, 1.0, float("nan"))])
+    document = json.loads(writers.to_json(transcript), parse_constant=lambda name: pytest.fail(f"{name} in the JSON"))
+    first = document["segments"][0]
+    assert first["avg_logprob"] is None and first["no_speech_prob"] is None and first["words"][0]["probability"] is None
+    assert [s["text"] for s in document["segments"]] == [" Hello there.", " General Kenobi!"]
+    assert document["text"] == "Hello there. General Kenobi!"
+
+
 def test_words_are_cut_to_their_segment_and_the_next_window_starts_where_whispers_last_word_ends():
     """Whisper cuts a segment's first and last words back to a median word's length, which
     started " Hello" 0.2 s before its segment and ended " friend" 0.1 s past it (past the
