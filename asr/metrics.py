@@ -6,6 +6,7 @@ import codecs
 import csv
 import io
 import itertools
+import os
 import re
 import unicodedata
 from dataclasses import dataclass
@@ -160,3 +161,23 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
             raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number of seconds above 0")
         clips.append(LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language))
     return clips
+
+
+def machine_load() -> float:
+    """The machine's 1-minute load average (0.0 where the system keeps none)."""
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return 0.0
+
+
+def load_note(load: float, threads: int, cpu_time: bool = False) -> str:
+    """A benchmark's line on the machine's load during its run (the highest of its samples):
+    on a 2-core machine busy with other work, ratios flipped (ours target-only 0.87x
+    generate, against 2.05x quiet), and nothing in the output said so. cpu_time: the run
+    timed its work in CPU time, which others' load does not inflate."""
+    note = f"load average up to {load:.1f} on {os.cpu_count()} CPUs, this run using {threads} threads"
+    if load > threads + 1 and not cpu_time:  # more than one other runnable process
+        note += ": other work competed for the CPUs, so these figures are unreliable (run again on a quiet machine)"
+    return note
+

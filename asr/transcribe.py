@@ -314,6 +314,7 @@ class _Job:
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
+    unprompted: bool = False  # the window is decoded without its previous text (Transcriber._copied_greedily)
     failed: list[Sequence] = field(default_factory=list)  # the window's attempts that fell back
     candidates: list[Sequence] = field(default_factory=list)  # the current attempt's samples decoded (best_of)
     rows: int = 0  # the current attempt's rows still decoding
@@ -723,6 +724,16 @@ class Transcriber:
         runs = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
         return any(tuple(said[i : i + PROMPT_COPY_WORDS]) in runs for i in range(len(said) - PROMPT_COPY_WORDS + 1))
 
+    def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
+        """Whether a recording's greedy window copied PROMPT_COPY_WORDS words in a row of its
+        previous text: it is then decoded again, greedily, without it (what a temperature
+        above 0.5 does for the next window), and that attempt goes on as any. Whisper's rules
+        keep such a copy where its log-probability is confident: the JFK clip's next clip's
+        line again in the 35 s of silence after it (no-speech 0.97, -0.29; faster-whisper
+        too), or, with a bfloat16 encoder, the sonnet's fifth line in place of its last."""
+        return (temperature == 0 and not job.window_only and not job.unprompted and bool(job.context)
+                and self._copies(sequence, job.context))
+
     def _likeliest(self, attempts: list[Sequence], previous: list[int]) -> Sequence:
         """The attempt with the highest average log-probability among those that neither
         repeat themselves nor (sampled) copy their previous text, if any (faster-whisper's
@@ -737,7 +748,7 @@ class Transcriber:
         same previous text, as in Whisper: a fallback above 0.5 resets it for the next window."""
         vocab = self.vocab
         previous: list[int] = []
-        if job.context:
+        if job.context and not job.unprompted:
             previous = [vocab.sot_prev] + job.context[-(self.engine.max_positions // 2 - 1) :]
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
@@ -935,7 +946,7 @@ class _Decoding:
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
-            job.attempt, job.failed = 0, []
+            job.attempt, job.failed, job.unprompted = 0, [], False
         self._add(jobs, [cross.get(i) for i in range(len(jobs))])
         return dropped + empty
 
@@ -982,13 +993,18 @@ class _Decoding:
             # Of best_of samples, the likeliest: Whisper's ranking (length_penalty None), the
             # log-probability (end-of-text's included) over the tokens (end-of-text not counted).
             sequence = max(job.candidates, key=lambda candidate: candidate.sum_logprob / max(len(candidate.tokens), 1))
-            if t._needs_fallback(sequence, temperatures[job.attempt], job.context):
+            if t._copied_greedily(job, sequence, temperatures[job.attempt]):
+                job.unprompted = True
+                again.append(job)
+                continue
+            previous = [] if job.unprompted else job.context
+            if t._needs_fallback(sequence, temperatures[job.attempt], previous):
                 job.failed.append(sequence)
                 if job.attempt + 1 < len(temperatures):
                     job.attempt += 1
                     again.append(job)
                     continue
-                sequence = t._likeliest(job.failed, job.context)  # every temperature failed
+                sequence = t._likeliest(job.failed, previous)  # every temperature failed
             job.info.windows += 1
             temperature = temperatures[job.attempt]
             if job.window_only:

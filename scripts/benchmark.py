@@ -30,7 +30,7 @@ from transformers.generation.utils import GenerationMixin
 
 from asr.audio import load_audio
 from asr.features import WINDOW_FRAMES, log_mel
-from asr.metrics import read_manifest
+from asr.metrics import load_note, machine_load, read_manifest
 from asr.models import PRESETS, WhisperModel, load_pair
 from asr.draft_length import DraftLength
 from asr.slots import DecodeStats
@@ -110,8 +110,11 @@ def main() -> None:
     clips = [c for c in read_manifest(args.dev / "manifest.tsv") if c.duration <= 30]
     windows = [log_mel(load_audio(c.path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for c in clips]
     audio_seconds = sum(c.duration for c in clips)
+    # float32 throughout: `asr transcribe`'s default (--dtype auto) runs the encoder in bfloat16
+    # where the CPU computes in it, which changes the encoder's share (benchmark_encoder.py).
     print(f"preset {args.preset}: target {target_name}, draft {draft_name}; {len(clips)} dev clips, "
-          f"{audio_seconds:.0f} s of audio, {args.threads} threads, torch {torch.__version__}\n")
+          f"{audio_seconds:.0f} s of audio, {args.threads} threads, float32 (encoder too), torch {torch.__version__}\n")
+    load = machine_load()
     print("| batch | method | decoder s | ms / token | decoder speed-up vs generate | vs ours target-only "
           "| end-to-end vs ours target-only | RTFx | acceptance | tokens / target pass | output == generate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
@@ -151,6 +154,8 @@ def main() -> None:
                   f"| {end_to_end:.2f}x | {audio_seconds / (encoder_seconds + seconds):.1f} | {acceptance} | {per_pass} "
                   f"| {'yes' if outputs[method] == outputs[GENERATE] else 'NO'} |")
         print(f"| {batch} | (encoder, shared by all) | {encoder_seconds:.2f} | | | | | | | | |")
+        load = max(load, machine_load())
+    print(f"\n{load_note(load, args.threads)}")
 
 
 if __name__ == "__main__":

@@ -31,8 +31,8 @@ import torch
 
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.batch import DEFAULT_BATCH_SIZE, FolderRun, FolderSummary, transcribe_folder
-from asr.metrics import read_manifest
-from asr.models import DEFAULT_PRESET, PRESETS, load_pair
+from asr.metrics import load_note, machine_load, read_manifest
+from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 
 DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "eval" / "dev"
@@ -70,6 +70,8 @@ def main() -> int:
     parser.add_argument("--long-seconds", type=float, default=45.0)
     parser.add_argument("--preset", choices=sorted(PRESETS), default=DEFAULT_PRESET)
     parser.add_argument("--no-speculation", action="store_true")
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="as asr transcribe's (auto: float32 decoders, a bfloat16 encoder where the CPU computes in it)")
     args = parser.parse_args()
     sizes = [int(b) for b in args.batch_sizes.split(",") if b.strip()]
     if not sizes or min(sizes) < 1:
@@ -78,10 +80,13 @@ def main() -> int:
         parser.error(f"--folder {args.folder}: not a folder with files in it")
 
     target, draft = PRESETS[args.preset]
-    pair = load_pair(target, None if args.no_speculation else draft)
+    dtype, encoder_dtype = choose_dtypes("cpu", None if args.dtype == "auto" else getattr(torch, args.dtype))
+    pair = load_pair(target, None if args.no_speculation else draft, dtype=dtype, encoder_dtype=encoder_dtype)
     options = TranscribeOptions(speculative=not args.no_speculation)
-    print(f"preset {args.preset} ({target} + {'no draft' if args.no_speculation else draft}), "
-          f"{torch.get_num_threads()} CPU threads, batch sizes {sizes}", flush=True)
+    print(f"preset {args.preset} ({target} + {'no draft' if args.no_speculation else draft}), {pair.target.dtype_label}, "
+          f"{torch.get_num_threads()} CPU threads, batch sizes {sizes}; RTFx: seconds of audio per second of wall time "
+          "(reading, decoding and writing)", flush=True)
+    load = machine_load()
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         sets: list[tuple[str, Path]] = []
@@ -115,6 +120,8 @@ def main() -> int:
                 print(f"| {name} | {total.ok} | {total.audio_seconds / 2:.1f} | {size} | {total.wall_seconds:.1f} | "
                       f"{total.rtfx:.2f} | {total.rtfx / baseline.rtfx:.2f}x | "
                       f"{'-' if total.acceptance is None else f'{total.acceptance:.0%}'} | {same}/{len(texts[size])} |", flush=True)
+            load = max(load, machine_load())
+    print(f"\n{load_note(load, torch.get_num_threads())}")
     return 0
 
 

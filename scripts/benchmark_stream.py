@@ -24,7 +24,6 @@ draft on the same updates, final WER within 2 points of offline transcription.""
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -36,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a ch
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cli import add_model_arguments, device_and_dtypes, engine_options, model_sources, number
 from asr.features import WINDOW_SECONDS
-from asr.metrics import normalize, normalized_wer, read_manifest
+from asr.metrics import load_note, machine_load, normalize, normalized_wer, read_manifest
 from asr.models import load_pair
 from asr.streaming import StreamingTranscriber, StreamSummary, feed_recording, replay, summarize
 from asr.transcribe import TranscribeOptions, Transcriber
@@ -80,7 +79,7 @@ def main() -> int:
         made.warm_up()
         return made
 
-    load = os.getloadavg()[0]
+    load = machine_load()
     started = timer()
     offline = transcriber.transcribe(samples).text
     offline_seconds = timer() - started
@@ -90,7 +89,7 @@ def main() -> int:
         SAME_UPDATES: summarize(replay(stream(False), samples, live)),
         LIVE: summarize(list(feed_recording(stream(False), samples, args.chunk_seconds))),
     }
-    load = max(load, os.getloadavg()[0])
+    load = max(load, machine_load())
 
     def wer(against: str | None, text: str) -> float | None:
         return None if against is None else normalized_wer([normalize(against)], [normalize(text)])
@@ -104,8 +103,8 @@ def main() -> int:
     with_hint, same = runs[WITH_HINT], runs[SAME_UPDATES]
     print(f"{args.audio.name}: {len(samples) / SAMPLE_RATE:.1f} s, {args.chunk_seconds} s chunks, target {target}, "
           f"draft {draft}, {device}, encoder over {'the 30 s window' if args.encoder_padding_seconds is None else f'the buffer + {args.encoder_padding_seconds:g} s'}, "
-          f"{torch.get_num_threads()} threads, compute time = {'CPU time of the thread' if args.cpu_time else 'wall clock'}, "
-          f"load average up to {load:.1f}")
+          f"compute time = {'CPU time of the thread' if args.cpu_time else 'wall clock'}; "
+          f"{load_note(load, torch.get_num_threads(), args.cpu_time)}")
     print()
     print("| stream | updates | target passes | hypothesis tokens accepted / proposed | median commit latency s "
           "| p90 s | compute s | WER vs reference | WER vs offline |")

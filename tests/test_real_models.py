@@ -384,6 +384,23 @@ def test_a_sampled_attempt_that_copies_its_previous_text_fails(base_pair):
         assert transcript.text.count("niggerding") == 1 and transcript.text.count("glutton") == 1, (seed, transcript.text)
 
 
+def test_a_greedy_window_that_copies_its_previous_text_is_decoded_again_without_it(base_pair):
+    """In the 35 s of silence after two clips, the greedy window conditioned on them wrote
+    the second clip's line again (no-speech 0.97 but log-probability -0.29, which Whisper's
+    rules keep; faster-whisper too). Decoded again without its previous text, it is what
+    Whisper hears in silence, "you", not 22 words said 20 s before; speculative decoding,
+    which retries the same way, gives the same tokens."""
+    silence = lambda seconds: np.zeros(seconds * SAMPLE_RATE, np.float32)  # noqa: E731
+    audio = np.concatenate([load_audio(DEV / "en_short" / "jfk.flac"), silence(5),
+                            load_audio(DEV / "en_short" / "2412-153948-0000.flac"), silence(35)])
+    options = TranscribeOptions(language="en", speculative=False)
+    alone = Transcriber(base_pair, options).transcribe(audio)
+    assert alone.text.count("antecedents") == 1, alone.text
+    assert all(len(s.text.split()) <= 2 for s in alone.segments if s.start >= 28.5), alone.segments
+    speculative = Transcriber(base_pair, replace(options, speculative=True)).transcribe(audio)
+    assert [s.tokens for s in speculative.segments] == [s.tokens for s in alone.segments]
+
+
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
     """Translated, the Spanish clip's greedy attempt falls just below the log-probability
     threshold (-1.07 < -1.0), and so does every sampled retry: the window keeps the likeliest
