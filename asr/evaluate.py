@@ -29,7 +29,7 @@ from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts, device_clock
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
-from asr.metrics import NORMALIZER, SCORED_BY_LETTER, LabelledClip, normalize, normalized_wer
+from asr.metrics import NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, machine_load, normalize, normalized_wer
 from asr.models import ModelPair, ctranslate2_directory
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
@@ -474,8 +474,10 @@ def system_names(peers: tuple[str, ...]) -> list[str]:
 def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions = EvaluateOptions()) -> dict:
     """Transcribes every clip with every system and returns the report (see build_report)."""
     warm_up: dict[str, dict] = {}
+    load = machine_load()
     results = run_systems(clips, pair, options, warm_up)
     environment = describe_environment(pair, options)
+    environment["load_average"] = max(load, machine_load())  # other work on the machine skews every speed figure
     if environment["cuda_graphs"]:
         environment["warm_up_graphs"] = warm_up
     return build_report(results, system_names(options.peers), environment)
@@ -581,8 +583,17 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
-        "notes": NOTES + [note for peer in options.peers for note in PEER_NOTES[peer]],
+        "notes": NOTES + [note for peer in options.peers for note in PEER_NOTES[peer]] + _precision_notes(pair, options),
     }
+
+
+def _precision_notes(pair: ModelPair, options: EvaluateOptions) -> list[str]:
+    """Where faster-whisper cannot compute as ours does: CTranslate2 has no bfloat16 on a CPU,
+    where --dtype auto runs our encoder in it (most of a short clip's time)."""
+    if "faster-whisper" not in options.peers or pair.target.device.type != "cpu" or pair.target.encoder_dtype == torch.float32:
+        return []
+    return [f"Ours ran in {pair.target.dtype_label}, faster-whisper in float32 (CTranslate2 has no bfloat16 on a "
+            "CPU): part of the speed difference is the precision; --dtype float32 compares like with like."]
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -763,7 +774,8 @@ def render_markdown(report: dict, title: str) -> str:
         f"{', compiled steps' if env.get('compiled') else ''}{', attention by row lengths' if env.get('lengths_attention') else ''}"
         f"{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']}{peers}{_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
-        f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}.",
+        f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}"
+        + (f"; {load_note(env['load_average'], env['threads'])}." if "load_average" in env else "."),
         "",
         "| system | files | WER | seconds | RTFx | speed-up vs ours target-only | decoder s | acceptance "
         "| tokens / target pass | identical to ours target-only |",

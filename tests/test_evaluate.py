@@ -14,6 +14,7 @@ import subprocess
 import stat
 import sys
 import time
+from types import SimpleNamespace
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -29,6 +30,7 @@ from asr.cli import main
 from asr.cudagraphs import GraphCounts
 from asr.evaluate import (
     FASTER_WHISPER,
+    _precision_notes,
     PLOTS,
     SPECULATIVE,
     TARGET,
@@ -49,7 +51,7 @@ from asr.evaluate import (
     transformers_assistant,
     write_report,
 )
-from asr.metrics import LabelledClip, normalize, normalized_wer, read_manifest, word_error_rate
+from asr.metrics import LabelledClip, load_note, normalize, normalized_wer, read_manifest, word_error_rate
 from asr.models import PRESETS, ctranslate2_directory, load_pair, resolve_directory
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
@@ -330,6 +332,25 @@ def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_
     assert report["systems"][SPECULATIVE]["seconds_by_repeat"] == [4.0, 10.0, 8.0]
     assert report["speedup_by_repeat"] == [0.0, 0.6, 0.25]
     assert "the end-to-end speed-up ran from 0.00x to 0.60x" in markdown
+
+
+def test_the_report_says_the_machines_load_and_where_faster_whisper_computes_otherwise():
+    """A busy machine flipped benchmark ratios and nothing said so; on a CPU our default
+    encoder runs in bfloat16, which CTranslate2 has not there: part of a speed-up over
+    faster-whisper was precision, unsaid."""
+    target = SimpleNamespace(device=torch.device("cpu"), encoder_dtype=torch.bfloat16, dtype_label="float32, encoder bfloat16")
+    pair = SimpleNamespace(target=target)
+    [note] = _precision_notes(pair, EvaluateOptions(peers=("faster-whisper",)))
+    assert "Ours ran in float32, encoder bfloat16, faster-whisper in float32" in note and "--dtype float32" in note
+    assert _precision_notes(pair, EvaluateOptions(peers=("transformers",))) == []
+    target.encoder_dtype = torch.float32
+    assert _precision_notes(pair, EvaluateOptions(peers=("faster-whisper",))) == []
+    assert "unreliable" in load_note(4.0, 2) and "unreliable" not in load_note(2.9, 2)
+    assert "unreliable" not in load_note(4.0, 2, cpu_time=True)
+    environment = {"device": "cpu", "dtype": "float32", "threads": 2, "preset": None, "target": "t", "draft": "d",
+                   "batch_size": 1, "torch": "-", "transformers": "-", "notes": [], "normalizer": "-", "load_average": 4.0}
+    report = build_report([], system_names(()), environment)
+    assert "load average up to 4.0" in render_markdown(report, "t") and "unreliable" in render_markdown(report, "t")
 
 
 def test_a_file_that_fails_in_a_later_repeat_is_reported_failed():
