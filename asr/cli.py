@@ -30,7 +30,7 @@ from asr.batch import (
 )
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, system_names, write_report
 from asr.metrics import read_manifest
-from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, load_pair
+from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, device_problem, load_pair
 from asr.audio import AudioWarning, load_audio
 from asr.features import WINDOW_SECONDS
 from asr.streaming import MIN_STEP_SECONDS, StreamingTranscriber, StreamUpdate, feed_recording, summarize
@@ -266,26 +266,6 @@ def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch
     """The device, the decoders' dtype and the encoders' (choose_dtypes)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     return device, *choose_dtypes(device, DTYPES.get(args.dtype))
-
-
-def device_problem(name: str, here: bool = True) -> str | None:
-    """Why --device NAME cannot run (said before any model loads), or None; here: on this
-    machine (not only on a remote cluster's)."""
-    if name == "auto":
-        return None
-    try:
-        device = torch.device(name)
-    except RuntimeError:
-        return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
-    if device.type not in ("cpu", "cuda"):
-        return f"--device {name}: not supported; decoding runs on cpu or cuda"
-    if device.type != "cuda" or not here:
-        return None
-    if not torch.cuda.is_available():
-        return f"--device {name}: torch {torch.__version__} sees no CUDA GPU here (a CPU-only build, or no GPU visible)"
-    if device.index is not None and device.index >= torch.cuda.device_count():
-        return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
-    return None
 
 
 def model_sources(args: argparse.Namespace) -> tuple[str, str | None]:

@@ -255,6 +255,26 @@ def resolve_directory(source: str) -> tuple[Path, list[Path] | None]:
                                 f"({type(error).__name__}: {error})") from error
 
 
+def device_problem(name: str, here: bool = True) -> str | None:
+    """Why --device NAME cannot run (said before any model loads), or None; here: on this
+    machine (not only on a remote cluster's)."""
+    if name == "auto":
+        return None
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        return f"--device {name}: not a device (cpu, cuda, cuda:1, ...)"
+    if device.type not in ("cpu", "cuda"):
+        return f"--device {name}: not supported; decoding runs on cpu or cuda"
+    if device.type != "cuda" or not here:
+        return None
+    if not torch.cuda.is_available():
+        return f"--device {name}: torch {torch.__version__} sees no CUDA GPU here (a CPU-only build, or no GPU visible)"
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), numbered from 0"
+    return None
+
+
 def load_model(
     source: str,
     *,
@@ -265,6 +285,8 @@ def load_model(
     """target: for a draft distilled by this project, the model whose token embedding
     (and output head) it shares."""
     _check_dtype("dtype", dtype)
+    if problem := device_problem(str(device)):  # before the weights load (torch's error came after, as an AssertionError)
+        raise ValueError(problem.removeprefix("--"))
     directory, model_parts = resolve_directory(source)
     head_token_ids = None
     config = _read_json(directory / "config.json") if (directory / "config.json").is_file() else {}

@@ -82,7 +82,7 @@ from transformers.modeling_outputs import BaseModelOutput
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
 
-from asr.cli import device_problem  # noqa: E402
+from asr.models import device_problem  # noqa: E402
 from asr.cudagraphs import compile_modes as engine_compile_modes  # noqa: E402
 from asr.decoder import DecoderRunner, lengths_attention_unavailable  # noqa: E402
 from asr.draft_length import DraftLength  # noqa: E402

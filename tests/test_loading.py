@@ -513,3 +513,13 @@ def test_a_cached_conversion_follows_its_source_and_is_built_by_one_process_at_a
     assert FasterWhisper(str(linked), device="cpu").feature_extractor.mel_filters.shape[0] == 128
     assert sorted(p.name for p in own.iterdir()) == ["config.json", "model.bin", "tokenizer.json", "vocabulary.json"]
     assert ctranslate2_directory(str(own), mels=80) == own and ctranslate2_directory(str(wide), mels=128) == wide
+
+
+def test_a_device_torch_cannot_use_is_refused_before_the_weights_load():
+    """Through the Python API, as the CLI does: torch's AssertionError ("Torch not compiled
+    with CUDA enabled") came after the whole model had loaded, and was no ValueError."""
+    with pytest.raises(ValueError, match=r"^device gpu: not a device \(cpu, cuda, cuda:1, \.\.\.\)$"):
+        load_pair("packaged:whisper-base", None, device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="^device cuda: torch .* sees no CUDA GPU here"):
+            load_pair("packaged:whisper-base", "bundled:whisper-base-2l", device="cuda")
