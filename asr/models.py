@@ -312,7 +312,7 @@ def load_model(
             raise ValueError(f"{directory}: config.json describes a {config['model_type']!r} model, not Whisper")
         architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
         cls = WhisperForCausalLM if architecture == "WhisperForCausalLM" else WhisperForConditionalGeneration
-        with _weights_of(directory):
+        with _weights_of(directory), _quiet_transformers():
             model, info = cls.from_pretrained(directory, dtype=dtype, local_files_only=True, output_loading_info=True)
         # transformers only logs weights it did not find, and leaves them random
         tied = model.config.tie_word_embeddings  # the head is the embedding: not saved apart
@@ -389,6 +389,23 @@ def _ctranslate2_config(config: dict) -> bool:
 
 
 @contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' loading without its progress bar (shown with --no-progress too) and its
+    load report (25-55 lines on stderr before our one-line error, which says what is wrong)."""
+    from transformers.utils import logging
+
+    verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        if bars:
+            logging.enable_progress_bar()
+
+
+@contextlib.contextmanager
 def _weights_of(directory: Path) -> Iterator[None]:
     """Weights that cannot be read (a truncated file, tensors that do not fit the config) as
     a ValueError naming the directory, not a bare library error."""
@@ -397,6 +414,10 @@ def _weights_of(directory: Path) -> Iterator[None]:
     try:
         yield
     except (SafetensorError, RuntimeError) as error:
+        if "ignore_mismatched_sizes" in str(error):  # transformers': "You set `ignore_mismatched_sizes` to `False`..."
+            raise ValueError(f"{directory}: its weights cannot be loaded: tensors of other sizes than its config.json "
+                             "gives (other widths or a vocabulary of another size): config.json does not describe "
+                             "these weights") from error
         raise ValueError(f"{directory}: its weights cannot be loaded: {error}") from error
     except (pickle.UnpicklingError, EOFError) as error:  # pytorch_model.bin, read with weights_only=True
         # Not torch's message, which advises weights_only=False: running what the file holds.

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from transformers.utils import logging as transformers_logging
 
 from asr.audio import load_audio
 from asr.ct2 import CT2FormatError
@@ -393,7 +394,8 @@ def test_incompatible_pairs_fail_at_load_time_with_advice(tmp_path: Path):
         load_pair(str(tmp_path / "target"), str(tmp_path / "short"))
 
 
-def test_bad_model_directories_fail_clearly(tmp_path: Path):
+def test_bad_model_directories_fail_clearly(tmp_path: Path, capfd):
+    verbosity = transformers_logging.get_verbosity()
     with pytest.raises(FileNotFoundError, match="neither a save_pretrained"):
         load_model(str(tmp_path))
     (tmp_path / "model.bin").write_bytes(b"\x06\x00\x00\x00\x0b\x00WhisperSpec\x03\x00")
@@ -447,6 +449,13 @@ def test_bad_model_directories_fail_clearly(tmp_path: Path):
     (folder / "config.json").write_text(json.dumps({**config, "decoder_layers": 1}))
     with pytest.raises(ValueError, match=f"{folder}: its weights hold .* layers its config.json does not have .*model.decoder.layers.1."):
         load_model(str(folder))
+    # Other widths: transformers' "You set `ignore_mismatched_sizes` to `False`" (nobody had),
+    # after its load report of dozens of lines on stderr, now quiet.
+    (folder / "config.json").write_text(json.dumps({**config, "d_model": 128}))
+    with pytest.raises(ValueError, match=f"{folder}: its weights cannot be loaded: tensors of other sizes than its "
+                                         "config.json gives .*: config.json does not describe these weights$"):
+        load_model(str(folder))
+    assert "LOAD REPORT" not in capfd.readouterr().err and transformers_logging.get_verbosity() == verbosity
     (folder / "config.json").write_text(json.dumps(config))
     generation = json.loads((folder / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**generation, "suppress_tokens": [1, 99999]}))
