@@ -7,7 +7,8 @@ for the measured period: English clips of 1-35 s cut from the given audio, and a
 bad files (not audio, empty, NaN samples). It prints, for each mode, throughput (audio
 seconds served per wall second), latency percentiles, outcomes (transcripts, clear errors,
 anything else), the server's resident memory over time and the size of its upload cache and
-download folder; then the batched / lock throughput ratio, measured in this one run.
+download folder; then the batched / lock throughput ratio, measured in this one run (the
+modes one after the other: a server each).
 
     python scripts/benchmark_app.py --clients 8 --warmup 120 --seconds 600 --out out/app-bench
 
@@ -297,7 +298,9 @@ def tables(summaries: list[dict]) -> str:
             lines.append(f"| {clip} | " + " | ".join(f"{c[0]} / {c[1]} ({c[2]})" if c else "" for c in cells) + " |")
     by_mode = {s["mode"]: s for s in summaries}
     if "batched" in by_mode and "lock" in by_mode and by_mode["lock"]["throughput"]:
-        lines.append(f"\nthroughput batched / lock: {by_mode['batched']['throughput'] / by_mode['lock']['throughput']:.2f}x")
+        # The modes ran one after the other (a server each, minutes apart): drift in a shared machine's load is in the ratio.
+        lines.append(f"\nthroughput batched / lock: {by_mode['batched']['throughput'] / by_mode['lock']['throughput']:.2f}x "
+                     "(the modes ran one after the other, not in turns: on a machine shared with other work, run it again)")
     return "\n".join(lines)
 
 
