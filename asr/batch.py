@@ -106,6 +106,9 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 "without_timestamps": options.without_timestamps, "word_timestamps": options.word_timestamps,
                 "vad": options.vad_filter, "max_line_width": layout.max_line_width,
                 "max_line_count": layout.max_line_count,
+                # Only where set: the ledgers of runs from before the option still match.
+                **({} if options.hallucination_silence_threshold is None
+                   else {"hallucination_silence_threshold": options.hallucination_silence_threshold}),
                 **({"seed": options.seed, "best_of": options.best_of} if any(t > 0 for t in options.temperatures)
                    else {"seed": None, "best_of": None})}
     return json.loads(json.dumps(settings))  # as read back: tuples are lists

@@ -149,6 +149,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "last word's end, as in faster-whisper)")
     t.add_argument("--word-timestamps", action="store_true",
                    help="time each word (json: segments[].words), from the target's cross-attention")
+    t.add_argument("--hallucination-silence-threshold", type=number(0), metavar="S",
+                   help="with --word-timestamps: skip a segment whose words look hallucinated (improbable, or said "
+                        "too fast or too slowly) with more than S seconds of silence around it, and decode on from "
+                        "there, as Whisper's and faster-whisper's option of that name (2 is usual; default: off)")
     t.add_argument("--prompt", type=prompt_text, default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
@@ -297,6 +301,7 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
         without_timestamps=args.without_timestamps,
         initial_prompt=args.prompt,
         word_timestamps=args.word_timestamps,
+        hallucination_silence_threshold=args.hallucination_silence_threshold,
         vad_filter=args.vad,
         seed=args.seed,
         best_of=args.best_of,
@@ -343,6 +348,10 @@ def transcribe_command(args: argparse.Namespace) -> int:
     if all(_missing(path) for path in args.paths):
         for path in args.paths:
             print(f"asr: {path}: no such file or folder", file=sys.stderr)
+        return 2
+    if args.hallucination_silence_threshold is not None and not args.word_timestamps:
+        print("asr: --hallucination-silence-threshold judges segments by their timed words: add --word-timestamps",
+              file=sys.stderr)
         return 2
     target, draft = model_sources(args)
     try:

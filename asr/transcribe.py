@@ -32,7 +32,7 @@ from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
 from asr.vocab import language_code
-from asr.words import Word, align
+from asr.words import Word, align, anomalous
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -76,6 +76,9 @@ class TranscribeOptions:
     initial_prompt: str = ""
     without_timestamps: bool = False
     word_timestamps: bool = False  # each segment's words timed (asr/words.py): one more target pass per window
+    # With word_timestamps, a segment whose words look hallucinated (asr.words.anomalous) between
+    # silences longer than this many seconds is skipped, as Whisper's and faster-whisper's option.
+    hallucination_silence_threshold: float | None = None
     # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
     # vad_filter); the recording is then read whole, never block by block.
     vad_filter: bool = False
@@ -116,6 +119,11 @@ class TranscribeOptions:
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Real) and not math.isnan(value)):
                 raise ValueError(f"{name} must be a number, or None for no threshold, not {value!r}")
+        threshold = self.hallucination_silence_threshold
+        if threshold is not None and not (isinstance(threshold, numbers.Real) and 0 <= threshold < math.inf):
+            raise ValueError(f"hallucination_silence_threshold must be seconds from 0 up, or None, not {threshold!r}")
+        if threshold is not None and not self.word_timestamps:
+            raise ValueError("hallucination_silence_threshold judges segments by their timed words: it needs word_timestamps")
         if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
             raise ValueError(f"compression_ratio_threshold must be above 0 (every window fell back), "
                              f"not {self.compression_ratio_threshold!r}")
@@ -726,11 +734,14 @@ class Transcriber:
 
     def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
         """Whether a recording's greedy window copied PROMPT_COPY_WORDS words in a row of its
-        previous text: it is then decoded again, greedily, without it (what a temperature
-        above 0.5 does for the next window), and that attempt goes on as any. Whisper's rules
-        keep such a copy where its log-probability is confident: the JFK clip's next clip's
-        line again in the 35 s of silence after it (no-speech 0.97, -0.29; faster-whisper
-        too), or, with a bfloat16 encoder, the sonnet's fifth line in place of its last."""
+        previous text. Whisper's rules keep such a copy where its log-probability is confident,
+        though that is the previous text's: the JFK clip's next clip's line again in the 35 s
+        of silence after it (no-speech 0.97, log-probability -0.29; faster-whisper too), or,
+        with a bfloat16 encoder, the sonnet's fifth line in place of its last (no-speech 0.82:
+        that alone does not tell). It is then decoded again, greedily, without its previous
+        text (what a temperature above 0.5 does for the next window): the sonnet's last line
+        (no-speech 0.29), or in the silence Whisper's "you" (0.95), which is then skipped as
+        silence whatever its log-probability (_silent)."""
         return (temperature == 0 and not job.window_only and not job.unprompted and bool(job.context)
                 and self._copies(sequence, job.context))
 
@@ -755,12 +766,16 @@ class Transcriber:
             prompt.append(vocab.no_timestamps)
         return prompt, len(previous)
 
-    def _silent(self, sequence: Sequence) -> bool:
+    def _silent(self, sequence: Sequence, unprompted: bool = False) -> bool:
+        """Whisper's no-speech skip: a window heard as silence, unless its text is confident;
+        unprompted (decoded again after copying its previous text, _copied_greedily): heard as
+        silence, whatever its text (Whisper's "you" of silence, at -0.83)."""
         options = self.options
         return (
             options.no_speech_threshold is not None
             and sequence.no_speech_prob > options.no_speech_threshold
-            and not (options.log_prob_threshold is not None and sequence.avg_logprob > options.log_prob_threshold)
+            and (unprompted or not (options.log_prob_threshold is not None
+                                and sequence.avg_logprob > options.log_prob_threshold))
         )
 
     def _align(self, job: _Job, texts: list[list[int]], times: list[tuple[float, float]], frames: int, offset: float,
@@ -780,6 +795,37 @@ class Transcriber:
         words = self._align(job, [r.tokens for r in runs], [(r.start, r.end) for r in runs], job.frames, 0.0, 0.0)[0]
         return [word for segment in words for word in segment]
 
+    def _past_hallucinations(self, job: _Job, pieces: list[tuple[float, float, list[int]]], words: list[list[Word]],
+                             seek: int) -> tuple[int, int | None]:
+        """Whisper's hallucination_silence_threshold over a window's timed segments: the seek,
+        and how many of them to keep (None: none, the window decoded again from its first
+        one's start, an anomaly after a silence). An anomalous segment with silence (or another
+        anomaly, or the window's edge) on both sides ends the window there, and decoding goes
+        on from it (or from the end of the recording, where little is left), so that silence
+        is no longer heard as the words before it. As faster-whisper's (openai/whisper's also
+        moves the seek of a window that ends within the threshold of its last word)."""
+        threshold = self.options.hallucination_silence_threshold
+        offset = job.seek * FRAME_SECONDS
+        window_end = (job.seek + WINDOW_FRAMES) * FRAME_SECONDS  # a whole window's, as Whisper's
+        content_end = (job.seek + min(WINDOW_FRAMES, job.frames - job.seek)) * FRAME_SECONDS
+        timed = [i for i, w in enumerate(words) if w]
+        if timed and anomalous(words[timed[0]]) and pieces[timed[0]][0] - offset > threshold:
+            return job.seek + round((pieces[timed[0]][0] - offset) / FRAME_SECONDS), None
+        heard_until = job.last_speech  # the end of the speech before this segment
+        for n, i in enumerate(timed):
+            start, end, _ = pieces[i]
+            if anomalous(words[i]):
+                following = words[timed[n + 1]] if n + 1 < len(timed) else None
+                next_start = following[0].start if following else content_end
+                before = start - heard_until > threshold or start < threshold or start - offset < 2.0
+                after = (next_start - end > threshold or (following is not None and anomalous(following))
+                         or window_end - end < 2.0)
+                if before and after:
+                    at_end = job.frames * FRAME_SECONDS - end < threshold
+                    return job.frames if at_end else round(max(offset + 1, start) / FRAME_SECONDS), i
+            heard_until = end
+        return seek, len(pieces)
+
     def _advance(self, job: _Job, sequence: Sequence, temperature: float) -> None:
         """Whisper's seek logic: cut the window's tokens into segments at timestamp pairs,
         and move the seek to the end of the last complete segment. The job changes only
@@ -788,7 +834,7 @@ class Transcriber:
         segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
         offset = job.seek * FRAME_SECONDS
         seek = job.seek + segment_frames
-        if self._silent(sequence):
+        if self._silent(sequence, unprompted=job.unprompted):
             job.seek = seek
             return
         tokens = sequence.tokens
@@ -822,11 +868,19 @@ class Transcriber:
         if self.options.word_timestamps:
             # As Whisper (and faster-whisper): segments take their words' times, and unless the
             # window ended on a lone timestamp the next one starts where its last word ended.
-            words, times, job.last_speech = self._align(job, texts, [(start, end) for start, end, _ in pieces],
-                                                        segment_frames, offset, job.last_speech)
+            words, times, last_speech = self._align(job, texts, [(start, end) for start, end, _ in pieces],
+                                                    segment_frames, offset, job.last_speech)
             pieces = [(start, end, piece) for (start, end), (_, _, piece) in zip(times, pieces)]
-            if not single_ending and job.last_speech > offset:
-                seek = round(job.last_speech / FRAME_SECONDS)
+            if not single_ending and last_speech > offset:
+                seek = round(last_speech / FRAME_SECONDS)
+            if self.options.hallucination_silence_threshold is not None:
+                seek, count = self._past_hallucinations(job, pieces, words, seek)
+                if count is None:  # the window's speech starts late, with a hallucination: from there again
+                    job.seek = seek
+                    return
+                pieces, texts, decoded, words = pieces[:count], texts[:count], decoded[:count], words[:count]
+                last_speech = next((w[-1].end for w in reversed(words) if w), job.last_speech)
+            job.last_speech = last_speech
         job.seek = seek
         # Within the recording: a last window's timestamps can pass its end.
         pieces = [(time_within(start, job.duration), time_within(max(end, start), job.duration), piece)

@@ -115,6 +115,19 @@ class _Timed:
     probability: float
 
 
+def anomalous(words: list[Word]) -> bool:
+    """Whether a segment's timed words look hallucinated, by Whisper's measure (its
+    hallucination_silence_threshold): of its first 8 words but bare punctuation, improbable
+    ones (under 0.15) and ones said too fast (under 0.133 s) or too slowly (over 2 s) score,
+    and a segment scoring 3, or about one a word, is anomalous."""
+    scored = [w for w in words if w.text not in PREPENDED + APPENDED][:8]
+    score = 0.0
+    for word in scored:
+        duration = word.end - word.start
+        score += (word.probability < 0.15) + max(0.0, 0.133 - duration) * 15 + max(0.0, duration - 2.0)
+    return score >= 3 or score + 0.01 >= len(scored)
+
+
 def align(model: WhisperModel, encoded: torch.Tensor, sot_sequence: list[int], segments: list[list[int]],
           times: list[tuple[float, float]], content_frames: int, offset: float, language: str, duration: float,
           last_speech: float) -> tuple[list[list[Word]], list[tuple[float, float]], float]:

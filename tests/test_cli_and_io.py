@@ -680,6 +680,9 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--max-line-count", "2",
                  "--word-timestamps"]) == 2
     assert "--max-line-count needs --max-line-width" in capsys.readouterr().err
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path / "again"), "--hallucination-silence-threshold", "2"]) == 2
+    assert "--hallucination-silence-threshold judges segments by their timed words: add --word-timestamps" in (
+        capsys.readouterr().err)
 
 
 def test_an_output_folder_that_cannot_be_made_is_a_usage_error_before_any_work(capsys):
