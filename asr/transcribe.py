@@ -323,6 +323,7 @@ class _Job:
     draft_encoded: Tensor | None = None  # a draft with its own encoder: its output
     attempt: int = 0  # index of the current window's temperature in the options' temperatures
     unprompted: bool = False  # the window is decoded without its previous text (Transcriber._copied_greedily)
+    copied: Sequence | None = None  # the greedy attempt that copied its previous text, while it is so checked
     failed: list[Sequence] = field(default_factory=list)  # the window's attempts that fell back
     candidates: list[Sequence] = field(default_factory=list)  # the current attempt's samples decoded (best_of)
     rows: int = 0  # the current attempt's rows still decoding
@@ -741,7 +742,9 @@ class Transcriber:
         that alone does not tell). It is then decoded again, greedily, without its previous
         text (what a temperature above 0.5 does for the next window): the sonnet's last line
         (no-speech 0.29), or in the silence Whisper's "you" (0.95), which is then skipped as
-        silence whatever its log-probability (_silent)."""
+        silence whatever its log-probability (_silent). Where that attempt copies the previous
+        text too, the speech repeats itself (JFK's sentence said twice), and the first attempt
+        stands, as Whisper's rules judge it."""
         return (temperature == 0 and not job.window_only and not job.unprompted and bool(job.context)
                 and self._copies(sequence, job.context))
 
@@ -1000,7 +1003,7 @@ class _Decoding:
             job.info.decoder_seconds += detection_seconds
             job.encoded = encoded[i]
             job.draft_encoded = None if draft_encoded is None else draft_encoded[i]
-            job.attempt, job.failed, job.unprompted = 0, [], False
+            job.attempt, job.failed, job.unprompted, job.copied = 0, [], False, None
         self._add(jobs, [cross.get(i) for i in range(len(jobs))])
         return dropped + empty
 
@@ -1048,9 +1051,13 @@ class _Decoding:
             # log-probability (end-of-text's included) over the tokens (end-of-text not counted).
             sequence = max(job.candidates, key=lambda candidate: candidate.sum_logprob / max(len(candidate.tokens), 1))
             if t._copied_greedily(job, sequence, temperatures[job.attempt]):
-                job.unprompted = True
+                job.unprompted, job.copied = True, sequence
                 again.append(job)
                 continue
+            if job.copied is not None:  # the check's answer: heard without the previous text too, the speech repeats
+                if t._copies(sequence, job.context):
+                    sequence, job.unprompted = job.copied, False
+                job.copied = None
             previous = [] if job.unprompted else job.context
             if t._needs_fallback(sequence, temperatures[job.attempt], previous):
                 job.failed.append(sequence)

@@ -603,7 +603,7 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     assert "No audio came from the microphone for 2 s" in shown and "Stop, then Record" in shown
     assert shown.index("Stop, then Record") < shown.index(live_html(live.last.committed_text, "", False)[:60])
     assert "Cannot transcribe" not in shown  # a notice above its final text, not an error
-    list(handlers["on_stop"](live, request=visitor))
+    list(handlers["on_stop"](live, "segments", request=visitor))
     assert live.recorded_seconds() == recorded
 
     # Stop pressed as the first chunk's handler makes the session: Gradio hands Stop the state
@@ -611,17 +611,17 @@ def test_a_recording_ends_at_once_when_its_visitor_leaves_and_says_so_when_its_m
     visitor = SimpleNamespace(session_hash="quick")
     handlers["on_start"](visitor)
     live = handlers["on_chunk"](next(chunks), None, *settings, request=visitor)[2]
-    stopping = handlers["on_stop"](None, request=visitor)
+    stopping = handlers["on_stop"](None, "segments", request=visitor)
     # The last decode takes a second or two: the figures say so (they said "recording") until it is done.
-    text, shown = next(stopping)
+    text, shown, _ = next(stopping)
     assert text == gr.skip() and "finishing" in shown and "recording" not in shown and not live.finished
-    text, shown = next(stopping)
+    text, shown, _ = next(stopping)
     assert "finished" in shown and live.finished and live.last.final and LiveSession.running() == running
     # The page closed while Stop waits for that last decode: Gradio ends the handler at its
     # yield, and the recording must still end (it went on, holding its slot, until idle).
     visitor = SimpleNamespace(session_hash="closed")
     live = handlers["on_chunk"](next(chunks), None, *settings, request=visitor)[2]
-    stopping = handlers["on_stop"](live, request=visitor)
+    stopping = handlers["on_stop"](live, "segments", request=visitor)
     next(stopping)
     stopping.close()
     live._worker.join(timeout=60)

@@ -556,7 +556,7 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
         document = json.loads((out / f"{stem}.json").read_text())
         text = "".join(c for c in document["text"].lower() if c.isalpha() or c == " ")
         assert words in text, (stem, document["text"])
-        assert (out / f"{stem}.txt").read_text() == "".join(f"{s['text']}\n" for s in document["segments"])
+        assert (out / f"{stem}.txt").read_text() == "".join(f"{s['text'].strip()}\n" for s in document["segments"])
     assert json.loads((out / "good/long.json").read_text())["duration"] == pytest.approx(51.0, abs=0.01)
     assert not list(out.rglob("*.part"))
 
@@ -1042,7 +1042,7 @@ def test_a_run_killed_with_sigkill_resumes_without_touching_finished_files(tmp_p
     assert {k: after[k] for k in before} == before  # finished files untouched: same bytes, same mtime
     assert (out / f"{half}.txt").read_text() != "stale\n"
     segments = json.loads((out / f"{half}.json").read_text())["segments"]
-    assert (out / f"{half}.txt").read_text() == "".join(f"{s['text']}\n" for s in segments)
+    assert (out / f"{half}.txt").read_text() == "".join(f"{s['text'].strip()}\n" for s in segments)
     assert not list(out.rglob("*.part")) and not (out / ERRORS_FILE).exists()
 
 

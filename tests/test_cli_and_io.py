@@ -482,7 +482,7 @@ def test_writers_render_every_format(tmp_path: Path):
                                                 {"start": 0.62, "end": 2.5, "word": " there.", "probability": 0.8}]
     segment = transcript.segments[1]
     assert document["segments"][1] == {  # openai/whisper's keys, seek aside
-        "id": segment.id, "start": 2.5, "end": 3661.25, "text": "General Kenobi!", "tokens": segment.tokens,
+        "id": segment.id, "start": 2.5, "end": 3661.25, "text": " General Kenobi!", "tokens": segment.tokens,
         "temperature": 0.0, "avg_logprob": -0.3, "compression_ratio": round(segment.compression_ratio, 4),
         "no_speech_prob": 0.02}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
