@@ -149,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "last word's end, as in faster-whisper)")
     t.add_argument("--word-timestamps", action="store_true",
                    help="time each word (json: segments[].words), from the target's cross-attention")
+    t.add_argument("--keep-greedy-copies", action="store_true",
+                   help="keep a greedy window heard as silence that copies the text before it, as Whisper and "
+                        "faster-whisper do (default: decode it again without that text)")
     t.add_argument("--hallucination-silence-threshold", type=number(0), metavar="S",
                    help="with --word-timestamps: skip a segment whose words look hallucinated (improbable, or said "
                         "too fast or too slowly) with more than S seconds of silence around it, and decode on from "
@@ -302,6 +305,7 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
         initial_prompt=args.prompt,
         word_timestamps=args.word_timestamps,
         hallucination_silence_threshold=args.hallucination_silence_threshold,
+        retry_greedy_copies=not args.keep_greedy_copies,
         vad_filter=args.vad,
         seed=args.seed,
         best_of=args.best_of,

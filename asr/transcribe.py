@@ -79,6 +79,9 @@ class TranscribeOptions:
     # With word_timestamps, a segment whose words look hallucinated (asr.words.anomalous) between
     # silences longer than this many seconds is skipped, as Whisper's and faster-whisper's option.
     hallucination_silence_threshold: float | None = None
+    # A greedy window heard as silence that copies its previous text is decoded again without it
+    # (Transcriber._copied_greedily); False: kept as Whisper and faster-whisper keep it.
+    retry_greedy_copies: bool = True
     # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
     # vad_filter); the recording is then read whole, never block by block.
     vad_filter: bool = False
@@ -120,7 +123,8 @@ class TranscribeOptions:
             if value is not None and not (isinstance(value, numbers.Real) and not math.isnan(value)):
                 raise ValueError(f"{name} must be a number, or None for no threshold, not {value!r}")
         threshold = self.hallucination_silence_threshold
-        if threshold is not None and not (isinstance(threshold, numbers.Real) and 0 <= threshold < math.inf):
+        if threshold is not None and (isinstance(threshold, bool) or not (isinstance(threshold, numbers.Real)
+                                                                          and 0 <= threshold < math.inf)):
             raise ValueError(f"hallucination_silence_threshold must be seconds from 0 up, or None, not {threshold!r}")
         if threshold is not None and not self.word_timestamps:
             raise ValueError("hallucination_silence_threshold judges segments by their timed words: it needs word_timestamps")
@@ -317,6 +321,7 @@ class _Job:
     seek: int = 0
     segments: list[Segment] = field(default_factory=list)
     context: list[int] = field(default_factory=list)  # tokens that condition the next window
+    heard: list[int] = field(default_factory=list)  # of them, those decoded from the recording (not the prompt)
     hint: list[int] = field(default_factory=list)  # tokens the window is expected to give: its first draft
     last_speech: float = 0.0  # where the last segment with timed words ended (asr/words.py)
     encoded: Tensor | None = None  # the current window's encoder output (kept for a fallback)
@@ -734,19 +739,22 @@ class Transcriber:
         return any(tuple(said[i : i + PROMPT_COPY_WORDS]) in runs for i in range(len(said) - PROMPT_COPY_WORDS + 1))
 
     def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
-        """Whether a recording's greedy window copied PROMPT_COPY_WORDS words in a row of its
-        previous text. Whisper's rules keep such a copy where its log-probability is confident,
-        though that is the previous text's: the JFK clip's next clip's line again in the 35 s
-        of silence after it (no-speech 0.97, log-probability -0.29; faster-whisper too), or,
-        with a bfloat16 encoder, the sonnet's fifth line in place of its last (no-speech 0.82:
-        that alone does not tell). It is then decoded again, greedily, without its previous
-        text (what a temperature above 0.5 does for the next window): the sonnet's last line
-        (no-speech 0.29), or in the silence Whisper's "you" (0.95), which is then skipped as
-        silence whatever its log-probability (_silent). Where that attempt copies the previous
-        text too, the speech repeats itself (JFK's sentence said twice), and the first attempt
-        stands, as Whisper's rules judge it."""
-        return (temperature == 0 and not job.window_only and not job.unprompted and bool(job.context)
-                and self._copies(sequence, job.context))
+        """Whether a recording's greedy window heard as silence (no-speech probability above its
+        threshold) copied PROMPT_COPY_WORDS words in a row of the text decoded before it (not
+        of the prompt: the audio may say what the user wrote; words split at spaces, so a copied
+        Chinese or Japanese clause counts few). Whisper's rules keep such a copy where its
+        log-probability is confident, though that is the previous text's: the JFK clip's next
+        clip's line again in the 35 s of silence after it (no-speech 0.97, log-probability
+        -0.29; faster-whisper too), or, with a bfloat16 encoder, a line of the sonnet in place
+        of its last. It is then decoded again, greedily, without its previous text: the
+        sonnet's last line, or in the silence Whisper's "you" (no-speech 0.95), which is then
+        skipped as silence whatever its log-probability (_silent), and the previous text with
+        it. Where that attempt copies the text too, the speech repeats itself, and the first
+        attempt stands, as Whisper's rules judge it. retry_greedy_copies False: never."""
+        options = self.options
+        return (options.retry_greedy_copies and temperature == 0 and not job.window_only and not job.unprompted
+                and options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
+                and self._copies(sequence, job.heard))
 
     def _likeliest(self, attempts: list[Sequence], previous: list[int]) -> Sequence:
         """The attempt with the highest average log-probability among those that neither
@@ -813,7 +821,7 @@ class Transcriber:
         content_end = (job.seek + min(WINDOW_FRAMES, job.frames - job.seek)) * FRAME_SECONDS
         timed = [i for i, w in enumerate(words) if w]
         if timed and anomalous(words[timed[0]]) and pieces[timed[0]][0] - offset > threshold:
-            return job.seek + round((pieces[timed[0]][0] - offset) / FRAME_SECONDS), None
+            return job.seek + max(1, round((pieces[timed[0]][0] - offset) / FRAME_SECONDS)), None
         heard_until = job.last_speech  # the end of the speech before this segment
         for n, i in enumerate(timed):
             start, end, _ = pieces[i]
@@ -839,6 +847,8 @@ class Transcriber:
         seek = job.seek + segment_frames
         if self._silent(sequence, unprompted=job.unprompted):
             job.seek = seek
+            if job.unprompted:  # the text it copied would condition the next window as it did this one
+                job.context, job.heard = [], []
             return
         tokens = sequence.tokens
         ts_begin = self.vocab.timestamp_begin
@@ -881,8 +891,10 @@ class Transcriber:
                 if count is None:  # the window's speech starts late, with a hallucination: from there again
                     job.seek = seek
                     return
-                pieces, texts, decoded, words = pieces[:count], texts[:count], decoded[:count], words[:count]
-                last_speech = next((w[-1].end for w in reversed(words) if w), job.last_speech)
+                if count < len(pieces):  # where the speech heard last ends now (align's, untrimmed, where none is cut)
+                    pieces, texts, decoded, words = pieces[:count], texts[:count], decoded[:count], words[:count]
+                    last_speech = next((w[-1].end for w in reversed(words) if w),
+                                       pieces[-1][1] if pieces else job.last_speech)
             job.last_speech = last_speech
         job.seek = seek
         # Within the recording: a last window's timestamps can pass its end.
@@ -914,6 +926,7 @@ class Transcriber:
         reset = temperature > 0.5 or not self.options.condition_on_previous_text
         # Only the last half of the decoder's positions conditions a window (_prompt): no more is kept.
         job.context = [] if reset else (job.context + kept)[-(self.engine.max_positions // 2 - 1) :]
+        job.heard = [] if reset else (job.heard + kept)[-(self.engine.max_positions // 2 - 1) :]
 
 
 class _Decoding:
@@ -1055,7 +1068,7 @@ class _Decoding:
                 again.append(job)
                 continue
             if job.copied is not None:  # the check's answer: heard without the previous text too, the speech repeats
-                if t._copies(sequence, job.context):
+                if t._copies(sequence, job.heard):
                     sequence, job.unprompted = job.copied, False
                 job.copied = None
             previous = [] if job.unprompted else job.context

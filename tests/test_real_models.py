@@ -416,16 +416,31 @@ def test_a_greedy_window_that_copies_its_previous_text_is_decoded_again_without_
     assert [s.tokens for s in speculative.segments] == [s.tokens for s in alone.segments]
 
 
-def test_hallucinations_between_silences_are_skipped_as_faster_whisper_skips_them(base_pair, faster_whisper_base,
-                                                                                 monkeypatch):
+def test_speech_that_says_its_prompt_or_repeats_itself_is_not_decoded_again(base_pair):
+    """The copy retry is for windows heard as silence that copy the text decoded before them:
+    a clip whose prompt is its own line (the previous chunk's transcript, as users pass it),
+    or said twice, decodes each window once, as with the retry off (it decoded them twice,
+    and dropped the prompt's spellings for that window)."""
+    jfk = load_audio(DEV / "en_short" / "jfk.flac")
+    twice = np.concatenate([jfk, np.zeros(25 * SAMPLE_RATE, np.float32), jfk])
+    line = "And so my fellow Americans, ask not what your country can do for you."
+    for audio, prompt in ((jfk, line), (twice, "")):
+        options = TranscribeOptions(language="en", speculative=False, initial_prompt=prompt)
+        retried, kept = (Transcriber(base_pair, replace(options, retry_greedy_copies=retry)).transcribe(audio)
+                         for retry in (True, False))
+        assert retried.info.stats.target_passes == kept.info.stats.target_passes
+        assert [s.tokens for s in retried.segments] == [s.tokens for s in kept.segments]
+    assert retried.text.lower().count("ask not what your country") == 2
+
+
+def test_hallucinations_between_silences_are_skipped_as_faster_whisper_skips_them(base_pair, faster_whisper_base):
     """hallucination_silence_threshold (Whisper's and faster-whisper's option): a segment whose
     timed words look hallucinated (improbable, said too fast or too slowly) with silence
     around it is skipped and decoding goes on from it. With our retry of greedy copies off
     (faster-whisper has none), the copy in the 35 s of silence is such a segment: without the
     option it is written, with it the segments, times and words are faster-whisper's."""
     audio = _silences_between_clips()
-    monkeypatch.setattr(Transcriber, "_copied_greedily", lambda *_: False)
-    options = TranscribeOptions(language="en", speculative=False, word_timestamps=True)
+    options = TranscribeOptions(language="en", speculative=False, word_timestamps=True, retry_greedy_copies=False)
     kept = Transcriber(base_pair, options).transcribe(audio)
     assert kept.text.count("antecedents") == 2  # the copy
     ours = Transcriber(base_pair, replace(options, hallucination_silence_threshold=2.0)).transcribe(audio)
@@ -439,8 +454,9 @@ def test_hallucinations_between_silences_are_skipped_as_faster_whisper_skips_the
         [(w.text, round(w.start, 2)) for w in s.words] for s in ours.segments]
     with pytest.raises(ValueError, match="hallucination_silence_threshold judges segments by their timed words"):
         TranscribeOptions(hallucination_silence_threshold=2.0)
-    with pytest.raises(ValueError, match="hallucination_silence_threshold must be seconds from 0 up"):
-        TranscribeOptions(word_timestamps=True, hallucination_silence_threshold=-1)
+    for wrong in (-1, True, float("nan")):
+        with pytest.raises(ValueError, match="hallucination_silence_threshold must be seconds from 0 up"):
+            TranscribeOptions(word_timestamps=True, hallucination_silence_threshold=wrong)
 
 
 def test_when_every_temperature_fails_the_likeliest_attempt_is_kept(base_pair):
