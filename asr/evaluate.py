@@ -474,10 +474,11 @@ def system_names(peers: tuple[str, ...]) -> list[str]:
 def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions = EvaluateOptions()) -> dict:
     """Transcribes every clip with every system and returns the report (see build_report)."""
     warm_up: dict[str, dict] = {}
-    load = machine_load()
     results = run_systems(clips, pair, options, warm_up)
     environment = describe_environment(pair, options)
-    environment["load_average"] = max(load, machine_load())  # other work on the machine skews every speed figure
+    # At the end (the 1-minute average: the run's last minute, not the one before it): other
+    # work on the machine skews every speed figure.
+    environment["load_average"] = machine_load()
     if environment["cuda_graphs"]:
         environment["warm_up_graphs"] = warm_up
     return build_report(results, system_names(options.peers), environment)

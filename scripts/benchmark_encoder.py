@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.windows < 1 or args.repeats < 1:
         parser.error("--windows and --repeats: whole numbers from 1")
-    names = args.dtypes.split(",")
+    names = list(dict.fromkeys(args.dtypes.split(",")))  # each once
     if bad := [d for d in names if not isinstance(getattr(torch, d, None), torch.dtype)]:
         parser.error(f"--dtypes: {', '.join(bad)}: not a torch dtype (float32, bfloat16, float16)")
     model = load_model(PRESETS[args.preset][0])
@@ -43,7 +43,7 @@ def main() -> None:
     encoders = {name: (copy.deepcopy(model.encoder).to(getattr(torch, name)), features.to(getattr(torch, name)))
                 for name in names}
     seconds: dict[tuple[str, str], list[float]] = {(name, way): [] for name in names for way in (ONE, BATCHED)}
-    load = machine_load()
+    load = 0.0
     with torch.inference_mode():
         for encoder, inputs in encoders.values():
             encoder(inputs[:1])  # first-call costs out of the timings
@@ -56,9 +56,9 @@ def main() -> None:
                     for batch in (inputs.split(1) if way == ONE else [inputs]):
                         encoder(batch)
                     seconds[name, way].append((time.perf_counter() - started) / args.windows)
+            load = max(load, machine_load())  # the load average of the run's own minutes, not of the one before
             print(f"repeat {repeat + 1}: " + "; ".join(_line(name, seconds[name, ONE][-1], seconds[name, BATCHED][-1])
                                                      for name in names))
-    load = max(load, machine_load())
     medians = {key: statistics.median(values) for key, values in seconds.items()}
     print("median: " + "; ".join(_line(name, medians[name, ONE], medians[name, BATCHED]) for name in names))
     for name in names[1:]:  # each repeat's ratio, its two dtypes timed in the same round

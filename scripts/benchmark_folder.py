@@ -86,7 +86,7 @@ def main() -> int:
     print(f"preset {args.preset} ({target} + {'no draft' if args.no_speculation else draft}), {pair.target.dtype_label}, "
           f"{torch.get_num_threads()} CPU threads, batch sizes {sizes}; RTFx: seconds of audio per second of wall time "
           "(reading, decoding and writing)", flush=True)
-    load = machine_load()
+    load = 0.0  # sampled after each set: the minute before the run is not its
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         sets: list[tuple[str, Path]] = []
