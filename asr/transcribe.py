@@ -739,9 +739,10 @@ class Transcriber:
         return any(tuple(said[i : i + PROMPT_COPY_WORDS]) in runs for i in range(len(said) - PROMPT_COPY_WORDS + 1))
 
     def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
-        """Whether a recording's greedy window heard as silence (no-speech probability above its
-        threshold) copied PROMPT_COPY_WORDS words in a row of the text decoded before it (not
-        of the prompt: the audio may say what the user wrote; words split at spaces, so a copied
+        """Whether a recording's first, greedy attempt at a window, heard as silence (no-speech
+        probability above its threshold) but kept for its confident text, copied
+        PROMPT_COPY_WORDS words in a row of the text decoded before it (not of the prompt: the
+        audio may say what the user wrote; words split at spaces and punctuation, so a copied
         Chinese or Japanese clause counts few). Whisper's rules keep such a copy where its
         log-probability is confident, though that is the previous text's: the JFK clip's next
         clip's line again in the 35 s of silence after it (no-speech 0.97, log-probability
@@ -750,10 +751,12 @@ class Transcriber:
         sonnet's last line, or in the silence Whisper's "you" (no-speech 0.95), which is then
         skipped as silence whatever its log-probability (_silent), and the previous text with
         it. Where that attempt copies the text too, the speech repeats itself, and the first
-        attempt stands, as Whisper's rules judge it. retry_greedy_copies False: never."""
+        attempt stands, as Whisper's rules judge it; where it falls back, the window's sampled
+        attempts are decoded without the previous text too. retry_greedy_copies False: never."""
         options = self.options
-        return (options.retry_greedy_copies and temperature == 0 and not job.window_only and not job.unprompted
-                and options.no_speech_threshold is not None and sequence.no_speech_prob > options.no_speech_threshold
+        return (options.retry_greedy_copies and temperature == 0 and job.attempt == 0 and not job.window_only
+                and not job.unprompted and options.no_speech_threshold is not None
+                and sequence.no_speech_prob > options.no_speech_threshold and not self._silent(sequence)
                 and self._copies(sequence, job.heard))
 
     def _likeliest(self, attempts: list[Sequence], previous: list[int]) -> Sequence:
@@ -767,7 +770,8 @@ class Transcriber:
     def _prompt(self, job: _Job) -> tuple[list[int], int]:
         """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
         returns it with the index of <|startoftranscript|>. Every attempt at a window has the
-        same previous text, as in Whisper: a fallback above 0.5 resets it for the next window."""
+        same previous text, as in Whisper (but those after a greedy copy's retry, which have
+        none: _copied_greedily): a fallback above 0.5 resets it for the next window."""
         vocab = self.vocab
         previous: list[int] = []
         if job.context and not job.unprompted:
@@ -779,8 +783,8 @@ class Transcriber:
 
     def _silent(self, sequence: Sequence, unprompted: bool = False) -> bool:
         """Whisper's no-speech skip: a window heard as silence, unless its text is confident;
-        unprompted (decoded again after copying its previous text, _copied_greedily): heard as
-        silence, whatever its text (Whisper's "you" of silence, at -0.83)."""
+        unprompted (the greedy retry of a copy of its previous text, _copied_greedily): heard
+        as silence, whatever its text (Whisper's "you" of silence, at -0.83)."""
         options = self.options
         return (
             options.no_speech_threshold is not None
@@ -845,7 +849,7 @@ class Transcriber:
         segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
         offset = job.seek * FRAME_SECONDS
         seek = job.seek + segment_frames
-        if self._silent(sequence, unprompted=job.unprompted):
+        if self._silent(sequence, unprompted=job.unprompted and temperature == 0):
             job.seek = seek
             if job.unprompted:  # the text it copied would condition the next window as it did this one
                 job.context, job.heard = [], []
