@@ -130,7 +130,7 @@ def build(engine: Engine, downloads_dir: Path, keep_seconds: float = 3600.0) -> 
                 subtitles = gr.Radio(
                     [("One cue per segment", "segments"), ("Lines of up to 42 characters", "42x2")], value="segments",
                     label="Subtitles (srt, vtt downloads)", elem_id="subtitles",
-                    info="Cues of two lines, timed by their words with word timestamps.")
+                    info="Lines of up to 42 characters: cues of two lines, timed by their words with word timestamps.")
                 gr.Markdown("Settings apply to the next file or recording.")
                 server_panel(engine)
             with gr.Column(scale=3, elem_id="work"):
@@ -252,7 +252,7 @@ def upload_tab(engine: Engine, downloads_dir: Path, *settings: gr.components.Com
     gr.on([audio.upload, run.click], upload, [audio, *settings], [figures, transcript, downloads, stop],
           concurrency_limit=UPLOADS, trigger_mode="always_last",
           api_name="transcribe")  # gradio_client's /transcribe (scripts/benchmark_app.py)
-    stop.click(stop_upload, None, None, queue=False)
+    stop.click(stop_tab_upload, None, None, queue=False)
     audio.clear(clear_upload, None, [figures, transcript, downloads], queue=False)
 
     def forget_tab(request: gr.Request) -> None:
@@ -293,6 +293,11 @@ def stop_upload(request: gr.Request) -> bool:
         tab.progress.cancel()
         tab.stopped_waiting = tab.waiting is not None
         return True
+
+
+def stop_tab_upload(request: gr.Request) -> None:
+    """Stop's listener: one with no outputs returns nothing (Gradio warns of each value)."""
+    stop_upload(request)
 
 
 def clear_upload(request: gr.Request) -> tuple[str | dict, str | dict, dict]:
@@ -511,6 +516,9 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
     recordings: dict[str, LiveSession] = {}
     # The last visitors gone, with when: a first chunk's handler may be making their session still.
     departed: OrderedDict[str, float] = OrderedDict()
+    # Record presses, by Gradio's session: a Stop still decoding its last audio when Record is
+    # pressed again shows nothing (its text and downloads would land on the new recording).
+    records: dict[str, int] = {}
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
         if live.shown == -1:  # an error or an idle end, shown once: the page keeps it
@@ -540,6 +548,7 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
         # queued, to find no session), nobody is left to see it.
         if (last := recordings.pop(request.session_hash, None)) is not None:
             last.cancel()
+        records[request.session_hash] = records.get(request.session_hash, 0) + 1
         if LiveSession.running() >= LIVE_SESSIONS:  # this recording's chunks wait in the queue, unheard, for a slot
             return error_html(f"All {LIVE_SESSIONS} live transcriptions are taken: what you say is not transcribed "
                               "until one ends (uploads still work)."), "", hidden, None
@@ -585,6 +594,7 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
         hand that recording's chunks to it, which takes no more audio."""
         if live is None:  # Stop as the first chunk's handler was making it: not yet in the state, but here
             live = recordings.get(request.session_hash)
+        record = records.get(request.session_hash)
         if live is None:  # stopped before a chunk arrived: nothing was heard
             yield live_html("", "", listening=False), gr.skip(), hidden
             return
@@ -597,6 +607,8 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
             yield gr.skip(), figures_html(live_figures(live.summary(), live.recorded_seconds(),
                                                        "finishing: decoding the last of it")), hidden
         live.finish()
+        if records.get(request.session_hash) != record:  # Record pressed meanwhile: the page is the next one's
+            return
         files = live_downloads(live, downloads_dir / uuid.uuid4().hex, SUBTITLE_LAYOUTS[subtitles])
         yield *show(live)[:2], gr.update(value=[str(f) for f in files] or None, visible=bool(files))
 
@@ -605,6 +617,7 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
         departed[request.session_hash] = time.monotonic()  # before the lookup: a session made meanwhile finds it
         if len(departed) > DEPARTED_KEPT:
             departed.popitem(last=False)
+        records.pop(request.session_hash, None)
         if (live := recordings.pop(request.session_hash, None)) is not None:
             live.cancel()
 

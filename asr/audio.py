@@ -17,6 +17,7 @@ AUDIO_EXTENSIONS = {".wav", ".flac", ".mp3", ".ogg", ".oga", ".opus", ".m4a", ".
                     ".caf", ".webm", ".mp4", ".m4v", ".mkv", ".mka", ".mov", ".avi", ".3gp", ".wmv", ".mpg", ".mpeg",
                     ".flv", ".ogv"}
 MAX_SECONDS = 6 * 3600  # longer input is refused rather than exhausting memory
+SILENT_PEAK = 1e-6  # no sample louder than this: digital silence
 FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to float, not audio clipped a little
 # libsndfile ends an MP3 where its header's estimate of the length does, silently: a VBR file
 # without a Xing header, files joined with `cat`, or a damaged stretch lost the rest. FFmpeg
@@ -90,9 +91,37 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
             # libsndfile knows the format but not this data: say so, not FFmpeg's guess
             raise AudioError(f"{path}: corrupt or truncated {known} audio ({error})") from error
     audio = to_model_input(samples, rate, str(path))
-    if not allow_silence and float(np.abs(audio).max()) < 1e-6:
-        raise AudioError(f"{path}: contains only digital silence, nothing to transcribe")
+    if not allow_silence:
+        check_heard(audio.size, float(np.abs(audio).max()), str(path))
     return audio
+
+
+def check_heard(samples: int, peak: float, name: str) -> None:
+    """AudioError for a recording of no samples, or of digital silence only (a muted or
+    unplugged input): nothing for Whisper to transcribe. peak: the largest |sample|."""
+    if not samples:
+        raise AudioError(f"{name}: contains no audio samples")
+    if peak < SILENT_PEAK:
+        raise AudioError(f"{name}: contains only digital silence, nothing to transcribe")
+
+
+def gathered(blocks: Iterator[np.ndarray], seconds: float, name: str) -> np.ndarray:
+    """A stream's blocks (stream_audio's) as one array, filled in place (a list of blocks
+    joined would hold the recording twice); seconds: its header's estimate. Checked as
+    load_audio checks a file."""
+    limit = MAX_SECONDS * SAMPLE_RATE  # as load_audio refuses a longer file: before it fills memory
+    if seconds * SAMPLE_RATE > limit:
+        raise AudioError(too_long(name, seconds))
+    samples, size = np.empty(round(seconds * SAMPLE_RATE) + SAMPLE_RATE, dtype=np.float32), 0
+    for block in blocks:
+        if size + len(block) > len(samples):  # the header said less
+            if size + len(block) > limit:
+                raise AudioError(too_long(name, (size + len(block)) / SAMPLE_RATE))
+            samples = np.resize(samples, min(2 * (size + len(block)), limit))
+        samples[size : size + len(block)] = block
+        size += len(block)
+    check_heard(size, float(np.abs(samples[:size]).max()) if size else 0.0, name)
+    return samples[:size]
 
 
 def check_whole(path: Path) -> None:

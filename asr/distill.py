@@ -8,6 +8,7 @@ cheap head is most of a cheap draft, and exactness never depends on the draft.""
 from __future__ import annotations
 
 import copy
+import io
 import itertools
 import json
 import os
@@ -26,11 +27,12 @@ from transformers.models.whisper.modeling_whisper import WhisperDecoder
 from asr.audio import AudioError, load_audio
 from asr.batch import find_audio
 from asr.decoder import DecoderRunner
-from asr.features import WINDOW_FRAMES, log_mel
+from asr.features import WINDOW_SAMPLES, content_frames, log_mel, window_at
 from asr.metrics import manifest_rows
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
 from asr.speculative import SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
+from asr.writers import write_atomic, write_files_atomic
 
 TOP_K = 32  # teacher probabilities kept per position for the KL term
 
@@ -114,15 +116,20 @@ class PseudoLabels:
 
 
 def save_whole(state: dict, path: Path) -> None:
-    """torch.save to path, which holds the old state until the new is whole; a write that
-    fails (a full disk: torch raises RuntimeError, "unexpected pos") is an OSError naming it."""
-    temporary = path.with_suffix(".part")
+    """torch.save to path through write_atomic: it holds the old state until the new is
+    whole; a write that fails (a full disk) is an OSError naming it."""
+    data = io.BytesIO()
+    torch.save(state, data)
     try:
-        torch.save(state, temporary)
-    except (OSError, RuntimeError) as error:
-        temporary.unlink(missing_ok=True)
+        write_atomic(path, data.getvalue())
+    except OSError as error:
         raise OSError(f"{path}: could not be written ({error})") from error
-    os.replace(temporary, path)
+
+
+def first_window(audio: np.ndarray, mel_bins: int) -> Tensor:
+    """A clip's first window as transcription cuts it (zeros past the audio, window_at):
+    what the draft is trained on and measured on is what it decodes."""
+    return window_at(log_mel(audio, mel_bins), 0, content_frames(audio))
 
 
 @torch.inference_mode()
@@ -146,10 +153,10 @@ def pseudo_label(
             except AudioError as error:
                 tqdm.write(f"skipped: {error}")
                 continue
-            if len(audio) > 30 * 16000:
+            if len(audio) > WINDOW_SAMPLES:
                 tqdm.write(f"skipped: {path}: longer than one 30 s window")
                 continue
-            windows.append(log_mel(audio, target.config.num_mel_bins)[:, :WINDOW_FRAMES])
+            windows.append(first_window(audio, target.config.num_mel_bins))
             kept.append(path)
         labels: dict[Path, Label] = {}
         max_new = min(max_new_tokens, runner.max_positions - 1 - len(prompt))
@@ -251,17 +258,8 @@ class DraftDecoder(nn.Module):
         }
         # All three written first, then renamed, the config last: a kill between the renames
         # leaves this epoch's weights beside the last epoch's config, the same within a run.
-        parts = {out / name: out / f".{name}.part" for name in (DRAFT_WEIGHTS, "tokenizer.json", "config.json")}
-        try:
-            parts[out / DRAFT_WEIGHTS].write_bytes(save(tensors))  # save_file's file is its owner's alone (mode 0600)
-            parts[out / "tokenizer.json"].write_text(target.vocab.tokenizer.to_str())
-            parts[out / "config.json"].write_text(json.dumps(config, indent=2) + "\n")
-        except OSError:  # a full disk: the parts would take the room the next try needs
-            for temporary in parts.values():
-                temporary.unlink(missing_ok=True)
-            raise
-        for path, temporary in parts.items():
-            os.replace(temporary, path)
+        write_files_atomic({out / DRAFT_WEIGHTS: save(tensors), out / "tokenizer.json": target.vocab.tokenizer.to_str(),
+                            out / "config.json": json.dumps(config, indent=2) + "\n"})
 
 
 def spread_layers(total: int, count: int) -> list[int]:
@@ -397,7 +395,7 @@ def teacher_forced_agreement(pair: ModelPair, files: list[Path], language: str,
         windows = []
         for path in files[start : start + batch_size]:
             try:
-                windows.append(log_mel(load_audio(path), target.config.num_mel_bins)[:, :WINDOW_FRAMES])
+                windows.append(first_window(load_audio(path), target.config.num_mel_bins))
             except AudioError as error:
                 tqdm.write(f"skipped: {error}")
         if not windows:

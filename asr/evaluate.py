@@ -30,7 +30,7 @@ from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts, device_clock
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, machine_load, normalize, normalized_wer
-from asr.models import ModelPair, ctranslate2_directory
+from asr.models import ModelPair, ctranslate2_directory, quiet_transformers
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
@@ -260,17 +260,6 @@ def _encoder_output_as(module: nn.Module, dtype: torch.dtype) -> Iterator[None]:
 
 
 @contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Whisper's generate warns on every call about arguments it passes itself."""
-    level = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        transformers.logging.set_verbosity(level)
-
-
-@contextmanager
 def _counted(module: nn.Module | None) -> Iterator[list[int]]:
     """Calls to module's forward while the block runs."""
     calls = [0]
@@ -381,7 +370,7 @@ class TransformersSystem(_OneFileAtATime):
             _timed(target.encoder, target.device) as encoder,
             _encoder_output_as(target.encoder, target.dtype),
             _counted(self.assistant) as draft_passes,  # not its decoder: the target's own, with --draft target
-            _quiet_transformers(),
+            quiet_transformers(),
             torch.inference_mode(),
         ):
             output = target.model.generate(

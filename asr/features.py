@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from asr.audio import SAMPLE_RATE
+from asr.audio import SAMPLE_RATE, check_heard
 
 N_FFT = 400
 HOP_LENGTH = 160
@@ -93,8 +93,6 @@ class StreamedMel:
     """
 
     def __init__(self, open_blocks: Callable[[], Iterator[np.ndarray]], n_mels: int, name: str = "audio"):
-        from asr.audio import AudioError
-
         self._open = open_blocks
         self.n_mels = n_mels
         scan = _SampleStream(open_blocks())
@@ -103,10 +101,7 @@ class StreamedMel:
         while not scan.ended or _frame_start(first) < scan.length:  # frames that see any audio
             peak = max(peak, float(self._log10_frames(scan, first, first + WINDOW_FRAMES).max()))
             first += WINDOW_FRAMES
-        if scan.length == 0:
-            raise AudioError(f"{name}: contains no audio samples")
-        if scan.peak_amplitude < 1e-6:
-            raise AudioError(f"{name}: contains only digital silence, nothing to transcribe")
+        check_heard(scan.length, scan.peak_amplitude, name)
         self.peak = peak
         self.samples = scan.length
         self._stream: _SampleStream | None = None

@@ -169,10 +169,6 @@ class ModelPair:
     draft_has_own_encoder: bool = False
     _engines: dict = field(default_factory=dict, repr=False, compare=False)
 
-    @property
-    def draft_is_target(self) -> bool:
-        return self.draft is not None and self.draft.model is self.target.model
-
     def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
                compile: bool = False, lengths_attention: bool = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
@@ -312,7 +308,7 @@ def load_model(
             raise ValueError(f"{directory}: config.json describes a {config['model_type']!r} model, not Whisper")
         architecture = (config.get("architectures") or ["WhisperForConditionalGeneration"])[0]
         cls = WhisperForCausalLM if architecture == "WhisperForCausalLM" else WhisperForConditionalGeneration
-        with _weights_of(directory), _quiet_transformers():
+        with _weights_of(directory), quiet_transformers():
             model, info = cls.from_pretrained(directory, dtype=dtype, local_files_only=True, output_loading_info=True)
         # transformers only logs weights it did not find, and leaves them random
         tied = model.config.tie_word_embeddings  # the head is the embedding: not saved apart
@@ -389,9 +385,10 @@ def _ctranslate2_config(config: dict) -> bool:
 
 
 @contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """transformers' loading without its progress bar (shown with --no-progress too) and its
-    load report (25-55 lines on stderr before our one-line error, which says what is wrong)."""
+def quiet_transformers() -> Iterator[None]:
+    """transformers without its warnings, progress bar (shown with --no-progress too) and load
+    report (25-55 lines on stderr before our one-line error, which says what is wrong);
+    Whisper's generate warns on every call about arguments it passes itself."""
     from transformers.utils import logging
 
     verbosity, bars = logging.get_verbosity(), logging.is_progress_bar_enabled()
@@ -650,7 +647,7 @@ def _feature_config(directory: Path, building: Path, mels: int | None) -> None:
     if (directory / "preprocessor_config.json").is_file():
         shutil.copy(directory / "preprocessor_config.json", building / "preprocessor_config.json")
         return
-    mels = json.loads((directory / "config.json").read_text()).get("num_mel_bins", mels)
+    mels = _read_json(directory / "config.json").get("num_mel_bins", mels)
     if mels is not None:
         (building / "preprocessor_config.json").write_text(json.dumps({"feature_size": mels}))
 

@@ -66,16 +66,16 @@ import soxr
 from asr.audio import SAMPLE_RATE, checked_rate, to_model_input
 from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.slots import DecodeStats
-from asr.transcribe import TIMESTAMP_SECONDS, Segment, Transcriber, WindowResult, compression_ratio, text_runs
+from asr.transcribe import TIMESTAMP_SECONDS, Segment, Transcriber, WindowResult, text_runs
 from asr.words import Word as TimedWord
-from asr.words import cut_unspaced
+from asr.words import NOT_WORD, copied_at, split_words, word_key, word_keys
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
 FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
 CONTEXT_CHARACTERS = 200  # the prompt: the end of the committed text before the buffer (as whisper_streaming)
 LOOP_WORDS = 5  # a run of this many words twice in a row (or a shorter one four times) is a loop
 TOKENS_PER_SECOND = 15  # a buffer's hypothesis stops at 20 tokens + this many per second (more is a loop, not speech)
-PROMPT_COPY_WORDS = 8  # this many words in a row of the text before them are a copy of the prompt
+COMMITTED_COPY_WORDS = 8  # new words that repeat this many in a row of the text before them (prompt, committed) copy it
 PROMPT_ECHO_WORDS = 4  # a hypothesis whose new words repeat this many words of the prompt is decoded again without it
 UNHEARD_SECONDS = 2.0  # a hypothesis ending this long before the buffer's end, with speech after it, stopped short
 # Half a second of speech from this long after a last hypothesis's closing timestamp: Whisper
@@ -101,8 +101,6 @@ MIN_STEP_SECONDS = 1.0
 SENTENCE_END = re.compile(r"[.?!…。？！؟।][\"'”’)\]]*$")
 TRIM_MARGIN_STEPS = 10  # the buffer is cut this many 20 ms timestamp steps before a segment's end: Whisper's
 # end times run late, and a buffer starting on a clipped word sets Whisper hallucinating
-WORD = re.compile(r"\s*\S+")
-NOT_WORD = re.compile(r"[^\w']+")
 
 
 @dataclass(frozen=True)
@@ -425,27 +423,19 @@ class StreamingTranscriber:
         threshold = self.transcriber.options.no_speech_threshold
         if window.silent or threshold is None or window.no_speech_prob <= threshold:
             return window
-        text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
-        return replace(window, silent=True) if self._loops(text, window.looped) else window
+        text = self._vocab.decode(window.tokens)
+        return replace(window, silent=True) if self.transcriber.loops(text, window.looped) else window
 
     def _hallucinated(self, window: WindowResult) -> bool:
         """Whether a hypothesis decoded with the prompt loops (Whisper's compression-ratio
         test) or its new words repeat PROMPT_ECHO_WORDS words of the prompt: Whisper's
         failures when the buffer starts or ends on a clipped word. Such a buffer is decoded again without the prompt
         (as Whisper drops it when it falls back to sampling)."""
-        text = self._vocab.decode([t for t in window.tokens if t < self._vocab.timestamp_begin])
-        if self._loops(text, window.looped):
+        text = self._vocab.decode(window.tokens)
+        if self.transcriber.loops(text, window.looped):
             return True
-        prompt, keys = _keys(self._context_text), _keys(text)[len(self._in_buffer) :]  # past the committed words
-        echoes = {tuple(prompt[i : i + PROMPT_ECHO_WORDS]) for i in range(len(prompt) - PROMPT_ECHO_WORDS + 1)}
-        return any(tuple(keys[i : i + PROMPT_ECHO_WORDS]) in echoes for i in range(len(keys) - PROMPT_ECHO_WORDS + 1))
-
-    def _loops(self, text: str, looped: bool = False) -> bool:
-        """Whisper's compression-ratio test: text that repeats itself too much to be speech;
-        or that of a hypothesis stopped at a loop (looped: WindowResult.looped), which it
-        would fail had the loop run on to the token limit."""
-        threshold = self.transcriber.options.compression_ratio_threshold
-        return threshold is not None and (looped or compression_ratio(text) > threshold)
+        prompt, keys = word_keys(self._context_text), word_keys(text)[len(self._in_buffer) :]  # past the committed words
+        return copied_at(keys, prompt, PROMPT_ECHO_WORDS) is not None
 
     def _stops_short(self, window: WindowResult) -> bool:
         """Whether a hypothesis ends UNHEARD_SECONDS or more before the buffer does while the
@@ -509,22 +499,22 @@ class StreamingTranscriber:
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(segments)
         new = words[done:]
-        before = (_keys(self._context_text) if prompted else []) + [_key(w) for w in words[:done]]
-        kept = _before_repeats([_key(w) for w in new], before)
+        before = (word_keys(self._context_text) if prompted else []) + [word_key(w.text) for w in words[:done]]
+        kept = _before_repeats([word_key(w.text) for w in new], before)
         backlog = bool(self._waiting)
-        if kept < len(new) and (final or backlog) and not self._loops("".join(w.text for w in new), window.looped):
+        if kept < len(new) and (final or backlog) and not self.transcriber.loops("".join(w.text for w in new), window.looped):
             kept = len(new)
         self._held_back = kept < len(new)
         fresh = new[:kept]
         agreed = 0
         if backlog:
             agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))
-        while agreed < min(len(fresh), len(self._tentative)) and _key(fresh[agreed]) == _key(self._tentative[agreed]):
+        while agreed < min(len(fresh), len(self._tentative)) and word_key(fresh[agreed].text) == word_key(self._tentative[agreed].text):
             agreed += 1
         if agreed and agreed == len(fresh) == len(new) and not (final or backlog) and SENTENCE_END.search(fresh[-1].text):
             # Timed from its end, or from when it first waited: a last segment Whisper leaves
             # open ends its last word at the buffer's end, however long the pause after it.
-            word = (len(self._committed) + agreed, _key(fresh[-1]))
+            word = (len(self._committed) + agreed, word_key(fresh[-1].text))
             end = (self._buffer_start + len(self._buffer)) / SAMPLE_RATE
             if self._settling is None or self._settling[0] != word:
                 self._settling = (word, end)
@@ -679,8 +669,8 @@ class StreamingTranscriber:
         ends well before the committed words' end (_heard_before). One word in common ("for"
         of "can do for you" and "For a full hour") took the new words after it as committed."""
         words = [w for s in segments for w in s.words]
-        known = [_key(w) for w in self._in_buffer]
-        keys = [_key(w) for w in words]
+        known = [word_key(w.text) for w in self._in_buffer]
+        keys = [word_key(w.text) for w in words]
         if not known:
             return self._heard_again(words)
         committed = "".join(known)
@@ -727,16 +717,16 @@ class StreamingTranscriber:
         of them joined to the next ("bud-barriest" after "bud berry" committed "bud") has
         that word split where the committed text ends, so that what follows it is a word of its
         own, to be committed in its turn (it was taken as committed, and lost)."""
-        committed = "".join(_key(w) for w in self._in_buffer)
+        committed = "".join(word_key(w.text) for w in self._in_buffer)
         words = [w for s in segments for w in s.words]
-        if not committed or not "".join(_key(w) for w in words).startswith(committed):
+        if not committed or not "".join(word_key(w.text) for w in words).startswith(committed):
             return segments
         total = 0
         for i, segment in enumerate(segments):
             for j, word in enumerate(segment.words):
-                total += len(_key(word))
+                total += len(word_key(word.text))
                 if total > len(committed):  # the committed text ends inside this word
-                    parts = _split_word(word, len(_key(word)) - (total - len(committed)))
+                    parts = _split_word(word, len(word_key(word.text)) - (total - len(committed)))
                     return [*segments[:i], replace(segment, words=[*segment.words[:j], *parts, *segment.words[j + 1 :]]),
                             *segments[i + 1 :]]
                 if total == len(committed):
@@ -750,8 +740,8 @@ class StreamingTranscriber:
         the committed words' end (as whisper_streaming's n-gram check)."""
         if not self._committed or not words or words[0].start > self._committed[-1].end + 1.0:
             return 0
-        tail = [_key(w) for w in self._committed[-HEARD_AGAIN_WORDS:]]
-        keys = [_key(w) for w in words[:HEARD_AGAIN_WORDS]]
+        tail = [word_key(w.text) for w in self._committed[-HEARD_AGAIN_WORDS:]]
+        keys = [word_key(w.text) for w in words[:HEARD_AGAIN_WORDS]]
         return next((n for n in range(min(len(tail), len(keys)), 0, -1) if keys[:n] == tail[-n:]), 0)
 
     def _trim_at_segment(self, segments: list[_Segment]) -> None:
@@ -828,17 +818,15 @@ def _quarter_powers(samples: np.ndarray) -> np.ndarray:
 
 def _before_repeats(keys: list[str], before: list[str]) -> int:
     """How many of a hypothesis's new words (keys) come before it loops (a run of LOOP_WORDS
-    words or more twice in a row, or a shorter one four times) or copies PROMPT_COPY_WORDS
+    words or more twice in a row, or a shorter one four times) or copies COMMITTED_COPY_WORDS
     words in a row of the text before them (`before`)."""
-    copies = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
-    for i in range(len(keys)):
-        if tuple(keys[i : i + PROMPT_COPY_WORDS]) in copies:
-            return i
+    copied = copied_at(keys, before, COMMITTED_COPY_WORDS)
+    for i in range(len(keys) if copied is None else copied):
         for n in range(1, (len(keys) - i) // 2 + 1):
             run = keys[i : i + n]
             if run == keys[i + n : i + 2 * n] and (n >= LOOP_WORDS or run * 2 == keys[i + 2 * n : i + 4 * n]):
                 return i + n
-    return len(keys)
+    return len(keys) if copied is None else copied
 
 
 def _respelt(committed: str, keys: list[str]) -> int:
@@ -854,23 +842,6 @@ def _respelt(committed: str, keys: list[str]) -> int:
         if alike >= most:
             best, most = words, alike
     return best
-
-
-def _split(text: str) -> list[str]:
-    """Words with their leading spaces; in scripts written without spaces (Chinese, Japanese,
-    Thai...) each character is one, so that two hypotheses agree on a clause's first
-    characters, not only on the whole clause."""
-    return [piece for word in WORD.findall(text) for piece in cut_unspaced(word, 1, lines=False)]
-
-
-def _keys(text: str) -> list[str]:
-    return [_key(Word(piece, 0.0, 0.0)) for piece in _split(text)]
-
-
-def _key(word: Word) -> str:
-    """What two hypotheses must agree on: the word, not its case or punctuation (which
-    Whisper revises as the sentence goes on)."""
-    return NOT_WORD.sub("", word.text.lower()) or word.text.strip()
 
 
 def _split_word(word: Word, chars: int) -> list[Word]:
@@ -897,7 +868,7 @@ def _aligned_words(texts: list[str], timed: list[TimedWord], offset: float) -> l
     result, base = [], 0
     for text in texts:
         words, at = [], 0
-        for piece in _split(text):
+        for piece in split_words(text):
             at = text.index(piece, at)
             first = bisect.bisect_right(ends, base + at + len(piece) - len(piece.lstrip()))
             last = bisect.bisect_right(ends, base + at + len(piece) - 1)
@@ -910,7 +881,7 @@ def _aligned_words(texts: list[str], timed: list[TimedWord], offset: float) -> l
 
 def _timed_words(text: str, start: float, end: float) -> list[Word]:
     """Words with leading spaces, sharing [start, end] by their characters."""
-    pieces = _split(text)
+    pieces = split_words(text)
     sizes = [len(p.strip()) for p in pieces]
     total = sum(sizes) or 1
     words, before = [], 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
-import re
 import threading
 import time
 import traceback
@@ -23,8 +22,8 @@ import torch
 from torch import Tensor
 
 from asr import hints, sampling, vad
-from asr.audio import (MAX_SECONDS, SAMPLE_RATE, AudioError, audio_seconds, checked_rate, load_audio, stream_audio,
-                       time_within, to_model_input, too_long)
+from asr.audio import (SAMPLE_RATE, AudioError, audio_seconds, checked_rate, gathered, load_audio, stream_audio,
+                       time_within, to_model_input)
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn
@@ -32,7 +31,7 @@ from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
 from asr.vocab import language_code
-from asr.words import Word, align, anomalous
+from asr.words import Word, align, anomalous, copied_at, word_keys
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -227,27 +226,6 @@ def text_runs(tokens: list[int], timestamp_begin: int, duration: float) -> list[
 
 class Cancelled(Exception):
     """A transcription stopped by Progress.cancel()."""
-
-
-def _gathered(blocks: Iterator[np.ndarray], seconds: float, name: str) -> np.ndarray:
-    """A stream's blocks as one array, filled in place (a list of blocks joined would hold the
-    recording twice); seconds: its header's estimate. Checked as load_audio checks a file."""
-    limit = MAX_SECONDS * SAMPLE_RATE  # as load_audio refuses a longer file: before it fills memory
-    if seconds * SAMPLE_RATE > limit:
-        raise AudioError(too_long(name, seconds))
-    samples, size = np.empty(round(seconds * SAMPLE_RATE) + SAMPLE_RATE, dtype=np.float32), 0
-    for block in blocks:
-        if size + len(block) > len(samples):  # the header said less
-            if size + len(block) > limit:
-                raise AudioError(too_long(name, (size + len(block)) / SAMPLE_RATE))
-            samples = np.resize(samples, min(2 * (size + len(block)), limit))
-        samples[size : size + len(block)] = block
-        size += len(block)
-    if not size:
-        raise AudioError(f"{name}: contains no audio samples")
-    if float(np.abs(samples[:size]).max()) < 1e-6:
-        raise AudioError(f"{name}: contains only digital silence, nothing to transcribe")
-    return samples[:size]
 
 
 def _scanned(blocks: Iterator[np.ndarray], progress: Progress | None) -> Iterator[np.ndarray]:
@@ -500,7 +478,7 @@ class Transcriber:
                               warnings=tuple(notices))
         n_mels = self.models.target.config.num_mel_bins
         if self.options.vad_filter:
-            kept, speech = vad.speech_only(_gathered(_scanned(stream_audio(path, notices=notices), progress),
+            kept, speech = vad.speech_only(gathered(_scanned(stream_audio(path, notices=notices), progress),
                                                      seconds, str(path)))
             if len(kept) <= stream_above_seconds * SAMPLE_RATE:
                 return AudioInput(name or str(path), kept, progress, warnings=tuple(notices), speech=speech)
@@ -720,11 +698,13 @@ class Transcriber:
         return low_logprob or (temperature > 0 and self._copies(sequence, previous))
 
     def _repeats(self, sequence: Sequence) -> bool:
-        """Whisper's compression-ratio test: text that repeats itself too much to be speech; or a
-        window stopped at a loop (transcribe_window's), which it would fail had the loop run on."""
+        return self.loops(self.vocab.decode(sequence.tokens), sequence.looped)
+
+    def loops(self, text: str, looped: bool) -> bool:
+        """Whisper's compression-ratio test: text that repeats itself too much to be speech; or
+        a window's stopped at a loop (Sequence.looped), which it would fail had the loop run on."""
         threshold = self.options.compression_ratio_threshold
-        return threshold is not None and (
-            sequence.looped or compression_ratio(self.vocab.decode(sequence.tokens).strip()) > threshold)
+        return threshold is not None and (looped or compression_ratio(text.strip()) > threshold)
 
     def _copies(self, sequence: Sequence, previous: list[int]) -> bool:
         """Whether a window's text repeats PROMPT_COPY_WORDS words in a row of its previous
@@ -732,18 +712,14 @@ class Transcriber:
         with a confident log-probability (the dev sonnet's 0.3 s tail, in 5 of 8 seeds:
         "... and tender churl makes waste in niggerding." again). Whisper's own rules keep such
         an attempt; sampled attempts are chance already, and the next temperature is tried."""
-        words = lambda tokens: re.findall(r"[\w']+", self.vocab.decode(  # noqa: E731
-            [t for t in tokens if t < self.vocab.timestamp_begin]).lower())
-        said, before = words(sequence.tokens), words(previous)
-        runs = {tuple(before[i : i + PROMPT_COPY_WORDS]) for i in range(len(before) - PROMPT_COPY_WORDS + 1)}
-        return any(tuple(said[i : i + PROMPT_COPY_WORDS]) in runs for i in range(len(said) - PROMPT_COPY_WORDS + 1))
+        said, before = word_keys(self.vocab.decode(sequence.tokens)), word_keys(self.vocab.decode(previous))
+        return copied_at(said, before, PROMPT_COPY_WORDS) is not None
 
     def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
         """Whether a recording's first, greedy attempt at a window, heard as silence (no-speech
         probability above its threshold) but kept for its confident text, copied
         PROMPT_COPY_WORDS words in a row of the text decoded before it (not of the prompt: the
-        audio may say what the user wrote; words split at spaces and punctuation, so a copied
-        Chinese or Japanese clause counts few). Whisper's rules keep such a copy where its
+        audio may say what the user wrote; in Chinese or Japanese each character counts as a word). Whisper's rules keep such a copy where its
         log-probability is confident, though that is the previous text's: the JFK clip's next
         clip's line again in the 35 s of silence after it (no-speech 0.97, log-probability
         -0.29; faster-whisper too), or, with a bfloat16 encoder, a line of the sonnet in place

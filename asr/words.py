@@ -33,6 +33,34 @@ UNSPACED_SCRIPTS = re.compile("[\u0e00-\u0eff\u1000-\u109f\u1780-\u17ff\u3000-\u
                               "\uf900-\ufaff\uff00-\uffef]")
 
 
+SPACED_WORD = re.compile(r"\s*\S+")
+NOT_WORD = re.compile(r"[^\w']+")
+
+
+def split_words(text: str) -> list[str]:
+    """Words with their leading spaces; in scripts written without spaces (Chinese, Japanese,
+    Thai...) each character is one, so that two texts agree on a clause's first characters,
+    not only on the whole clause."""
+    return [piece for word in SPACED_WORD.findall(text) for piece in cut_unspaced(word, 1, lines=False)]
+
+
+def word_key(word: str) -> str:
+    """What two texts must agree on for a word: the word, not its case or punctuation
+    (which Whisper revises as the sentence goes on)."""
+    return NOT_WORD.sub("", word.lower()) or word.strip()
+
+
+def word_keys(text: str) -> list[str]:
+    return [word_key(piece) for piece in split_words(text)]
+
+
+def copied_at(keys: list[str], before: list[str], run: int) -> int | None:
+    """Where keys first repeat `run` words in a row of `before` (both word keys), if they do:
+    how the decoders tell a copy of the text before a window from new speech."""
+    runs = {tuple(before[i : i + run]) for i in range(len(before) - run + 1)}
+    return next((i for i in range(len(keys) - run + 1) if tuple(keys[i : i + run]) in runs), None)
+
+
 def columns(text: str) -> int:
     """The width of text on a screen: a Chinese, Japanese or Korean character (East Asian
     wide or full-width) takes two columns, a combining mark none, any other character one."""

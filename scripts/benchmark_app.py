@@ -37,7 +37,7 @@ from gradio_client import Client, handle_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from asr.audio import SAMPLE_RATE, load_audio  # noqa: E402
-from asr.writers import FORMATS  # noqa: E402
+from asr.writers import FORMATS, write_files_atomic  # noqa: E402
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 MODES = {"batched": [], "lock": ["--no-batching"]}
@@ -353,9 +353,9 @@ def main() -> int:
     report = tables(summaries)
     print(report)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "report.md").write_text(" ".join(sys.argv) + "\n\n" + report + "\n")
-    (args.out / "report.json").write_text(json.dumps(
-        {"summaries": summaries, "runs": [asdict(r) for r in results]}, indent=1))
+    write_files_atomic({args.out / "report.md": " ".join(sys.argv) + "\n\n" + report + "\n",
+                        args.out / "report.json": json.dumps({"summaries": summaries, "runs": [asdict(r) for r in results]},
+                                                             indent=1)})
     return 0
 
 

@@ -882,9 +882,18 @@ def test_microphone_commits_live_while_another_visitor_uploads(server: str, brow
     assert words(speaker.request.get(by_suffix[".txt"]).text()) == words(committed.inner_text())
     assert " --> " in speaker.request.get(by_suffix[".srt"]).text()
     # Record again: the last recording's downloads go (its text is replaced too).
-    speaker.locator("#microphone").get_by_role("button", name="Record").click()
+    record, stop = (speaker.locator("#microphone").get_by_role("button", name=name) for name in ("Record", "Stop"))
+    record.click()
     expect(speaker.locator("#live-downloads")).to_be_hidden()
-    speaker.locator("#microphone").get_by_role("button", name="Stop").click()
+    expect(committed).to_contain_text(EXPECTED_LIVE[0], timeout=TRANSCRIBE_MS)
+    # Stop, and Record at once, while that Stop decodes the last of it: its text and downloads
+    # landed on the new recording, which is still going.
+    stop.click()
+    record.click()
+    time.sleep(8)
+    assert stop.is_visible() and not speaker.locator("#live-downloads").is_visible()
+    assert "finished" not in speaker.locator("#live-figures").inner_text()
+    stop.click()
     for page in (speaker, other):
         page.context.close()
 

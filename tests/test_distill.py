@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import importlib.util
 import json
@@ -17,11 +18,11 @@ import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
-from asr.distill import (DraftDecoder, Label, length_batches, list_audio, previous_text_prompts, split_holdout,
-                         teacher_forced_logits)
+from asr.distill import (DraftDecoder, Label, first_window, length_batches, list_audio, previous_text_prompts,
+                         split_holdout, teacher_forced_logits)
 from asr.models import IncompatibleModels, load_model, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
-from asr.features import WINDOW_FRAMES, log_mel
+from asr.features import WINDOW_FRAMES, content_frames, log_mel
 from conftest import EOT, REPO, end_rows_at_different_lengths, save_tiny, tiny_target
 
 
@@ -96,20 +97,20 @@ def test_distill_runs_end_to_end_resumes_and_loads_as_a_draft(tmp_path: Path, ca
     assert "pseudo-labelling: 100%|██████████| 8/8" in capsys.readouterr().err
     # A full disk at an epoch's end: told in a line (it was a traceback); the checkpoint before stays.
     saved = (out / "work" / "checkpoint.pt").read_bytes()
-    save = torch.save
+    fsync = os.fsync
 
-    def disk_full(obj, path, *args, **kwargs):  # what torch.save raises there: not an OSError
-        if Path(path).name == "checkpoint.part":
-            Path(path).write_bytes(b"half")
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-        return save(obj, path, *args, **kwargs)
+    def disk_full(descriptor):  # the checkpoint's temporary file fills the disk
+        if Path(os.readlink(f"/proc/self/fd/{descriptor}")).name.startswith(".checkpoint.pt."):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return fsync(descriptor)
 
     with monkeypatch.context() as patch:
-        patch.setattr(torch, "save", disk_full)
+        patch.setattr(os, "fsync", disk_full)
         assert main(common + ["--epochs", "3", "--resume"]) == 2
-    assert (f"epoch 2 could not be saved: {out / 'work' / 'checkpoint.pt'}: could not be written ([enforce fail"
+    assert (f"epoch 2 could not be saved: {out / 'work' / 'checkpoint.pt'}: could not be written ([Errno 28] No space"
             in capsys.readouterr().err)
-    assert (out / "work" / "checkpoint.pt").read_bytes() == saved and not (out / "work" / "checkpoint.part").exists()
+    assert (out / "work" / "checkpoint.pt").read_bytes() == saved
+    assert not list((out / "work").glob("*.part")) and not list(out.glob(".*.part"))
     # The same audio named relative to another folder: the same (it was "labelled for other audio").
     monkeypatch.chdir(audio_dir)
     relative = ["--audio" if a == "--audio" else "." if a == str(audio_dir) else a for a in common]
@@ -327,3 +328,13 @@ def test_previous_text_prompts_keep_timestamps_as_long_form_transcription_does()
     assert all(p[0] == 50361 and EOT not in p for p in prompts)
     assert any(t >= begin for p in prompts for t in p[1:]) and any(t < EOT for p in prompts for t in p[1:])
     assert split_holdout(10, 0.0, 0) == (list(range(10)), [])  # --holdout 0 held one back
+
+
+def test_a_draft_learns_and_is_measured_on_windows_cut_as_transcription_cuts_them():
+    """Zeros past the audio (features.window_at), not the log-mel of the padding's silence:
+    pseudo-labels and agreement were taken on windows the draft never decodes."""
+    clip = (0.3 * np.sin(np.arange(int(1.5 * SAMPLE_RATE)) / 30)).astype(np.float32)
+    window, mel, frames = first_window(clip, 80), log_mel(clip, 80), content_frames(clip)
+    assert window.shape == (80, WINDOW_FRAMES) and frames == 150
+    assert torch.equal(window[:, :frames], mel[:, :frames]) and not window[:, frames:].any()
+    assert mel[:, frames:WINDOW_FRAMES].any()  # what the windows held before

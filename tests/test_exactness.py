@@ -120,16 +120,15 @@ def test_speculative_equals_target_only_equals_transformers(seed: int, kind: str
     proposed = accepted = 0
     grid = [(k, BATCH) for k in range(1, 9)] + [(k, batch) for k in (2, 5) for batch in range(1, BATCH)]
     for k, batch in grid:
-        if True:
-            rows = list(range(BATCH - batch, BATCH))  # ends of different lengths in every batch
-            result = speculative.decode(
-                encoded[rows], [prompt] * batch, rules, max_new_tokens=MAX_NEW,
-                draft_encoder_output=None if draft_encoded is None else draft_encoded[rows],
-                draft_length=DraftLength(fixed=k),
-            )
-            assert [s.tokens for s in result] == [expected[r] for r in rows], f"k={k} batch={batch}"
-            proposed += sum(s.stats.draft_proposed for s in result)
-            accepted += sum(s.stats.draft_accepted for s in result)
+        rows = list(range(BATCH - batch, BATCH))  # ends of different lengths in every batch
+        result = speculative.decode(
+            encoded[rows], [prompt] * batch, rules, max_new_tokens=MAX_NEW,
+            draft_encoder_output=None if draft_encoded is None else draft_encoded[rows],
+            draft_length=DraftLength(fixed=k),
+        )
+        assert [s.tokens for s in result] == [expected[r] for r in rows], f"k={k} batch={batch}"
+        proposed += sum(s.stats.draft_proposed for s in result)
+        accepted += sum(s.stats.draft_accepted for s in result)
     # The drafts agree sometimes, not always: both acceptance and rollback were exercised.
     assert 0.1 < accepted / proposed < 0.95
 
