@@ -51,6 +51,8 @@ from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLa
 ERRORS_FILE = "errors.jsonl"
 SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
 LOCK_FILE = ".asr-run.lock"  # held by the run writing into OUT
+LAYOUT_SETTINGS = {"max_line_width", "max_line_count"}  # transcript_settings that only subtitles depend on
+SUBTITLE_FORMATS = {"srt", "vtt"}
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
@@ -188,23 +190,23 @@ class FolderSummary:
         return line
 
 
-def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] | None = None) -> list[Path]:
+def find_audio(root: Path, unreadable: list[OSError] | None = None) -> list[Path]:
     """Audio files under root, recursively (linked folders outside it too, each once), in a stable
-    order; `skip` (the output folder, when it lies inside) is not entered, nor are hidden
-    files and folders (".git", macOS's "._NAME.wav" resource files beside real recordings).
-    Folders that cannot be listed go to `unreadable`."""
+    order; hidden files and folders are not (".git", macOS's "._NAME.wav" resource files beside
+    real recordings). The output folder is walked too where it lies inside: `cd day1; asr
+    transcribe ..` skipped day1's recordings, saying nothing. Folders that cannot be listed go
+    to `unreadable`."""
     found = []
-    skip = skip.resolve() if skip is not None else None
 
-    def visible(folder: str, subfolders: list[str]) -> list[str]:
-        return sorted(d for d in subfolders if not d.startswith(".") and (skip is None or (Path(folder) / d).resolve() != skip))
+    def visible(subfolders: list[str]) -> list[str]:
+        return sorted(d for d in subfolders if not d.startswith("."))
 
     # The tree's own folders are walked under their own paths: a link to one that sorts
     # first (a_view -> z) took its files, and moved their outputs, for as long as it stayed.
     own: set[Path] = set()
     for folder, subfolders, _ in os.walk(root):
         own.add(Path(folder).resolve())
-        subfolders[:] = visible(folder, subfolders)
+        subfolders[:] = visible(subfolders)
     walked: set[Path] = set()
     walk = os.walk(root, followlinks=True, onerror=None if unreadable is None else unreadable.append)
     for folder, subfolders, names in walk:
@@ -212,7 +214,7 @@ def find_audio(root: Path, skip: Path | None = None, unreadable: list[OSError] |
             subfolders[:] = []
             continue
         walked.add(real)
-        subfolders[:] = [d for d in visible(folder, subfolders)
+        subfolders[:] = [d for d in visible(subfolders)
                          if not ((Path(folder) / d).is_symlink() and (Path(folder) / d).resolve() in own)]
         found += [Path(folder) / n for n in sorted(names)
                   if not n.startswith(".") and Path(n).suffix.lower() in AUDIO_EXTENSIONS]
@@ -245,7 +247,7 @@ def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] =
             continue
         if is_dir:
             unreadable: list[OSError] = []
-            files = [(f, f.relative_to(path)) for f in find_audio(path, skip=out_dir, unreadable=unreadable)]
+            files = [(f, f.relative_to(path)) for f in find_audio(path, unreadable=unreadable)]
             failures += [FileResult(str(e.filename), error=f"cannot read this folder ({e.strerror})") for e in unreadable]
             if not files and not unreadable:
                 failures.append(FileResult(str(path), error=f"folder holds no audio files ({', '.join(sorted(AUDIO_EXTENSIONS))})"))
@@ -587,7 +589,14 @@ class FolderLock:
         self._handle = None
         if fcntl is None:
             return
-        handle = open(out_dir / LOCK_FILE, "a+", encoding="ascii")
+        try:
+            handle = open(out_dir / LOCK_FILE, "a+", encoding="ascii")
+        except PermissionError:  # another user's, in a shared folder: locked read-only as well (it stopped every run)
+            try:
+                handle = open(out_dir / LOCK_FILE, encoding="ascii")
+            except OSError as error:
+                raise OutputError(f"{out_dir / LOCK_FILE}: cannot be opened to lock --out-dir "
+                                  f"({error.strerror or error})", before_work=True) from None
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -603,9 +612,10 @@ class FolderLock:
                 tqdm.write(f"asr: warning: --out-dir {out_dir} cannot be locked ({error.strerror or error}): another "
                            "run writing into it at the same time would spoil this one's files", file=sys.stderr)
             return
-        handle.truncate(0)
-        handle.write(f"{os.getpid()}\n")
-        handle.flush()
+        if handle.writable():  # for the run refused meanwhile to name
+            handle.truncate(0)
+            handle.write(f"{os.getpid()}\n")
+            handle.flush()
         self._handle = handle
 
     def release(self) -> None:
@@ -919,20 +929,23 @@ class _Recorder:
         """Counts a file skipped as done whose outputs were made with other settings than this
         run's; changed: each setting that differs, with the first such file's value."""
         # Outputs of an older run (or of the API without settings) record none: nothing says they differ.
-        was = next((was for fmt in self.run.formats if (was := self.sources.settings(item, fmt)) and self._differs(was)),
-                   None)
-        if was is None:
+        differ = {fmt: self._differs(self.sources.settings(item, fmt), fmt) for fmt in self.run.formats}
+        if not any(differ.values()):
             return
         self.summary.skipped_other_settings += 1
-        for name, value in self.run.settings.items():
-            if name not in changed and name in was and was[name] != value:
-                changed[name] = f"{name} {json.dumps(was.get(name))}, now {json.dumps(value)}"
+        for names in differ.values():
+            for name in names:
+                changed.setdefault(name, f"{name} {json.dumps(names[name])}, now {json.dumps(self.run.settings[name])}")
 
-    def _differs(self, was: dict | None) -> bool:
-        """Whether outputs made with these recorded settings were made with others than this
-        run's (a setting recorded only since a later version, the seed, says nothing where missing)."""
-        return bool(was) and bool(self.run.settings) and any(
-            name in was and was[name] != value for name, value in self.run.settings.items())
+    def _differs(self, was: dict | None, fmt: str) -> dict:
+        """The settings that an output in this format, made with `was` (recorded), was made
+        with other than this run's, with their values then: a setting recorded only since a
+        later version (the seed) says nothing where missing, nor the subtitle layout outside
+        subtitles."""
+        if not was or not self.run.settings:
+            return {}
+        return {name: was[name] for name, value in self.run.settings.items() if name in was and was[name] != value
+                and (fmt in SUBTITLE_FORMATS or name not in LAYOUT_SETTINGS)}
 
     def advanced(self, source: Path, seconds: float) -> None:
         """A file in progress has `seconds` of its audio decoded (transcribe_files' on_progress)."""
@@ -975,7 +988,7 @@ class _Recorder:
                 # All written before any replaces its old one: a full disk leaves the old set whole.
                 write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats})
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
-                self.summary.beside_other_settings += any(self._differs(was) for was in kept.values())
+                self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items())
             except (OutputError, KeyboardInterrupt):  # the ledger full, or Ctrl-C: not done, its earlier failure kept
                 self.by_source[result.source] = item
                 raise
@@ -1097,8 +1110,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             if on_cluster is not None:  # an autoscaling cluster may yet add one
                 on_cluster(f"asr: warning: {problem}; no worker starts until a larger node joins")
         if on_cluster is not None:
-            on_cluster(f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; "
-                       f"cluster has {int(resources.get('CPU', 1))} CPU(s), {int(resources.get('GPU', 0))} GPU(s)")
+            on_cluster(pool_line(resources, workers, cpus_per_worker, gpu))
         context = ray.data.DataContext.get_current()
         saved = {name: getattr(context, name) for name in ("enable_progress_bars", "max_errored_blocks",
                                                            "target_max_block_size")}
@@ -1166,6 +1178,15 @@ def _pool(resources: dict, node_cpus: int, options: RayOptions, device: str) -> 
     cpus_per_worker = options.cpus_per_worker or (1 if gpus else max(1, min(4, node_cpus)))
     workers = options.workers or (gpus if gpus else max(1, cpus // cpus_per_worker))
     return workers, cpus_per_worker, 1 if gpus else 0
+
+
+def pool_line(resources: dict, workers: int, cpus_per_worker: int, gpu: int) -> str:
+    """What the run's workers hold, and how many of them the cluster holds at once now (with
+    --workers 2 on 2 CPUs it said 2 workers of 2 CPUs each; one ran)."""
+    cpus, gpus = int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
+    fit = min(cpus // cpus_per_worker, gpus if gpu else workers)
+    return (f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; cluster has {cpus} "
+            f"CPU(s), {gpus} GPU(s)" + (f": {fit} of the workers run at once, the rest when it grows" if fit < workers else ""))
 
 
 def _unreachable(address: str | None) -> str | None:

@@ -214,7 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--encoder-padding-seconds", type=number(0), metavar="S",
                    help="encode only the buffer plus S seconds of padding: cheaper updates, less accurate "
                         "(default: Whisper's whole 30 s window)")
-    s.add_argument("--language", type=language, help="e.g. en, de, German (default, or auto: detect)")
+    s.add_argument("--language", type=language,
+                   help="e.g. en, de, German (default, or auto: detect, once, from the first words committed)")
+    s.add_argument("--task", choices=["transcribe", "translate"], default="transcribe",
+                   help="translate: English text of what is said (default: %(default)s)")
     s.add_argument("--prompt", type=prompt_text, default="", help="text said before the stream (names and spellings to expect)")
     s.add_argument("--word-timestamps", action="store_true",
                    help="time each word from the target's cross-attention, as `transcribe --word-timestamps` "
@@ -484,8 +487,8 @@ def stream_command(args: argparse.Namespace) -> int:
         samples = load_audio(args.file)
         pair = load_pair(target, None if args.no_speculation else draft, draft_encoder=args.draft_encoder,
                          device=device, dtype=dtype, encoder_dtype=encoder_dtype)
-        transcriber = Transcriber(pair, TranscribeOptions(language=args.language, speculative=not args.no_speculation,
-                                                          initial_prompt=args.prompt,
+        transcriber = Transcriber(pair, TranscribeOptions(language=args.language, task=args.task,
+                                                          speculative=not args.no_speculation, initial_prompt=args.prompt,
                                                           word_timestamps=args.word_timestamps, **engine_options(args)))
         stream = StreamingTranscriber(transcriber, hypothesis_draft=not args.no_hypothesis_draft,
                                       buffer_trim_seconds=args.buffer_trim_seconds, min_step_seconds=args.min_step_seconds,

@@ -27,7 +27,7 @@ from transformers.models.whisper.modeling_whisper import WhisperDecoder
 from asr.audio import AudioError, load_audio
 from asr.batch import find_audio
 from asr.decoder import DecoderRunner
-from asr.features import WINDOW_SAMPLES, content_frames, log_mel, window_at
+from asr.features import WINDOW_SAMPLES, first_window
 from asr.metrics import manifest_rows
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
 from asr.speculative import SpeculativeDecoder
@@ -124,12 +124,6 @@ def save_whole(state: dict, path: Path) -> None:
         write_atomic(path, data.getvalue())
     except OSError as error:
         raise OSError(f"{path}: could not be written ({error})") from error
-
-
-def first_window(audio: np.ndarray, mel_bins: int) -> Tensor:
-    """A clip's first window as transcription cuts it (zeros past the audio, window_at):
-    what the draft is trained on and measured on is what it decodes."""
-    return window_at(log_mel(audio, mel_bins), 0, content_frames(audio))
 
 
 @torch.inference_mode()

@@ -71,6 +71,12 @@ def window_at(mel: Tensor, seek: int, frames: int) -> Tensor:
     return _zero_past(mel[:, seek : seek + WINDOW_FRAMES], frames - seek)
 
 
+def first_window(audio: np.ndarray, mel_bins: int) -> Tensor:
+    """A clip's first window as transcription cuts it (zeros past the audio, window_at): what
+    a draft is trained and measured on, and benchmarks decode, is what transcription decodes."""
+    return window_at(log_mel(audio, mel_bins), 0, content_frames(audio))
+
+
 def _zero_past(window: Tensor, content: int) -> Tensor:
     if content >= window.shape[1]:
         return window

@@ -18,24 +18,16 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig
-from transformers.modeling_outputs import BaseModelOutput
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    WhisperTimeStampLogitsProcessor,
-)
-from transformers.generation.utils import GenerationMixin
 
 from asr.audio import load_audio
-from asr.features import WINDOW_FRAMES, log_mel
+from asr.features import first_window
 from asr.metrics import load_note, machine_load, read_manifest
 from asr.models import PRESETS, WhisperModel, load_pair
 from asr.draft_length import DraftLength
 from asr.slots import DecodeStats
 from asr.speculative import SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
+from transformers_reference import transformers_generate  # beside this script
 
 DEV = Path(__file__).resolve().parent.parent.parent / "shared" / "eval" / "dev"
 
@@ -44,32 +36,11 @@ GENERATE = "transformers generate"
 TARGET_ONLY = "ours target-only"
 
 
-def transformers_generate(model: WhisperModel, encoded: torch.Tensor, prompt: list[int], suppress: list[int],
-                          max_new: int) -> list[list[int]]:
-    """transformers' greedy generate with Whisper's own logits processors (the same rules
-    as ours; Whisper's generate wrapper would re-cut timestamped output into segments),
-    given the same encoder output as ours."""
-    vocab = model.vocab
-    config = GenerationConfig(no_timestamps_token_id=vocab.no_timestamps, max_initial_timestamp_index=50,
-                              eos_token_id=vocab.eot, pad_token_id=vocab.eot, bos_token_id=vocab.eot,
-                              decoder_start_token_id=vocab.sot, max_new_tokens=max_new, do_sample=False)
-    processors = LogitsProcessorList([
-        SuppressTokensAtBeginLogitsProcessor(model.begin_suppress, begin_index=len(prompt)),
-        SuppressTokensLogitsProcessor(suppress),
-        WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt)),
-    ])
-    with torch.inference_mode():
-        out = GenerationMixin.generate(model.model, encoder_outputs=BaseModelOutput(last_hidden_state=encoded),
-                                       decoder_input_ids=torch.tensor([prompt] * len(encoded)),
-                                       logits_processor=processors, generation_config=config)
-    rows = [row[len(prompt):].tolist() for row in out]
-    return [row[: row.index(vocab.eot)] if vocab.eot in row else row for row in rows]
-
-
 def decode(method: str, target: WhisperModel, drafts: dict[str, WhisperModel], encoded: torch.Tensor, rules,
            prompt: list[int], max_new: int, draft_lengths: dict[str, DraftLength]) -> tuple[list[list[int]], list[DecodeStats]]:
     if method == GENERATE:
-        return transformers_generate(target, encoded, prompt, rules.suppress.tolist(), max_new), []
+        return transformers_generate(target.model, encoded, prompt, rules.suppress.tolist(), target.begin_suppress,
+                                     target.vocab.no_timestamps, target.vocab.eot, max_new), []
     draft = drafts.get(method)
     decoder = SpeculativeDecoder(target.runner, draft.runner if draft is not None else None)
     sequences = decoder.decode(encoded, [prompt] * len(encoded), rules, max_new_tokens=max_new,
@@ -108,7 +79,7 @@ def main() -> None:
     rules = Transcriber(pair, TranscribeOptions(language="en")).rules(timestamps=True)
     prompt = target.vocab.sot_sequence("en", "transcribe")
     clips = [c for c in read_manifest(args.dev / "manifest.tsv") if c.duration <= 30]
-    windows = [log_mel(load_audio(c.path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for c in clips]
+    windows = [first_window(load_audio(c.path), target.config.num_mel_bins) for c in clips]
     audio_seconds = sum(c.duration for c in clips)
     # float32 throughout: `asr transcribe`'s default (--dtype auto) runs the encoder in bfloat16
     # where the CPU computes in it, which changes the encoder's share (benchmark_encoder.py).

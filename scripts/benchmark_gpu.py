@@ -69,15 +69,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from transformers import GenerationConfig, WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    SuppressTokensAtBeginLogitsProcessor,
-    SuppressTokensLogitsProcessor,
-    WhisperTimeStampLogitsProcessor,
-)
-from transformers.generation.utils import GenerationMixin
-from transformers.modeling_outputs import BaseModelOutput
+from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditionalGeneration
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
@@ -90,6 +82,7 @@ from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_prop
 from asr.rules import DecodingRules  # noqa: E402
 from asr.slots import DecodeStats, Sequence  # noqa: E402
 from asr.speculative import SpeculativeDecoder  # noqa: E402
+from transformers_reference import transformers_generate  # noqa: E402  (beside this script)
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 H100_SXM_GBS = 3350.0
@@ -375,7 +368,7 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
 
         target_only = engine(target_runner)  # one engine per batch size: its states go with it
         methods: list[Method] = [
-            (GENERATE, lambda: Decoded(transformers_generate(target, encoded, prompt, suppress, [220], None, max_new), None),
+            (GENERATE, lambda: Decoded(transformers_generate(target, encoded, prompt, suppress, [220], None, EOT, max_new), None),
              None),
             (f"{TARGET_ONLY}, eager", ours(engine(target_runner, graphs=False)), None),
             (TARGET_ONLY, ours(target_only), None),
@@ -399,7 +392,7 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
 def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, batch_sizes: list[int],
                  bandwidth: float, report: Report) -> None:
     from asr.audio import load_audio
-    from asr.features import WINDOW_FRAMES, log_mel
+    from asr.features import first_window
     from asr.models import load_pair
     from asr.transcribe import TranscribeOptions, Transcriber
 
@@ -409,7 +402,7 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     prompt = target.vocab.sot_sequence("en", "transcribe")
     max_new = min(args.real_max_new_tokens, target.runner.max_positions - 1 - len(prompt))
     clips = short_clips(args.dev / "manifest.tsv")[: args.real_clips]
-    windows = [log_mel(load_audio(path), target.config.num_mel_bins)[:, :WINDOW_FRAMES] for path in clips]
+    windows = [first_window(load_audio(path), target.config.num_mel_bins) for path in clips]
     k = args.num_draft_tokens
     engine = engines(args, device)
     element = torch.finfo(dtype).bits // 8
@@ -432,7 +425,7 @@ def real_section(args: argparse.Namespace, device: torch.device, dtype: torch.dt
             tokens = []
             for e in encoded:
                 tokens += transformers_generate(target.model, e, prompt, rules.suppress.tolist(), target.begin_suppress,
-                                                target.vocab.no_timestamps, max_new)
+                                                target.vocab.no_timestamps, target.vocab.eot, max_new)
             return Decoded(tokens, None)
 
         speculative = engine(target.runner, draft.runner)
@@ -639,27 +632,6 @@ def random_pair(geometry: Geometry, device: torch.device, dtype: torch.dtype) ->
         for model in (target, draft):
             model.proj_out.weight.normal_(0, 1)
     return target.to(dtype).eval(), draft.to(dtype).eval()
-
-
-def transformers_generate(model, encoded: torch.Tensor, prompt: list[int], suppress: list[int], begin_suppress: list[int],
-                          no_timestamps: int | None, max_new: int) -> list[list[int]]:
-    """transformers' greedy `generate` on our encoder output, with the same rules as ours
-    (timestamps when no_timestamps is given), cut at end-of-text (EOT and SOT: the same ids
-    in every multilingual Whisper vocabulary)."""
-    device = encoded.device
-    config = GenerationConfig(max_new_tokens=max_new, do_sample=False, eos_token_id=EOT, pad_token_id=EOT,
-                              bos_token_id=EOT, decoder_start_token_id=SOT, no_timestamps_token_id=no_timestamps,
-                              max_initial_timestamp_index=50)
-    processors = [SuppressTokensAtBeginLogitsProcessor(begin_suppress, begin_index=len(prompt), device=device),
-                  SuppressTokensLogitsProcessor(suppress, device=device)]
-    if no_timestamps is not None:
-        processors.append(WhisperTimeStampLogitsProcessor(config, begin_index=len(prompt)))
-    with torch.inference_mode():
-        out = GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=encoded),
-                                       decoder_input_ids=torch.tensor([prompt] * len(encoded), device=device),
-                                       logits_processor=LogitsProcessorList(processors), generation_config=config)
-    rows = [row[len(prompt):].tolist() for row in out]
-    return [row[: row.index(EOT)] if EOT in row else row for row in rows]
 
 
 def decoded(sequences: list[Sequence]) -> Decoded:

@@ -3,6 +3,7 @@ a run killed with SIGKILL and resumed, and Ray Data on a local 2-worker cluster.
 
 from __future__ import annotations
 
+import builtins
 import errno
 import json
 import os
@@ -27,7 +28,9 @@ from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load
 from asr import batch
 from asr.batch import (
     ERRORS_FILE,
+    LOCK_FILE,
     FileResult,
+    FolderLock,
     FolderRun,
     OutputError,
     PipelineSpec,
@@ -42,6 +45,7 @@ from asr.batch import (
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, _SampleStream, log_mel, window_at
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, TranscribeOptions, Transcriber, _Decoding
+from asr.writers import SubtitleLayout
 from conftest import DEV, REPO, damaged_mp3_bytes, encoded, mp3_bytes
 
 SHORT = DEV / "en_short"
@@ -90,7 +94,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "x").mkdir()
     (source / "x" / "e.f.ogg").symlink_to(source / "e.f.ogg")  # the same name elsewhere in the tree: its own (dropped)
     os.mkfifo(source / "a" / "pipe.wav")  # its first read would wait for a writer, and the run with it, for ever
-    out = source / "out"  # inside the input: not walked
+    out = source / "out"  # inside the input: its outputs are not audio
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
     inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty",
               tmp_path / "sealed" / "h.wav"]
@@ -565,6 +569,20 @@ def test_a_folder_with_bad_inputs(tmp_path: Path, pair):
     assert errors_of(out).keys() == expected_errors.keys()
 
 
+def test_recordings_in_the_output_folder_inside_the_input_are_transcribed(tmp_path: Path, pair, monkeypatch):
+    """`cd day1; asr transcribe ..`: the output folder (day1) lies inside the input, and its
+    recording was left out, not counted nor told of."""
+    for day, clip in (("day1", "1089-134691-0000.flac"), ("day2", "6930-75918-0000.flac")):
+        (tmp_path / "in" / day).mkdir(parents=True)
+        shutil.copy(SHORT / clip, tmp_path / "in" / day / "REC001.flac")
+    monkeypatch.chdir(tmp_path / "in" / "day1")
+    summary = transcribe_folder(FolderRun((Path(".."),), Path("."), **quiet(("txt",))),
+                                lambda: Transcriber(pair, batch_size=2))
+    assert (summary.ok, summary.failed, summary.skipped) == (2, 0, 0)
+    assert "wait no longer" in (tmp_path / "in" / "day1" / "day1" / "REC001.txt").read_text()
+    assert "Concorde" in (tmp_path / "in" / "day1" / "day2" / "REC001.txt").read_text()
+
+
 def test_another_recording_with_a_finished_ones_name_is_not_taken_for_done(tmp_path: Path, pair):
     """Recorders reuse names: day 2's REC001.wav into day 1's output folder was skipped as
     done, its transcript day 1's. Outputs are matched to the recording they are of (a copy
@@ -966,6 +984,34 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
     assert not partial.exists()  # a killed run's leftover now, removed by the run after it
 
 
+def test_the_ray_pool_line_says_how_many_workers_the_cluster_holds_at_once():
+    assert batch.pool_line({"CPU": 2.0}, 2, 2, 0) == (
+        "Ray: 2 worker(s), 2 CPU(s) each; cluster has 2 CPU(s), 0 GPU(s): 1 of the workers run at once, the rest "
+        "when it grows")
+    assert batch.pool_line({"CPU": 8.0}, 2, 4, 0) == "Ray: 2 worker(s), 4 CPU(s) each; cluster has 8 CPU(s), 0 GPU(s)"
+    assert batch.pool_line({"CPU": 16.0, "GPU": 1.0}, 2, 1, 1).endswith(
+        "cluster has 16 CPU(s), 1 GPU(s): 1 of the workers run at once, the rest when it grows")
+
+
+def test_another_users_lock_file_locks_the_folder_as_well(tmp_path: Path, monkeypatch):
+    """A shared output folder: the first user's lock file (0644, left in place) stopped every
+    other user's runs with a bare "[Errno 13] Permission denied: '.asr-run.lock'"."""
+    (tmp_path / LOCK_FILE).write_text("123\n")
+    real_open = builtins.open
+
+    def not_ours(file, mode="r", *args, **kwargs):  # as root, chmod would not stop this process
+        if Path(file).name == LOCK_FILE and mode != "r":
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", not_ours)
+    lock = FolderLock(tmp_path)
+    with pytest.raises(OutputError, match="another run is writing into it"):
+        FolderLock(tmp_path)
+    lock.release()
+    FolderLock(tmp_path).release()
+
+
 def test_the_earlier_failures_stay_on_disk_while_a_run_goes_on(tmp_path: Path):
     """They were held in memory from the run's start and written back only at its end: a
     run killed meanwhile (kill -9, or SIGTERM from timeout or systemd) lost yesterday's
@@ -1253,7 +1299,8 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     capsys.readouterr()
     same = again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en")))
     assert (same.skipped, same.skipped_other_settings) == (1, 0) and "note" not in capsys.readouterr().err
-    german = batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="de", initial_prompt="Hallo"))
+    german_options = TranscribeOptions(language="de", initial_prompt="Hallo")
+    german = batch.transcript_settings("packaged:whisper-base", german_options)
     summary = again(german)
     assert (summary.skipped, summary.skipped_other_settings) == (1, 1)
     assert capsys.readouterr().err == ('note: 1 of the files skipped as done were transcribed with other settings '
@@ -1271,6 +1318,13 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
         "too, with --overwrite, to redo them)")
     capsys.readouterr()
     assert again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"))).skipped_other_settings == 0
+    # The subtitle layout is the subtitles' alone: a txt laid out otherwise is the same txt.
+    narrow = SubtitleLayout(max_line_width=20)
+    assert again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"), narrow)
+                 ).skipped_other_settings == 0
+    assert again(batch.transcript_settings("packaged:whisper-base", german_options, narrow), ("srt",)
+                 ).skipped_other_settings == 1
+    assert "max_line_width null, now 20" in capsys.readouterr().err
     assert again(german, ("srt",)).skipped_other_settings == 0
     assert (again(german, ("txt", "srt")).skipped_other_settings, again(german).skipped_other_settings) == (1, 1)
     assert capsys.readouterr().err.count('(language "en", now "de"; prompt "", now "Hallo")') == 2

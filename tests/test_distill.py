@@ -18,11 +18,11 @@ import soundfile
 import torch
 
 from asr.audio import SAMPLE_RATE
-from asr.distill import (DraftDecoder, Label, first_window, length_batches, list_audio, previous_text_prompts,
+from asr.distill import (DraftDecoder, Label, length_batches, list_audio, previous_text_prompts,
                          split_holdout, teacher_forced_logits)
 from asr.models import IncompatibleModels, load_model, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
-from asr.features import WINDOW_FRAMES, content_frames, log_mel
+from asr.features import WINDOW_FRAMES, content_frames, first_window, log_mel
 from conftest import EOT, REPO, end_rows_at_different_lengths, save_tiny, tiny_target
 
 

@@ -871,3 +871,12 @@ def test_cli_json_lines(capsys):
     words = [w for line in capsys.readouterr().out.splitlines()[:-1] for w in json.loads(line)["committed"]]
     assert "cutter" in "".join(w["text"] for w in words).lower()
     assert all(0 <= w["start"] <= w["end"] <= 2.2 for w in words) and words[0]["start"] < words[-1]["start"]
+
+
+def test_cli_stream_translates(capsys):
+    """`asr stream --task translate`: the stream translated already (the web page's
+    microphone offers it); the command had no --task."""
+    clip = DEV / "multilingual" / "picovoice_test_de.wav"  # "Der hinter diesem Portal liegenden Raum ..."
+    assert main(["stream", str(clip), "--json", "--language", "de", "--task", "translate"]) == 0
+    text = json.loads(capsys.readouterr().out.splitlines()[-1])["committed_text"].lower()
+    assert "portal" in text and "the" in text.split() and "der" not in text.split()
