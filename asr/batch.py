@@ -567,6 +567,9 @@ class Sources:
                             self._handle.write("\n")
             self._handle.write(json.dumps(record) + "\n")
             self._handle.flush()
+            # On disk before the outputs it tells of (write_files_atomic syncs them): after a power
+            # cut, outputs no surviving line tells of are refused as not a run's, till --overwrite.
+            os.fsync(self._handle.fileno())
         except OSError as error:
             raise OutputError(f"{self.path}: cannot record a finished file ({error.strerror or error})") from error
 

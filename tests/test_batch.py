@@ -984,6 +984,25 @@ def test_a_second_run_into_a_folder_being_written_is_refused(tmp_path: Path):
     assert not partial.exists()  # a killed run's leftover now, removed by the run after it
 
 
+def test_the_ledger_is_on_disk_before_the_outputs_it_tells_of(tmp_path: Path, pair, monkeypatch):
+    """It was flushed, not synced, while the outputs were: after a power cut the outputs could
+    outlive their lines, and the next run refused them as not a run's, till --overwrite."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    synced, fsync = [], os.fsync
+
+    def noted(descriptor):
+        synced.append(Path(os.readlink(f"/proc/self/fd/{descriptor}")).name)
+        return fsync(descriptor)
+
+    monkeypatch.setattr(os, "fsync", noted)
+    assert transcribe_folder(FolderRun((source,), out, **quiet(("txt",))), lambda: Transcriber(pair)).ok == 1
+    ledger = [i for i, name in enumerate(synced) if name == batch.SOURCES_FILE]
+    output = [i for i, name in enumerate(synced) if name.startswith(".a.txt.")]
+    assert len(ledger) == 2 and len(output) == 1 and ledger[0] < output[0] < ledger[1], synced
+
+
 def test_the_ray_pool_line_says_how_many_workers_the_cluster_holds_at_once():
     assert batch.pool_line({"CPU": 2.0}, 2, 2, 0) == (
         "Ray: 2 worker(s), 2 CPU(s) each; cluster has 2 CPU(s), 0 GPU(s): 1 of the workers run at once, the rest "
