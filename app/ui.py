@@ -15,6 +15,7 @@ import threading
 import time
 import traceback
 import uuid
+import weakref
 from collections import OrderedDict
 from concurrent.futures import Future, wait
 from pathlib import Path
@@ -516,9 +517,11 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
     recordings: dict[str, LiveSession] = {}
     # The last visitors gone, with when: a first chunk's handler may be making their session still.
     departed: OrderedDict[str, float] = OrderedDict()
-    # Record presses, by Gradio's session: a Stop still decoding its last audio when Record is
-    # pressed again shows nothing (its text and downloads would land on the new recording).
+    # Record presses, by Gradio's session, and the press each recording came of: a Stop still
+    # decoding its last audio when Record is pressed again, or queued till after it, shows
+    # nothing (its text and downloads would land on the new recording).
     records: dict[str, int] = {}
+    record_of: weakref.WeakKeyDictionary[LiveSession, int | None] = weakref.WeakKeyDictionary()
 
     def show(live: LiveSession) -> tuple[str | dict, str | dict, LiveSession]:
         if live.shown == -1:  # an error or an idle end, shown once: the page keeps it
@@ -567,6 +570,7 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
             except ValueError as error:
                 return error_html(str(error)), gr.skip(), None
             recordings[request.session_hash] = live
+            record_of[live] = records.get(request.session_hash)
             # The visitor left as this made it, and on_leave found none. (One gone before: a tab
             # whose connection dropped and came back records anew.)
             if departed.get(request.session_hash, 0.0) >= began:
@@ -594,7 +598,6 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
         hand that recording's chunks to it, which takes no more audio."""
         if live is None:  # Stop as the first chunk's handler was making it: not yet in the state, but here
             live = recordings.get(request.session_hash)
-        record = records.get(request.session_hash)
         if live is None:  # stopped before a chunk arrived: nothing was heard
             yield live_html("", "", listening=False), gr.skip(), hidden
             return
@@ -607,7 +610,7 @@ def microphone_tab(engine: Engine, downloads_dir: Path, subtitles: gr.components
             yield gr.skip(), figures_html(live_figures(live.summary(), live.recorded_seconds(),
                                                        "finishing: decoding the last of it")), hidden
         live.finish()
-        if records.get(request.session_hash) != record:  # Record pressed meanwhile: the page is the next one's
+        if records.get(request.session_hash) != record_of.get(live):  # Record pressed since: the page is the next one's
             return
         files = live_downloads(live, downloads_dir / uuid.uuid4().hex, SUBTITLE_LAYOUTS[subtitles])
         yield *show(live)[:2], gr.update(value=[str(f) for f in files] or None, visible=bool(files))

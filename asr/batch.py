@@ -579,6 +579,18 @@ class Sources:
                 self._handle.close()
 
 
+def _alive(pid: int) -> bool:
+    """Whether a process of this number runs here (a lock file locked read-only, another
+    user's, still names the run that wrote it last)."""
+    try:
+        os.kill(pid, 0)  # no signal: whether it could be sent
+    except PermissionError:  # another user's
+        return True
+    except (ProcessLookupError, OverflowError):  # none; a number no process can have
+        return False
+    return pid > 0  # 0 would be this process's group
+
+
 class FolderLock:
     """OUT/.asr-run.lock, locked while a run writes into OUT. A second run into the same
     folder would take the first's temporary files for a killed run's and remove them (the
@@ -607,7 +619,7 @@ class FolderLock:
             holder = handle.read().strip()
             handle.close()
             raise OutputError(f"--out-dir {out_dir}: another run is writing into it"
-                              + (f" (process {holder})" if holder.isdigit() else "")
+                              + (f" (process {holder})" if holder.isdigit() and _alive(int(holder)) else "")
                               + ": wait for it to end, or give another --out-dir", before_work=True) from None
         except OSError as error:  # ENOLCK, EOPNOTSUPP: a bare "[Errno 37] No locks available" ended the run
             handle.close()
@@ -1188,8 +1200,9 @@ def pool_line(resources: dict, workers: int, cpus_per_worker: int, gpu: int) -> 
     --workers 2 on 2 CPUs it said 2 workers of 2 CPUs each; one ran)."""
     cpus, gpus = int(resources.get("CPU", 1)), int(resources.get("GPU", 0))
     fit = min(cpus // cpus_per_worker, gpus if gpu else workers)
-    return (f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; cluster has {cpus} "
-            f"CPU(s), {gpus} GPU(s)" + (f": {fit} of the workers run at once, the rest when it grows" if fit < workers else ""))
+    line = (f"Ray: {workers} worker(s), {cpus_per_worker} CPU(s){' + 1 GPU' if gpu else ''} each; cluster has {cpus} "
+            f"CPU(s), {gpus} GPU(s)")
+    return line + (f": {fit} of the workers run at once, the rest when it grows" if fit < workers else "")
 
 
 def _unreachable(address: str | None) -> str | None:

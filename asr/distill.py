@@ -13,6 +13,7 @@ import itertools
 import json
 import os
 import random
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -95,6 +96,12 @@ class PseudoLabels:
             # its encoder outputs and labels would be another model's
             raise ValueError(f"{work}: labelled by another target or in another language than "
                              f"{made_for['language']!r}: resume with the same --target and --language")
+        if saved["labels"] and was.get("windows", "padded") != made_for["windows"]:
+            # Still the target's transcripts of the audio (the drafts before 2026-11-30 learnt from such alone): kept.
+            self.made_for = {**made_for, "windows": "padded, then zeroed"}
+            tqdm.write(f"note: {work}: clips labelled there before 2026-11-30 were cut into windows padded with the "
+                       "log-mel of silence, those labelled now into windows zeroed past the audio, as transcription "
+                       "cuts them: delete it to label all afresh", file=sys.stderr)
         encoder_file = work / "encoder.f16"
         row = frames * width * np.dtype(np.float16).itemsize
         have = encoder_file.stat().st_size if encoder_file.exists() else 0
@@ -135,7 +142,7 @@ def pseudo_label(
     prompt = target.vocab.sot_sequence(language, "transcribe")
     runner = target.runner
     store = PseudoLabels(work, files, target.config.max_source_positions, target.config.d_model,
-                         {"target": encoder_fingerprint(target.encoder), "language": language})
+                         {"target": encoder_fingerprint(target.encoder), "language": language, "windows": "zeroed"})
     progress = tqdm(total=len(files), initial=store.next, desc="pseudo-labelling", unit="clip")
     saved_at = time.monotonic()
     while store.next < len(files):

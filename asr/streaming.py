@@ -484,6 +484,12 @@ class StreamingTranscriber:
         seconds = math.ceil(samples / SAMPLE_RATE + self.encoder_padding_seconds)
         return min(seconds, WINDOW_SECONDS) * FRAMES_PER_SECOND
 
+    @property
+    def _written_language(self) -> str | None:
+        """The language of the committed text: English when translating (Turkish's sentences
+        are left as written, _sentence_start; their English translation's are not)."""
+        return "en" if self.transcriber.options.task == "translate" else self._language
+
     def _agree(self, window: WindowResult, prompted: bool, final: bool, cut_tail: bool = False) -> list[Word]:
         """LocalAgreement-2: commits the longest common prefix of this hypothesis and the last;
         then trims the buffer if it is long. A full buffer with audio waiting is committed
@@ -502,14 +508,16 @@ class StreamingTranscriber:
         before = (word_keys(self._context_text) if prompted else []) + [word_key(w.text) for w in words[:done]]
         kept = _before_repeats([word_key(w.text) for w in new], before)
         backlog = bool(self._waiting)
-        if kept < len(new) and (final or backlog) and not self.transcriber.loops("".join(w.text for w in new), window.looped):
+        if (kept < len(new) and (final or backlog)
+                and not self.transcriber.loops("".join(w.text for w in new), window.looped)):
             kept = len(new)
         self._held_back = kept < len(new)
         fresh = new[:kept]
         agreed = 0
         if backlog:
             agreed = min(max(self._closed_words(segments) - done, 0), len(fresh))
-        while agreed < min(len(fresh), len(self._tentative)) and word_key(fresh[agreed].text) == word_key(self._tentative[agreed].text):
+        while (agreed < min(len(fresh), len(self._tentative))
+               and word_key(fresh[agreed].text) == word_key(self._tentative[agreed].text)):
             agreed += 1
         if agreed and agreed == len(fresh) == len(new) and not (final or backlog) and SENTENCE_END.search(fresh[-1].text):
             # Timed from its end, or from when it first waited: a last segment Whisper leaves
@@ -529,7 +537,7 @@ class StreamingTranscriber:
             # This hypothesis runs on a sentence whose full stop was committed ("for you. Ask
             # what" heard again as "for you, ask what", at a live page's 1 s updates): the
             # word after that full stop starts a sentence, never "for you. ask what".
-            committed[0] = self._committed[-len(committed)] = _sentence_start(committed[0], self._language)
+            committed[0] = self._committed[-len(committed)] = _sentence_start(committed[0], self._written_language)
         if words[done:] or len(words) >= len(self._in_buffer):
             self._repeated = done if cut_clean else self._repeated
             self._in_buffer = words[: done + agreed]
@@ -632,7 +640,7 @@ class StreamingTranscriber:
         end = self._committed[-1].end if self._committed else 0.0
         prompt = self._context_text.strip()
         if words and not self._committed and (not prompt or SENTENCE_END.search(prompt)):
-            words = [_sentence_start(words[0], self._language), *words[1:]]
+            words = [_sentence_start(words[0], self._written_language), *words[1:]]
         for word in words:
             start = max(word.start, end)
             end = max(word.end, start)
@@ -845,7 +853,7 @@ def _respelt(committed: str, keys: list[str]) -> int:
 
 
 def _split_word(word: Word, chars: int) -> list[Word]:
-    """The word cut after its first `chars` characters of key (_key), times shared by characters."""
+    """The word cut after its first `chars` characters of key (word_key), times shared by characters."""
     counted, at = 0, 0
     for at, char in enumerate(word.text):
         counted += bool(NOT_WORD.fullmatch(char) is None)

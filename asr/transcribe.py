@@ -31,7 +31,7 @@ from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
 from asr.vocab import language_code
-from asr.words import Word, align, anomalous, copied_at, word_keys
+from asr.words import Word, align, anomalous, copied_at, keys_of_words, word_keys
 
 TIMESTAMP_SECONDS = 0.02
 FRAMES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS / FRAME_SECONDS)
@@ -713,17 +713,17 @@ class Transcriber:
         "... and tender churl makes waste in niggerding." again). Whisper's own rules keep such
         an attempt; sampled attempts are chance already, and the next temperature is tried."""
         said, before = word_keys(self.vocab.decode(sequence.tokens)), word_keys(self.vocab.decode(previous))
-        return copied_at(said, before, PROMPT_COPY_WORDS) is not None
+        return copied_at(said, before, keys_of_words(said, PROMPT_COPY_WORDS)) is not None
 
     def _copied_greedily(self, job: _Job, sequence: Sequence, temperature: float) -> bool:
         """Whether a recording's first, greedy attempt at a window, heard as silence (no-speech
         probability above its threshold) but kept for its confident text, copied
         PROMPT_COPY_WORDS words in a row of the text decoded before it (not of the prompt: the
-        audio may say what the user wrote; in Chinese or Japanese each character counts as a word). Whisper's rules keep such a copy where its
-        log-probability is confident, though that is the previous text's: the JFK clip's next
-        clip's line again in the 35 s of silence after it (no-speech 0.97, log-probability
-        -0.29; faster-whisper too), or, with a bfloat16 encoder, a line of the sonnet in place
-        of its last. It is then decoded again, greedily, without its previous text: the
+        audio may say what the user wrote; in Chinese or Japanese two characters count as a
+        word). Whisper's rules keep such a copy where its log-probability is confident,
+        though that is the previous text's: the JFK clip's next clip's line again in the 35 s
+        of silence after it (no-speech 0.97, log-probability -0.29; faster-whisper too), or,
+        with a bfloat16 encoder, a line of the sonnet in place of its last. It is then decoded again, greedily, without its previous text: the
         sonnet's last line, or in the silence Whisper's "you" (no-speech 0.95), which is then
         skipped as silence whatever its log-probability (_silent), and the previous text with
         it. Where that attempt copies the text too, the speech repeats itself, and the first

@@ -54,6 +54,13 @@ def word_keys(text: str) -> list[str]:
     return [word_key(piece) for piece in split_words(text)]
 
 
+def keys_of_words(keys: list[str], words: int) -> int:
+    """How many of these word keys make `words` words: twice as many where most are characters
+    of a script written without spaces (split_words), about two to a Chinese word."""
+    unspaced = sum(len(key) == 1 and UNSPACED_SCRIPTS.match(key) is not None for key in keys)
+    return 2 * words if 2 * unspaced > len(keys) else words
+
+
 def copied_at(keys: list[str], before: list[str], run: int) -> int | None:
     """Where keys first repeat `run` words in a row of `before` (both word keys), if they do:
     how the decoders tell a copy of the text before a window from new speech."""

@@ -1015,7 +1015,7 @@ def test_the_ray_pool_line_says_how_many_workers_the_cluster_holds_at_once():
 def test_another_users_lock_file_locks_the_folder_as_well(tmp_path: Path, monkeypatch):
     """A shared output folder: the first user's lock file (0644, left in place) stopped every
     other user's runs with a bare "[Errno 13] Permission denied: '.asr-run.lock'"."""
-    (tmp_path / LOCK_FILE).write_text("123\n")
+    (tmp_path / LOCK_FILE).write_text("4194305\n")  # above any Linux process number
     real_open = builtins.open
 
     def not_ours(file, mode="r", *args, **kwargs):  # as root, chmod would not stop this process
@@ -1025,8 +1025,11 @@ def test_another_users_lock_file_locks_the_folder_as_well(tmp_path: Path, monkey
 
     monkeypatch.setattr(builtins, "open", not_ours)
     lock = FolderLock(tmp_path)
-    with pytest.raises(OutputError, match="another run is writing into it"):
+    with pytest.raises(OutputError) as refused:
         FolderLock(tmp_path)
+    # Not the process that last wrote the file, gone (it was named): the one holding it cannot write there.
+    assert str(refused.value) == (f"--out-dir {tmp_path}: another run is writing into it: wait for it to end, or give "
+                                  "another --out-dir")
     lock.release()
     FolderLock(tmp_path).release()
 

@@ -23,7 +23,7 @@ from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load
 from asr.cli import build_parser, main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
-from asr.words import Word, _fitted, _Timed, columns, copied_at, cut_unspaced, word_keys
+from asr.words import Word, _fitted, _Timed, columns, copied_at, cut_unspaced, keys_of_words, word_keys
 from conftest import DEV, SAMPLES, damaged_mp3_bytes, encoded, mp3_bytes, speech_between_silences
 
 
@@ -653,8 +653,8 @@ def test_words_are_cut_to_their_segment_and_the_next_window_starts_where_whisper
 def test_a_copy_of_the_text_before_is_found_by_word_whatever_the_case_punctuation_or_script():
     """The one test both decoders use for a window copying the text before it (files: the
     greedy-copy retry and failed sampled attempts; streams: copied or echoed prompts): words
-    compared without case or punctuation, each Chinese or Japanese character a word (a copied
-    clause there has no spaces to split at)."""
+    compared without case or punctuation, each Chinese or Japanese character a key (a copied
+    clause there has no spaces to split at; in files, two keys to a word)."""
     before = word_keys(" And so, my fellow Americans, ask not what your country can do for you.")
     assert copied_at(word_keys(" Well... ask NOT what your country can do"), before, 6) == 1
     assert copied_at(word_keys(" ask not what your nation can do for you"), before, 6) is None
@@ -663,6 +663,8 @@ def test_a_copy_of_the_text_before_is_found_by_word_whatever_the_case_punctuatio
     assert chinese[:3] == ["我", "们", "今"]
     assert copied_at(word_keys("好的，今天下午去公园"), chinese, 6) == 3  # "，" is a word too
     assert copied_at(word_keys("好的，明天下午去学校"), chinese, 6) is None
+    # Two Chinese characters to a word, about: a copy of 6 words is one of 12 characters.
+    assert keys_of_words(chinese, 6) == 12 and keys_of_words(before, 6) == 6
 
 
 def test_timed_chinese_or_japanese_words_break_lines_where_untimed_text_does():

@@ -338,3 +338,24 @@ def test_a_draft_learns_and_is_measured_on_windows_cut_as_transcription_cuts_the
     assert window.shape == (80, WINDOW_FRAMES) and frames == 150
     assert torch.equal(window[:, :frames], mel[:, :frames]) and not window[:, frames:].any()
     assert mel[:, frames:WINDOW_FRAMES].any()  # what the windows held before
+
+
+def test_labels_of_windows_padded_the_old_way_are_kept_and_said_to_be(tmp_path: Path, capsys):
+    """A work folder labelled before windows were zeroed past the audio: resumed, its labels
+    are kept (still the target's transcripts), and the mix is said, on every resume."""
+    from asr.distill import PseudoLabels
+
+    clip = tmp_path / "a.wav"
+    clip.write_bytes(b"")
+    made_for = {"target": {}, "language": "en"}
+    (tmp_path / "work").mkdir()
+    torch.save({"files": [str(clip)], "labels": [None], "next": 1, "made_for": made_for}, tmp_path / "work" / "labels.pt")
+    (tmp_path / "work" / "encoder.f16").write_bytes(bytes(4 * 2 * 2))  # one clip's rows: 4 frames of width 2
+    for _ in range(2):
+        store = PseudoLabels(tmp_path / "work", [clip], 4, 2, {**made_for, "windows": "zeroed"})
+        assert store.labels == [None] and store.next == 1
+        assert "windows padded with the log-mel of silence" in capsys.readouterr().err
+        store.save()
+    assert torch.load(tmp_path / "work" / "labels.pt", weights_only=True)["made_for"]["windows"] == "padded, then zeroed"
+    fresh = PseudoLabels(tmp_path / "fresh", [clip], 4, 2, {**made_for, "windows": "zeroed"})
+    assert fresh.next == 0 and "note" not in capsys.readouterr().err

@@ -880,3 +880,15 @@ def test_cli_stream_translates(capsys):
     assert main(["stream", str(clip), "--json", "--language", "de", "--task", "translate"]) == 0
     text = json.loads(capsys.readouterr().out.splitlines()[-1])["committed_text"].lower()
     assert "portal" in text and "the" in text.split() and "der" not in text.split()
+
+
+def test_a_translated_stream_starts_english_sentences_with_a_capital_whatever_it_hears(transcriber):
+    """Sentence starts follow the committed text's language: a Turkish speaker's English
+    translation was left "for you. ask what", as Turkish text would be (its dotted İ)."""
+    from asr.streaming import _sentence_start
+
+    for task, expected in (("translate", " Ask"), ("transcribe", " ask")):
+        stream = StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, language="tr",
+                                                                              task=task)))
+        stream._language = "tr"
+        assert _sentence_start(Word(" ask", 0.0, 0.4), stream._written_language).text == expected
