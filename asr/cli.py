@@ -101,6 +101,13 @@ def language(text: str) -> str | None:
     return code
 
 
+def evaluated_language(text: str) -> str:
+    """An argparse type: a language (not auto: a clip is scored with its language's normaliser)."""
+    if (code := language(text)) is None:
+        raise argparse.ArgumentTypeError("evaluation needs the clips' language, to normalise their text (not auto)")
+    return code
+
+
 def prompt_text(text: str) -> str:
     """An argparse type: text that is UTF-8 (a Latin-1 file's names given through $(cat ...)
     failed every file, as a TypeError blamed on the audio)."""
@@ -188,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
                    help="our engine's batch, as `asr transcribe`'s (default: %(default)s; the peers decode one file at a time)")
     e.add_argument("--limit", type=count(1), help="only the first N files of the manifest")
+    e.add_argument("--language", type=evaluated_language, default="en",
+                   help="the clips' language where the manifest gives none in a language (or lang, locale) column or "
+                        "as lang=xx in notes (default: %(default)s)")
     e.add_argument("--repeats", type=count(1), default=1,
                    help="timed runs of each batch per system, in turns; the run of median time is kept (default: 1)")
     e.add_argument("--vad", action="store_true",
@@ -407,7 +417,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
                               transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
                               progress=sys.stderr.isatty(), repeats=args.repeats)
     try:
-        clips = read_manifest(args.manifest, limit=args.limit)  # a messy manifest's later rows are not read
+        # a messy manifest's later rows are not read
+        clips = read_manifest(args.manifest, default_language=args.language, limit=args.limit)
         if not clips:
             raise ValueError(f"{args.manifest}: no files to evaluate")
         if problem := unwritable(args.out):  # said now, not after the whole evaluation has run

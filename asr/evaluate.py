@@ -463,20 +463,22 @@ def system_names(peers: tuple[str, ...]) -> list[str]:
 def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions = EvaluateOptions()) -> dict:
     """Transcribes every clip with every system and returns the report (see build_report)."""
     warm_up: dict[str, dict] = {}
-    results = run_systems(clips, pair, options, warm_up)
+    loads: list[float] = []
+    results = run_systems(clips, pair, options, warm_up, loads)
     environment = describe_environment(pair, options)
-    # At the end (the 1-minute average: the run's last minute, not the one before it): other
-    # work on the machine skews every speed figure.
-    environment["load_average"] = machine_load()
+    # The highest of the 1-minute averages after each batch and at the end: other work on the
+    # machine skews every speed figure (sampled at the end only, a run's busy start went unsaid).
+    environment["load_average"] = max([*loads, machine_load()])
     if environment["cuda_graphs"]:
         environment["warm_up_graphs"] = warm_up
     return build_report(results, system_names(options.peers), environment)
 
 
 def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions,
-                warm_up: dict[str, dict] | None = None) -> list[FileResult]:
+                warm_up: dict[str, dict] | None = None, loads: list[float] | None = None) -> list[FileResult]:
     """Each clip's audio is read once and decoded by every system; a file that cannot be
-    read, or that a system fails on, is marked and the others go on."""
+    read, or that a system fails on, is marked and the others go on. loads: the machine's
+    load average after each batch is appended to it."""
     if pair.draft is None:
         raise ValueError("evaluation compares speculative decoding with target-only decoding: it needs a draft")
     results = [FileResult(clip) for clip in clips]
@@ -535,6 +537,8 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                             result.repeat_seconds[name] = [attempt[i].seconds for attempt in runs]
                 bar.update(len(batch))
                 bar.set_postfix_str(Path(batch[-1].clip.path).name)
+                if loads is not None:
+                    loads.append(machine_load())
     finally:
         for system in systems.values():
             if isinstance(system, FasterWhisperSystem):
@@ -617,6 +621,8 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
         entry = {
             "files": len(done),
             "wer": normalized_wer([n["reference"] for _, n in done], [n[system] for _, n in done]) if done else None,
+            # In WER as insertions; where no reference has a word (a set of silences), the only figure.
+            "words_where_none_said": sum(len(n[system].split()) for _, n in done if not n["reference"].split()),
             "seconds": seconds,
             "rtfx": _ratio(sum(r.duration for r, _ in done), seconds),
             "features_seconds": _total(run.features_seconds for run in runs),
@@ -696,6 +702,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
     target, speculative = summary[TARGET], summary[SPECULATIVE]
     return {
         "n_files": len(scored),
+        "files_without_reference_words": sum(1 for r in scored if not normalized[id(r)]["reference"].split()),
         "audio_seconds": sum(r.duration for r in scored),
         "systems": summary,
         "by_length": _by_length(scored, systems),
@@ -789,6 +796,10 @@ def render_markdown(report: dict, title: str) -> str:
                                            else "") + ": " + "; ".join(
             f"{LABELS[system]}: " + ", ".join(f"{language} {_percent(wer)}" for language, wer in wers.items())
             for system, wers in by_language) + "."]
+    if silent := report.get("files_without_reference_words", 0):
+        lines += ["", f"Words written for the {silent} clip{'s' * (silent > 1)} whose reference has none (silence, "
+                      "noise): " + "; ".join(f"{LABELS[system]} {s['words_where_none_said']}"
+                                             for system, s in report["systems"].items() if "error" not in s) + "."]
     if report["n_files"]:
         identical = sum(1 for f in report["per_file"] if f.get("identical"))
         delta = "-" if report["wer_delta"] is None else f"{100 * report['wer_delta']:+.2f} points"

@@ -24,7 +24,8 @@ SCORED_BY_LETTER = UNSPACED | {"km"}
 
 # whisper-normalizer ships Whisper's normalisers with the English spelling map
 # (British to American), which transformers' copy needs from a hub tokenizer.
-NORMALIZER = ("whisper-normalizer (Whisper's English normaliser with its spelling map; basic normaliser otherwise, "
+NORMALIZER = ("whisper-normalizer (Whisper's English normaliser with its spelling map, typographic apostrophes "
+              "(’ ‘) read as ' first; basic normaliser otherwise, "
               "keeping marks (vowel signs), its letters split for languages written without spaces: there WER is a "
               "character error rate)")
 
@@ -88,6 +89,9 @@ def normalized_wer(references: list[str], hypotheses: list[str]) -> float | None
     return (out.substitutions + out.deletions + out.insertions + inserted) / words
 
 
+LANGUAGE_COLUMNS = ("language", "lang", "locale")
+
+
 @dataclass(frozen=True)
 class LabelledClip:
     path: Path
@@ -102,6 +106,8 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
     line number and a non-empty file. A row that does not fit is an error naming its line.
     limit: only the first rows are read (a bad row after them is not looked at)."""
     csv.field_size_limit(max(csv.field_size_limit(), 2**31 - 1))  # an hour's reference passes csv's 128 KiB
+    if path.is_dir():  # read_bytes: a bare "[Errno 21] Is a directory"
+        raise ValueError(f"{path}: is a folder; a manifest is a tab-separated file naming each clip and its reference")
     data = path.read_bytes()
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):  # a spreadsheet's "Unicode Text"
         try:
@@ -122,6 +128,8 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
     missing = set(required) - set(columns)
     if missing:
         found = f"missing {', '.join(sorted(missing))}" if any(columns) else "its first line, the header, is blank"
+        if len(columns) == 1 and "," in columns[0]:
+            found += " (its header is comma-separated: save it with tabs)"
         raise ValueError(f"{path}: a manifest needs the column{'s' * (len(required) > 1)} {' and '.join(required)} "
                          f"(tab-separated); {found}")
     # DictReader would keep the last silently. Unnamed columns (a spreadsheet's trailing tabs) are no field.
@@ -146,12 +154,15 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
 def read_manifest(path: Path, default_language: str = "en", limit: int | None = None) -> list[LabelledClip]:
     """A manifest (manifest_rows) with at least the columns file and reference (files
     relative to the manifest's folder; an empty reference is a clip without speech).
-    Optional: duration_seconds, and the clip's language as a language column or "lang=de"
-    in a notes column (default: English)."""
-    clips = []
+    Optional: duration_seconds, and the clip's language as a language (or lang, or locale:
+    de-DE) column or "lang=de" in a notes column (default: default_language). A clip listed
+    twice is an error: it would weigh double in the WER and the speed."""
+    clips, lines = [], {}
     for line, row in manifest_rows(path, ("file", "reference"), limit):
         hint = re.search(r"(?<!\w)lang=([\w-]+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
-        language = language_code((row.get("language") or "").strip() or (hint.group(1) if hint else default_language))
+        # A "lang" column was ignored: German clips decoded and scored as English, WER 100 %.
+        given = next((value.strip() for column in LANGUAGE_COLUMNS if (value := row.get(column) or "").strip()), "")
+        language = language_code(given or (hint.group(1) if hint else default_language))
         duration = (row.get("duration_seconds") or "").strip()
         try:
             seconds = float(duration) if duration else None
@@ -159,7 +170,11 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
             seconds = None
         if duration and not (seconds is not None and 0 < seconds < float("inf")):
             raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number of seconds above 0")
-        clips.append(LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language))
+        clip = LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language)
+        if (first := lines.setdefault(os.path.normpath(clip.path), line)) != line:
+            raise ValueError(f"{path}:{line}: {row['file'].strip()} is listed on line {first} too: a clip listed twice "
+                             "would weigh double in the WER and the speed")
+        clips.append(clip)
     return clips
 
 

@@ -94,7 +94,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     (source / "x").mkdir()
     (source / "x" / "e.f.ogg").symlink_to(source / "e.f.ogg")  # the same name elsewhere in the tree: its own (dropped)
     os.mkfifo(source / "a" / "pipe.wav")  # its first read would wait for a writer, and the run with it, for ever
-    out = source / "out"  # inside the input: its outputs are not audio
+    out = source / "out"  # inside the input: walked too (its outputs are not audio; a recording there is an input)
     # e.f.ogg named twice, d.MP3 named alone and inside the folder: each done once
     inputs = [source, source / "e.f.ogg", source / "a" / "c" / "d.MP3", tmp_path / "missing", tmp_path / "empty",
               tmp_path / "sealed" / "h.wav"]
@@ -115,7 +115,7 @@ def test_outputs_mirror_the_tree_and_collisions_are_reported(tmp_path: Path, mon
     planned, failures = plan_outputs(inputs, out)
     assert sorted((p.source.relative_to(source).as_posix(), p.stem.relative_to(out).as_posix()) for p in planned) == [
         ("a/b.flac", "a/b"), ("a/c/d.MP3", "a/c/d"), ("alias.ogg", "alias"), ("e.f.ogg", "e.f"), ("ext/g.mkv", "ext/g"),
-        ("x/e.f.ogg", "x/e.f")]
+        ("out/old.wav", "out/old"), ("x/e.f.ogg", "x/e.f")]
     assert PlannedFile(source / "e.f.ogg", out / "e.f").output("json") == out / "e.f.json"
     reasons = {Path(f.source).name: f.error for f in failures}
     assert reasons.keys() == {"b.wav", "missing", "empty", "locked", "self.wav", "gone.wav", "pipe.wav", "h.wav"}

@@ -986,6 +986,7 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
         ("transcribe", "--prompt", "Caf\udce9 Concord", "is not UTF-8 text"),  # a Latin-1 byte, as Python passes it
         ("transcribe", "--language", "klingon", "klingon is not a language Whisper knows"),
         ("stream", "--language", "auto-detect", "auto-detect is not a language Whisper knows"),
+        ("evaluate", "--language", "auto", "evaluation needs the clips' language, to normalise their text (not auto)"),
     ]:
         with pytest.raises(SystemExit):
             main([command, str(SAMPLES), flag, value] if command != "app" else [command, flag, value])

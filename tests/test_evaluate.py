@@ -28,6 +28,7 @@ from whisper_normalizer.english import EnglishTextNormalizer
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cli import main
 from asr.cudagraphs import GraphCounts
+import asr.evaluate as evaluate_module
 from asr.evaluate import (
     FASTER_WHISPER,
     _precision_notes,
@@ -44,6 +45,7 @@ from asr.evaluate import (
     TransformersSystem,
     build_report,
     describe_environment,
+    evaluate,
     median_attempt,
     render_markdown,
     run_systems,
@@ -154,6 +156,23 @@ def test_a_clip_of_digital_silence_is_scored_not_failed(embedded, tmp_path: Path
     peer = {**report, "systems": {**report["systems"], FASTER_WHISPER: report["systems"][TARGET]}}
     header = render_markdown(peer, "t").splitlines()[2]
     assert "batch 1 (faster-whisper: one file at a time);" in header
+
+
+def test_words_written_where_no_reference_has_any_are_counted(embedded, tmp_path: Path, monkeypatch):
+    """A set of silences (a hallucination test): no WER is defined, and the report gave no
+    figure at all for the words the systems wrote there."""
+    shutil.copy(DEV / "en_short" / CLIPS[1], tmp_path / "noise.wav")
+    (tmp_path / "manifest.tsv").write_text("file\treference\nnoise.wav\t\n")
+    monkeypatch.setattr(OurSystem, "run", lambda self, items, language: [
+        Run(text=" the press yard" if self.options.speculative else " eight the press yard", tokens=[1], seconds=0.1)
+        for _ in items])
+    options = EvaluateOptions(batch_size=1, progress=False)
+    report = build_report(run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded, options), system_names(()),
+                          describe_environment(embedded, options))
+    assert report["systems"][TARGET]["wer"] is None and report["files_without_reference_words"] == 1
+    assert [report["systems"][s]["words_where_none_said"] for s in (TARGET, SPECULATIVE)] == [4, 3]
+    assert ("Words written for the 1 clip whose reference has none (silence, noise): ours, target only 4; ours, "
+            "speculative 3.") in render_markdown(report, "t")
 
 
 def test_wer_equals_jiwer_on_the_same_texts_and_speculation_changes_nothing(evaluated):
@@ -298,10 +317,10 @@ def test_each_languages_first_batch_is_decoded_once_untimed_before_its_timed_run
         assert [(language, files) for s, language, files in calls if s == speculative] == [
             ("en", paths[:1]), ("en", paths[:1]), ("de", paths[1:2]), ("de", paths[1:2]), ("de", paths[2:])]
     # Files go by their paths (a failed batch's message names its culprits: it said "on 1"),
-    # one listed twice in a batch by its entry too.
-    (tmp_path / "manifest.tsv").write_text(f"file\treference\n{names[0]}\twords\n{names[0]}\twords\n")
+    # one given twice in a batch by its entry too (a manifest may not list it twice: read_manifest).
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\n{names[0]}\twords\n")
     calls.clear()
-    run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded,
+    run_systems(read_manifest(tmp_path / "manifest.tsv") * 2, embedded,
                 EvaluateOptions(batch_size=2, preset="embedded", progress=False))
     assert calls[-1][2] == [paths[0], f"{paths[0]} #2"]
 
@@ -332,6 +351,22 @@ def test_repeated_timed_runs_keep_each_systems_run_of_median_time(embedded, tmp_
     assert report["systems"][SPECULATIVE]["seconds_by_repeat"] == [4.0, 10.0, 8.0]
     assert report["speedup_by_repeat"] == [0.0, 0.6, 0.25]
     assert "the end-to-end speed-up ran from 0.00x to 0.60x" in markdown
+
+
+def test_the_reports_load_is_the_highest_sampled_after_each_batch(embedded, tmp_path: Path, monkeypatch):
+    """Sampled once at the end, a run whose first minutes competed with other work was
+    reported as run on a quiet machine."""
+    manifest = write_manifest(tmp_path, CLIPS)
+    runs = []  # 2 systems: the warm-up, the first clip's batch, the second's
+
+    def run(self, items, language):
+        runs.append(language)
+        return [Run(text="x", tokens=[1], seconds=0.1) for _ in items]
+
+    monkeypatch.setattr(OurSystem, "run", run)
+    monkeypatch.setattr(evaluate_module, "machine_load", lambda: 6.0 if len(runs) < 6 else 0.1)  # busy till the last batch
+    report = evaluate(read_manifest(manifest), embedded, EvaluateOptions(batch_size=1, preset="embedded", progress=False))
+    assert report["environment"]["load_average"] == 6.0
 
 
 def test_the_report_says_the_machines_load_and_where_faster_whisper_computes_otherwise():
@@ -775,6 +810,11 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         "R:some words\n": ":2: 1 tab-separated fields where the header has 2 (a column is missing)",  # reference first
         "B:a.wav\tok\n": ": a manifest needs the columns file and reference (tab-separated); its first line, the "
                          "header, is blank",
+        # Counted twice in the WER and the speed, saying nothing.
+        "a.wav\tok\nb.wav\tok\n./a.wav\tsame\n": ":4: ./a.wav is listed on line 2 too: a clip listed twice would weigh "
+                                                "double in the WER and the speed",
+        "C:a.wav,ok\n": ": a manifest needs the columns file and reference (tab-separated); missing file, reference (its "
+                        "header is comma-separated: save it with tabs)",
     }
     for i, (rows, message) in enumerate(cases.items()):
         header = "file\treference" + ("\tduration_seconds" if "n/a" in rows or "-1" in rows else "")
@@ -784,6 +824,8 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
             header, rows = "file\treference\tfile", rows[2:]
         if rows.startswith("B:"):
             header, rows = "", rows[2:]
+        if rows.startswith("C:"):
+            header, rows = "file,reference", rows[2:]
         path = tmp_path / f"{i}.tsv"
         bom = rows.startswith("\ufeff")
         rows = rows.removeprefix("\ufeff")
@@ -799,6 +841,13 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         "\ufefffile\treference\tlanguage\t\t\r\na.wav \tHi\tDE\t\r\n \t \r\nsilence.wav\t\t\r\n".encode())
     assert [(c.path.name, c.reference, c.language) for c in read_manifest(tmp_path / "ok.tsv")] == [
         ("a.wav", "Hi", "de"), ("silence.wav", "", "en")]
+    # A "lang" or "locale" column is the language too (it was ignored: German scored as English,
+    # WER 100 %); none given: the default (asr evaluate --language).
+    for column, value in (("lang", "de"), ("Locale", "de-DE")):
+        (tmp_path / "lang.tsv").write_text(f"file\treference\t{column}\na.wav\tHallo\t{value}\nb.wav\tHallo\t\n")
+        assert [c.language for c in read_manifest(tmp_path / "lang.tsv", default_language="fr")] == ["de", "fr"]
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: is a folder; a manifest is a tab-separated file")):
+        read_manifest(tmp_path)
     # A spreadsheet's "Unicode Text" (UTF-16 with its byte-order mark) was "not UTF-8 text".
     (tmp_path / "u16.tsv").write_bytes("file\treference\r\nb\xe9.wav\tcaf\xe9\r\n".encode("utf-16"))
     assert [(c.path.name, c.reference) for c in read_manifest(tmp_path / "u16.tsv")] == [("b\xe9.wav", "caf\xe9")]
