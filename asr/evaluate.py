@@ -715,6 +715,10 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                                                           speculative.get("seconds_by_repeat", []))],
         "per_file": per_file,
         "failures": failures,
+        # A manifest's duration_seconds far from its file's: a row that names the wrong file?
+        "duration_mismatches": [{"file": str(r.clip.path), "manifest_seconds": r.clip.duration, "audio_seconds": r.duration}
+                                for r in scored if r.clip.duration is not None
+                                and abs(r.clip.duration - r.duration) > max(1.0, 0.1 * r.clip.duration)],
         "environment": environment,
     }
 
@@ -863,6 +867,11 @@ def render_markdown(report: dict, title: str) -> str:
             lines += ["", f"Files where {LABELS[system]}'s text tokens differ from ours target-only ({len(differing)}):", ""]
             lines += [f"- `{f['file']}`: ours \"{f[f'{TARGET}_text']}\" / {LABELS[system]} \"{f[f'{system}_text']}\""
                       for f in differing]
+    if mismatches := report.get("duration_mismatches"):
+        lines += ["", f"Files whose audio is not as long as the manifest's duration_seconds says ({len(mismatches)}: "
+                      "the wrong file?):", ""]
+        lines += [f"- `{m['file']}`: {m['audio_seconds']:.1f} s, the manifest says {m['manifest_seconds']:.1f} s"
+                  for m in mismatches]
     if report["failures"]:
         lines += ["", f"Failures ({len(report['failures'])}):", ""]
         lines += [f"- `{f['file']}` ({f['system'] or 'audio'}): {f['reason']}" for f in report["failures"]]

@@ -175,6 +175,22 @@ def test_words_written_where_no_reference_has_any_are_counted(embedded, tmp_path
             "speculative 3.") in render_markdown(report, "t")
 
 
+def test_a_manifest_duration_far_from_its_files_is_said(embedded, tmp_path: Path, monkeypatch):
+    """duration_seconds was checked to be a number, never against the audio: a row naming
+    the wrong file went unnoticed."""
+    for name in CLIPS:
+        shutil.copy(DEV / "en_short" / name, tmp_path / name)
+    (tmp_path / "manifest.tsv").write_text(f"file\treference\tduration_seconds\n{CLIPS[0]}\tx\t99\n{CLIPS[1]}\tx\t1.9\n")
+    monkeypatch.setattr(OurSystem, "run", lambda self, items, language: [Run(text="x", tokens=[1], seconds=0.1)
+                                                                          for _ in items])
+    options = EvaluateOptions(batch_size=1, progress=False)
+    report = build_report(run_systems(read_manifest(tmp_path / "manifest.tsv"), embedded, options), system_names(()),
+                          describe_environment(embedded, options))
+    [mismatch] = report["duration_mismatches"]  # the second, 1.6 s for 1.9, within a second
+    assert mismatch["file"] == str(tmp_path / CLIPS[0]) and mismatch["manifest_seconds"] == 99.0
+    assert f"- `{tmp_path / CLIPS[0]}`: 1.5 s, the manifest says 99.0 s" in render_markdown(report, "t")
+
+
 def test_wer_equals_jiwer_on_the_same_texts_and_speculation_changes_nothing(evaluated):
     _, _, report = evaluated
     english = EnglishTextNormalizer()
