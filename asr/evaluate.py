@@ -29,7 +29,8 @@ from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts, device_clock
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
-from asr.metrics import NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, machine_load, normalize, normalized_wer
+from asr.metrics import (NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, machine_load, normalize, normalized_wer,
+                         word_errors)
 from asr.models import ModelPair, ctranslate2_directory, quiet_transformers
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
@@ -683,6 +684,8 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                 entry[f"{system}_error"] = run.error
                 continue
             entry[f"{system}_text"] = run.text
+            if id(r) in normalized:  # the file's own word errors over its reference's words (None: it has none)
+                entry[f"{system}_errors"] = asdict(word_errors(normalized[id(r)]["reference"], normalized[id(r)][system]))
             entry[f"{system}_seconds"] = run.seconds
             entry[f"{system}_features_seconds"] = run.features_seconds
             entry[f"{system}_encoder_seconds"] = run.encoder_seconds

@@ -77,16 +77,32 @@ def word_error_rate(references: list[str], hypotheses: list[str], languages: lis
 
 
 def normalized_wer(references: list[str], hypotheses: list[str]) -> float | None:
-    """All errors over all reference words. A reference without words (silence, music) has
-    only insertions: every word of its hypothesis. None where no reference has a word."""
-    pairs = list(zip(references, hypotheses, strict=True))
-    words = sum(len(r.split()) for r, _ in pairs)
-    if not words:
-        return None
-    scored = [(r, h) for r, h in pairs if r.split()]  # jiwer cannot align an empty reference
-    out = jiwer.process_words([r for r, _ in scored], [h for _, h in scored])
-    inserted = sum(len(h.split()) for r, h in pairs if not r.split())
-    return (out.substitutions + out.deletions + out.insertions + inserted) / words
+    """All errors over all reference words (word_errors of each pair). None where no
+    reference has a word."""
+    counts = [word_errors(r, h) for r, h in zip(references, hypotheses, strict=True)]
+    words = sum(c.reference_words for c in counts)
+    return sum(c.errors for c in counts) / words if words else None
+
+
+@dataclass(frozen=True)
+class WordErrors:
+    substitutions: int
+    deletions: int
+    insertions: int
+    reference_words: int
+
+    @property
+    def errors(self) -> int:
+        return self.substitutions + self.deletions + self.insertions
+
+
+def word_errors(reference: str, hypothesis: str) -> WordErrors:
+    """jiwer's alignment of two normalised texts; a reference without words (silence, music)
+    has only insertions: every word of the hypothesis (jiwer cannot align an empty reference)."""
+    if not reference.split():
+        return WordErrors(0, 0, len(hypothesis.split()), 0)
+    out = jiwer.process_words(reference, hypothesis)
+    return WordErrors(out.substitutions, out.deletions, out.insertions, len(reference.split()))
 
 
 LANGUAGE_COLUMNS = ("language", "lang", "locale")

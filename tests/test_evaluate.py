@@ -199,6 +199,11 @@ def test_wer_equals_jiwer_on_the_same_texts_and_speculation_changes_nothing(eval
     for system in (TARGET, SPECULATIVE):
         hypotheses = [english(f[f"{system}_text"]) for f in decoded]
         assert report["systems"][system]["wer"] == pytest.approx(jiwer.wer(references, hypotheses))
+        # Each file's own errors (finding the bad files meant recomputing), which add up to the WER.
+        counts = [f[f"{system}_errors"] for f in decoded]
+        assert [c["reference_words"] for c in counts] == [len(r.split()) for r in references]
+        errors = sum(c["substitutions"] + c["deletions"] + c["insertions"] for c in counts)
+        assert report["systems"][system]["wer"] == pytest.approx(errors / sum(c["reference_words"] for c in counts))
     assert report["n_files"] == len(CLIPS)
     assert report["identical_fraction"] == 1.0
     assert report["wer_delta"] == 0.0
