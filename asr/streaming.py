@@ -499,6 +499,7 @@ class StreamingTranscriber:
         the window was decoded with it), lest two hypotheses agree on a hallucination; in a
         last decode, or one of a backlog, no later one could set that right, so words that
         pass Whisper's own test are kept: speech that repeats itself ("No, no, no, no.")."""
+        shown = self._tentative
         segments = [] if window.silent else self._split_at_committed(self._segments(window))
         words = [w for s in segments for w in s.words]
         unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
@@ -544,6 +545,11 @@ class StreamingTranscriber:
         # else the hypothesis stops short of the committed words (it missed the end of the
         # buffer): they stay as they were, or the next hypothesis would commit them again
         self._tentative = fresh[agreed:]
+        if self._held_back and not backlog and agreed + len(self._tentative) < len(shown):
+            # A hypothesis cut where it loops is no word against those shown: they stay tentative
+            # (and a last decode commits them). A bfloat16 encoder's "die die die..." on a buffer
+            # locked to German put "die" in place of the shown "what you can do for your country."
+            self._tentative = shown[agreed:]
         self._hint = window.tokens
         self._tail = (not backlog and not self._held_back and len(self._in_buffer) + len(self._tentative) == len(words)
                       and self._unheard_tail(segments))

@@ -498,6 +498,28 @@ def test_the_grey_words_are_kept_when_the_final_decode_is_judged_silent(transcri
     assert len(calls) >= 2 and final.committed_text == "Hello there." and final.tentative == []
 
 
+def test_the_grey_words_are_kept_when_the_final_decode_loops(transcriber):
+    """Scripted: one hypothesis shown as tentative, then finish() decodes a buffer that loops
+    ("die die die ...": the CLI's bfloat16 encoder on a stream locked to German): the words
+    shown were replaced by the loop's first word, and the stream ended "... Ask die"."""
+    stream = StreamingTranscriber(transcriber)
+    calls = []
+
+    def scripted(samples, *_):
+        calls.append(len(samples))
+        info = TranscriptionInfo("en", 1.0, len(samples) / SAMPLE_RATE, True)
+        text = " Ask what you can do for your country." if len(calls) == 1 else " die" * 30
+        return WindowResult(transcriber.vocab.encode(text), "en", 0.0, False, info)
+
+    stream.transcriber.transcribe_window = scripted
+    jfk = load_audio(JFK)
+    stream.insert_audio(jfk[: 2 * SAMPLE_RATE])
+    assert stream.process().tentative_text == "Ask what you can do for your country."
+    stream.insert_audio(jfk[2 * SAMPLE_RATE : 3 * SAMPLE_RATE])
+    final = stream.finish()
+    assert len(calls) >= 2 and final.committed_text == "Ask what you can do for your country." and final.tentative == []
+
+
 def test_chinese_is_agreed_on_character_by_character(transcriber):
     """Scripted: Chinese has no spaces between words, so a clause was one "word", committed
     only once two hypotheses agreed on all of it. Character by character, the agreeing
