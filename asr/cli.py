@@ -103,8 +103,13 @@ def language(text: str) -> str | None:
 
 def evaluated_language(text: str) -> str:
     """An argparse type: a language (not auto: a clip is scored with its language's normaliser)."""
-    if (code := language(text)) is None:
+    from transformers.models.whisper.tokenization_whisper import LANGUAGES
+
+    if text.strip().lower() == "auto":
         raise argparse.ArgumentTypeError("evaluation needs the clips' language, to normalise their text (not auto)")
+    if (code := language_code(text)) not in LANGUAGES:
+        raise argparse.ArgumentTypeError(f"{text} is not a language Whisper knows (a code such as en or de, or a name "
+                                         "such as German)")
     return code
 
 

@@ -684,7 +684,7 @@ def build_report(results: list[FileResult], systems: list[str], environment: dic
                 entry[f"{system}_error"] = run.error
                 continue
             entry[f"{system}_text"] = run.text
-            if id(r) in normalized:  # the file's own word errors over its reference's words (None: it has none)
+            if id(r) in normalized:  # the file's own word errors and its reference's words
                 entry[f"{system}_errors"] = asdict(word_errors(normalized[id(r)]["reference"], normalized[id(r)][system]))
             entry[f"{system}_seconds"] = run.seconds
             entry[f"{system}_features_seconds"] = run.features_seconds

@@ -177,8 +177,10 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
     for line, row in manifest_rows(path, ("file", "reference"), limit):
         hint = re.search(r"(?<!\w)lang=([\w-]+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
         # A "lang" column was ignored: German clips decoded and scored as English, WER 100 %.
-        given = next((value.strip() for column in LANGUAGE_COLUMNS if (value := row.get(column) or "").strip()), "")
-        language = language_code(given or (hint.group(1) if hint else default_language))
+        given = {language_code(value) for column in LANGUAGE_COLUMNS if (value := row.get(column) or "").strip()}
+        if len(given) > 1:
+            raise ValueError(f"{path}:{line}: its language columns disagree ({', '.join(sorted(given))})")
+        language = given.pop() if given else language_code(hint.group(1) if hint else default_language)
         duration = (row.get("duration_seconds") or "").strip()
         try:
             seconds = float(duration) if duration else None
@@ -187,7 +189,7 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
         if duration and not (seconds is not None and 0 < seconds < float("inf")):
             raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number of seconds above 0")
         clip = LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language)
-        if (first := lines.setdefault(os.path.normpath(clip.path), line)) != line:
+        if (first := lines.setdefault(os.path.realpath(clip.path), line)) != line:  # links followed
             raise ValueError(f"{path}:{line}: {row['file'].strip()} is listed on line {first} too: a clip listed twice "
                              "would weigh double in the WER and the speed")
         clips.append(clip)

@@ -20,7 +20,7 @@ def language_code(language: str) -> str:
     from transformers.models.whisper.tokenization_whisper import TO_LANGUAGE_CODE
 
     language = language.strip().lower()
-    if tagged := re.fullmatch(r"([a-z]{2,3})[-_][a-z0-9]{2,8}", language):
+    if tagged := re.fullmatch(r"([a-z]{2,3})(?:[-_][a-z0-9]{2,8})+", language):  # zh-Hant-TW too
         language = tagged.group(1)
     return TO_LANGUAGE_CODE.get(language, language)
 

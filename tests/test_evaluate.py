@@ -869,6 +869,17 @@ def test_manifest_rows_that_do_not_fit_name_their_line(tmp_path: Path):
         assert [c.language for c in read_manifest(tmp_path / "lang.tsv", default_language="fr")] == ["de", "fr"]
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path}: is a folder; a manifest is a tab-separated file")):
         read_manifest(tmp_path)
+    # The same file by another path: through a link to its folder (realpath), or as x/../a.wav where x
+    # is a link elsewhere (another file: not a repeat).
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "sub")
+    (tmp_path / "elsewhere" / "deep").mkdir(parents=True)
+    (tmp_path / "x").symlink_to(tmp_path / "elsewhere" / "deep")
+    (tmp_path / "paths.tsv").write_text("file\treference\nsub/b.wav\tok\nlink/b.wav\tok\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'paths.tsv'}:3: link/b.wav is listed on line 2 too")):
+        read_manifest(tmp_path / "paths.tsv")
+    (tmp_path / "paths.tsv").write_text("file\treference\na.wav\tok\nx/../a.wav\tok\n")
+    assert len(read_manifest(tmp_path / "paths.tsv")) == 2
     # A spreadsheet's "Unicode Text" (UTF-16 with its byte-order mark) was "not UTF-8 text".
     (tmp_path / "u16.tsv").write_bytes("file\treference\r\nb\xe9.wav\tcaf\xe9\r\n".encode("utf-16"))
     assert [(c.path.name, c.reference) for c in read_manifest(tmp_path / "u16.tsv")] == [("b\xe9.wav", "caf\xe9")]
@@ -936,8 +947,13 @@ def test_a_language_with_a_region_is_the_language(tmp_path: Path):
     """Spreadsheets and locales write "en-US": the language column refused it as unknown,
     where "lang=en-US" in the notes was read as "en"."""
     (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tnotes\na.wav\tx\ten-US\t\nb.wav\tx\t\tlang=pt_BR\n"
-                                    "c.wav\tx\tzh-Hans\t\nd.wav\tx\tEnglish\t\n")
-    assert [clip.language for clip in read_manifest(tmp_path / "m.tsv")] == ["en", "pt", "zh", "en"]
+                                    "c.wav\tx\tzh-Hans\t\nd.wav\tx\tEnglish\t\ne.wav\tx\tzh-Hant-TW\t\n")
+    # A script and a region both (zh-Hant-TW, sr-Latn-RS) were "zh-hant-tw", unknown.
+    assert [clip.language for clip in read_manifest(tmp_path / "m.tsv")] == ["en", "pt", "zh", "en", "zh"]
+    # Two language columns that disagree: said, naming the line (the first was taken, silently).
+    (tmp_path / "m.tsv").write_text("file\treference\tlanguage\tlang\na.wav\tx\tde\tGerman\nb.wav\tx\tde\tfr\n")
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'm.tsv'}:3: its language columns disagree (de, fr)")):
+        read_manifest(tmp_path / "m.tsv")
 
 
 def test_normalisers_and_minimal_manifests(tmp_path: Path):
