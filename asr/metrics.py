@@ -189,11 +189,20 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
         if duration and not (seconds is not None and 0 < seconds < float("inf")):
             raise ValueError(f"{path}:{line}: duration_seconds {duration!r} is not a number of seconds above 0")
         clip = LabelledClip(path.parent / row["file"].strip(), seconds, row["reference"], language)
-        if (first := lines.setdefault(os.path.realpath(clip.path), line)) != line:  # links followed
+        if (first := lines.setdefault(_real(clip.path), line)) != line:
             raise ValueError(f"{path}:{line}: {row['file'].strip()} is listed on line {first} too: a clip listed twice "
                              "would weigh double in the WER and the speed")
         clips.append(clip)
     return clips
+
+
+def _real(path: Path) -> str:
+    """The path with links followed (the same file by two names is one clip); as written where
+    it cannot be looked up (a name the locale cannot encode: its file fails on its own)."""
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError):
+        return os.path.normpath(path)
 
 
 def machine_load() -> float:
