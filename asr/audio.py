@@ -26,6 +26,7 @@ FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to flo
 FFMPEG_FORMATS = {"MP3", "OGG"}
 # A file whose header states this much more audio than it holds was cut short (a copy or
 # download interrupted): its transcript would be of a part, and a folder run would skip it as done.
+MP3_FRAME_SECONDS = 576 / 8000  # the longest an MP3 frame lasts (MPEG-2.5 layer III at 8 kHz)
 TRUNCATED_SECONDS = 0.5
 # Audio missing inside a stream (a damaged FLAC stretch the decoder resyncs past, packets that
 # fail to decode) shows as a jump in its frames' times: filled with silence from this long,
@@ -538,10 +539,11 @@ def _ffmpeg_blocks(path: Path, block_seconds: float, notices: list[str] | None) 
             if (ends_lost[0] and lead + decoded < 0.9 * SAMPLE_RATE * (_stated_seconds(container) or 0.0)) or (lost and not decoded):
                 raise AudioError(f"{path}: not a readable audio file (corrupt or truncated: {lost[-1][1]})")
             # An MP3 cut short decodes cleanly to its end: its Xing frame count tells (files
-            # joined with `cat` decode to more than their first header states, never less; a
-            # damaged stretch skipped is told as such).
-            stated = None if lost else _mp3_stated_seconds(path)
-            if stated is not None and decoded / SAMPLE_RATE < stated - TRUNCATED_SECONDS:
+            # joined with `cat` decode to more than their first header states, never less).
+            # Damaged packets skipped are allowed for, each at most an MP3 frame: a file both
+            # damaged and cut short was taken for whole, its missing end unsaid.
+            stated = _mp3_stated_seconds(path)
+            if stated is not None and decoded / SAMPLE_RATE + len(lost) * MP3_FRAME_SECONDS < stated - TRUNCATED_SECONDS:
                 raise AudioError(_truncated(path, stated, decoded / SAMPLE_RATE))
     except AudioError:
         raise

@@ -158,6 +158,8 @@ class FolderSummary:
     skipped_other_settings: int = 0  # of those, made with other settings (transcript_settings) than this run's
     # Of those transcribed, files whose outputs in formats not asked for stay, made with other settings.
     beside_other_settings: int = 0
+    # Of those transcribed, files that had some of the formats asked for: only the others were written.
+    completed: int = 0
     audio_seconds: float = 0.0  # of the files transcribed by this run
     wall_seconds: float = 0.0  # transcribing, after the models loaded
     load_seconds: float = 0.0  # loading the models (in this process; a Ray run's workers load in its wall time)
@@ -179,7 +181,9 @@ class FolderSummary:
                  if self.skipped_other_settings else "")
         beside = (f" ({self.beside_other_settings} beside their outputs in other formats made with other settings: "
                   "ask for those formats too, with --overwrite, to redo them)" if self.beside_other_settings else "")
-        line = (f"{self.ok} transcribed{beside}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
+        completed = (f" ({self.completed} of them only into the formats they lacked, their other outputs kept as they "
+                     "were: --overwrite redoes those too)" if self.completed else "")
+        line = (f"{self.ok} transcribed{beside}{completed}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
                 f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
         if self.load_seconds:
             line += f", after loading the models in {self.load_seconds:.1f} s"
@@ -871,6 +875,8 @@ class _Recorder:
         self.run = run
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}", before_work=True)
+        # The highest folder this run makes: gone again if the run stops before writing (a model that cannot load).
+        self.made = next((folder for folder in reversed([run.out_dir, *run.out_dir.parents]) if not folder.exists()), None)
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # permissions pass, the file system refuses (/sys, a read-only mount)
@@ -894,6 +900,7 @@ class _Recorder:
             # A killed run's may be of formats not asked for now, or of its ledgers.
             remove_partials(files, FORMATS, also=[run.out_dir / ERRORS_FILE, run.out_dir / SOURCES_FILE])
             todo, changed = [], {}
+            self.present: dict[str, set[str]] = {}  # of files to transcribe, their outputs in formats asked for, kept
             for item in files:
                 # Of another recording, even in part (an earlier run asked for other formats): not this one's to replace.
                 written = not run.overwrite and any(item.output(fmt).is_file() for fmt in FORMATS)
@@ -915,6 +922,10 @@ class _Recorder:
                 elif run.overwrite or not is_complete(item, run.formats) or self.sources.writing(item):
                     if run.overwrite:
                         self.sources.redo(item)
+                    elif not self.sources.writing(item) and not self.sources.redoing(item):
+                        # Asked for formats it lacks: those it has stay as they are (edited by hand, say).
+                        if present := {fmt for fmt in run.formats if item.output(fmt).is_file()}:
+                            self.present[str(item.source)] = present
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
                     self.summary.skipped += 1
@@ -989,21 +1000,24 @@ class _Recorder:
                 # recording: a run's of another in formats not asked for now go too. Files no
                 # run wrote, in formats not asked for, stay.
                 ours, asked = self.sources.formats(item), set(self.run.formats)
+                present = self.present.pop(result.source, set())  # asked for, and there already: kept
                 if self.sources.other_recording(item) is not None:
                     replaced, formats = ours | asked, asked
                 else:
                     replaced, formats = asked, asked | {fmt for fmt in ours if item.output(fmt).is_file()}
                 # Those kept keep the settings they were made with (all were recorded as this run's).
-                kept = {fmt: was for fmt in sorted(formats - asked)
+                kept = {fmt: was for fmt in sorted((formats - asked) | present)
                         if (was := self.sources.settings(item, fmt)) != self.run.settings}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
                 self.sources.add(item, result.recording, self.run.settings, formats, writing=True, kept=kept)
                 for fmt in replaced - asked:  # another recording's, in formats not rewritten: first, as recorded
                     item.output(fmt).unlink(missing_ok=True)
                 # All written before any replaces its old one: a full disk leaves the old set whole.
-                write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats})
+                write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats if fmt not in present})
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
-                self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items())
+                self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items()
+                                                          if fmt not in present)
+                self.summary.completed += bool(present)
             except (OutputError, KeyboardInterrupt):  # the ledger full, or Ctrl-C: not done, its earlier failure kept
                 self.by_source[result.source] = item
                 raise
@@ -1054,11 +1068,22 @@ class _Recorder:
         return self.summary
 
     def stop(self) -> None:
-        """Ends a run cut short: the files left are neither done nor failed."""
+        """Ends a run cut short: the files left are neither done nor failed. Folders it made
+        and left empty but for its lock go (a model that could not load left --out-dir behind)."""
         self.bar.close()
         self.log.close(pending=self.by_source)
         self.sources.close()
         self.lock.release()
+        if self.made is None or any(entry.name != LOCK_FILE for entry in self.run.out_dir.iterdir()):
+            return
+        (self.run.out_dir / LOCK_FILE).unlink(missing_ok=True)
+        for folder in [self.run.out_dir, *self.run.out_dir.parents]:
+            try:
+                folder.rmdir()
+            except OSError:  # another's file meanwhile: kept
+                return
+            if folder == self.made:
+                return
 
     def _failed(self, source: str, reason: str) -> None:
         self.summary.failed += 1

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from asr import vad
-from asr.decoder import lengths_attention_unavailable
+from asr.decoder import LENGTHS_KERNELS, lengths_attention_unavailable
 from asr.batch import (
     DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
     transcript_settings,
@@ -272,10 +272,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the engine's steps whole with torch.compile (Inductor; the decoder's pass, the rules "
                              "and the bookkeeping fused into fewer kernels inside the CUDA graphs), for a GPU: each new shape "
                              "compiles at first use, which takes a while; slower on a CPU")
-    parser.add_argument("--lengths-attention", action="store_true",
+    parser.add_argument("--lengths-attention", nargs="?", const="flash", choices=LENGTHS_KERNELS, metavar="KERNEL",
                         help="on a GPU in float16 or bfloat16, the draft's steps and the verification attend by each row's "
-                             "length (flash-attention's kernel for rows of their own lengths) rather than under a mask; "
-                             "12 %% less time per token at large-v3's size on an H200 at batch 1, none with whisper-base")
+                             "length rather than under a mask, by flash-attention's kernel for rows of their own lengths "
+                             "(flash, the default: 12 %% less time per token at large-v3's size on an H200 at batch 1, none "
+                             "with whisper-base) or by ours in Triton (triton: not yet run on a GPU)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -346,7 +347,7 @@ def _missing(path: Path) -> bool:
 
 def transcribe_command(args: argparse.Namespace) -> int:
     """Files and folders alike go through asr.batch (mirrored outputs, resume, errors.jsonl)."""
-    formats = [f.strip() for f in args.formats.split(",") if f.strip()]
+    formats = list(dict.fromkeys(f.strip().lower() for f in args.formats.split(",") if f.strip()))  # SRT as srt
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         print(f"asr: unknown format(s) {unknown or args.formats!r}; choose from {', '.join(FORMATS)}", file=sys.stderr)
@@ -593,12 +594,9 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
     if not problem and getattr(args, "lengths_attention", False) and not remote:
-        if args.compile:
-            problem = "--lengths-attention has not been tried with --compile: not both at once"
-        else:
-            device, dtype, _ = device_and_dtypes(args)
-            if reason := lengths_attention_unavailable(torch.device(device), dtype):
-                problem = f"--lengths-attention cannot run here: {reason}"
+        device, dtype, _ = device_and_dtypes(args)
+        if reason := lengths_attention_unavailable(torch.device(device), dtype, kernel=args.lengths_attention):
+            problem = f"--lengths-attention cannot run here: {reason}"
     if problem:
         print(f"asr: {problem}", file=sys.stderr)
         return 2

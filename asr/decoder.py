@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from asr import triton_attention
+
 
 def attention_without_cudnn(device: torch.device, where: bool = True) -> ContextManager:
     """Attention by the flash and memory-efficient kernels, not cuDNN's, on CUDA. cuDNN's is
@@ -34,10 +36,28 @@ def attention_without_cudnn(device: torch.device, where: bool = True) -> Context
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
-    """Why self-attention by row lengths (ByLengths) cannot run here, or None: flash-attention's
-    kernel wants an NVIDIA GPU from Ampere on, float16 or bfloat16, and heads of a multiple
-    of 8 up to 256 wide (head_dim None: not asked, Whisper's are 64)."""
+LENGTHS_KERNELS = ("flash", "triton")  # attention by row lengths: flash-attention's kernel, or ours (asr/triton_attention.py)
+
+
+def lengths_kernel(choice: bool | str | None) -> str | None:
+    """Attention by row lengths as asked (True: flash-attention's kernel; a kernel's name),
+    as the kernel's name, or None for masked attention."""
+    if choice in (None, False, ""):
+        return None
+    kernel = LENGTHS_KERNELS[0] if choice is True else choice
+    if kernel not in LENGTHS_KERNELS:
+        raise ValueError(f"attention by row lengths runs {' or '.join(LENGTHS_KERNELS)}'s kernel, not {choice!r}")
+    return kernel
+
+
+def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
+                                  kernel: str = "flash") -> str | None:
+    """Why attention by row lengths (ByLengths) in this kernel cannot run here, or None.
+    flash-attention's kernel wants an NVIDIA GPU from Ampere on, float16 or bfloat16, and
+    heads of a multiple of 8 up to 256 wide (head_dim None: not asked, Whisper's are 64);
+    ours Triton's, as asr/triton_attention.unavailable says."""
+    if kernel == "triton":
+        return triton_attention.unavailable(device, dtype, 64 if head_dim is None else head_dim)
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
     if torch.version.hip is not None:
@@ -59,26 +79,27 @@ flash_varlen = torch.ops.aten._flash_attention_forward
 
 @dataclass
 class ByLengths:
-    """Self-attention over a static cache told each row's length, not masked: flash-attention's
-    kernel for rows of their own lengths reads only the keys a row has, where masked attention
-    reads the whole window (on an H100 at large-v3's shapes, 6 us against cuDNN's 13 for a
-    row of 64 positions; docs/gpu-check-2026-11-28.md). The cache [2, B, H, C, Dh] is read in
-    place: each row is a sequence whose positions lie Dh apart and heads C * Dh apart, the
-    rows H * C positions apart; the queries [n, q, H * Dh] are the projection's own layout,
-    and so is the output. Made once a pass, for every layer."""
+    """Self-attention over a static cache told each row's length, not masked: the kernel reads
+    only the keys a row has, where masked attention reads the whole window. flash-attention's
+    kernel for rows of their own lengths (on an H200 at large-v3's shapes, batch 1, 7.5 us
+    and 4.2 for its combining kernel against cuDNN's 13 masked; docs/gpu-check-2026-11-30-h200.md),
+    or ours in Triton (asr/triton_attention.py). The cache [2, B, H, C, Dh] is read in
+    place; the queries [n, q, H * Dh] are the projection's own layout, and so is the output.
+    The cross-attention goes by the same kernel (cross). Made once a pass, for every layer."""
 
     starts_q: Tensor  # [n + 1] int32: where each row's queries start among the n * q
-    starts_k: Tensor  # [n + 1] int32: where each row's keys start, in positions of the cache seen as above
+    starts_k: Tensor  # [n + 1] int32: where each row's keys start, in positions of the cache seen as flash reads it
     used: Tensor  # [n] int32: each row's keys, up to its last query's position
     capacity: int
     window: int
+    kernel: str = "flash"  # LENGTHS_KERNELS
 
     @classmethod
-    def of(cls, positions: Tensor, heads: int, capacity: int, window: int) -> "ByLengths":
+    def of(cls, positions: Tensor, heads: int, capacity: int, window: int, kernel: str = "flash") -> "ByLengths":
         n, q = positions.shape
         rows = torch.arange(n + 1, dtype=torch.int32, device=positions.device)
         used = (positions[:, -1] + 1).clamp(max=window).to(torch.int32)
-        return cls(rows * q, rows * (heads * capacity), used, capacity, window)
+        return cls(rows * q, rows * (heads * capacity), used, capacity, window, kernel)
 
     def __call__(self, query: Tensor, kv: Tensor) -> Tensor:
         """query [n, q, H * Dh], kv a layer's cache: the attention's output [n, q, H * Dh]. Query i
@@ -86,6 +107,11 @@ class ByLengths:
         meets the last key at the last query)."""
         n, q, width = query.shape
         heads, head_dim = kv.shape[2], kv.shape[4]
+        if self.kernel == "triton":
+            return triton_attention.decode_attention(query.view(n, q, heads, head_dim), kv[0], kv[1], self.used,
+                                                     True).view(n, q, width)
+        # flash-attention's kernel: each row of the cache a sequence whose positions lie Dh apart and
+        # heads C * Dh apart, the rows H * C positions apart.
         if not kv.is_contiguous():  # the strides below would read other entries
             raise ValueError("attention by row lengths reads a cache laid out [2, B, H, C, Dh], contiguous")
         # Spans the cache up to the last row's first head's C positions, all its heads reached by stride.
@@ -95,6 +121,17 @@ class ByLengths:
         out = flash_varlen(query.view(n * q, heads, head_dim), keys, values, self.starts_q, self.starts_k, q, self.window,
                            0.0, True, False, seqused_k=self.used)[0]
         return out.view(n, q, width)
+
+    def cross(self, query: Tensor, keys: Tensor, values: Tensor) -> Tensor:
+        """The cross-attention of query [n, q, H * Dh] over every frame of keys and values [n, H,
+        frames, Dh]: [n, q, H * Dh], by our kernel, or by PyTorch's (flash's: cuDNN is off)."""
+        n, q, width = query.shape
+        heads, head_dim = keys.shape[1], keys.shape[3]
+        if self.kernel == "triton":
+            return triton_attention.decode_attention(query.view(n, q, heads, head_dim), keys, values, None,
+                                                     False).view(n, q, width)
+        out = F.scaled_dot_product_attention(query.view(n, q, heads, head_dim).transpose(1, 2), keys, values)
+        return out.transpose(1, 2).reshape(n, q, width)
 
 
 @dataclass
@@ -267,7 +304,7 @@ class DecoderRunner:
     @torch.no_grad()  # not inference_mode: a step compiled whole traces through this, and Dynamo cannot enter it
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
-        window: int | None = None, rows: Tensor | None = None, by_lengths: bool = False,
+        window: int | None = None, rows: Tensor | None = None, by_lengths: bool | str = False,
     ) -> Tensor:
         """tokens [n, q] placed at positions start[b] .. start[b]+q-1 of each row.
         Returns logits [n, m, V] at the query indices logits_at [n, m] (all q if None).
@@ -281,12 +318,13 @@ class DecoderRunner:
         captured as a CUDA graph. Positions past the decoder's last (proposals never kept)
         take the last position's embedding. by_lengths: self-attention told each row's
         length instead of masked (ByLengths; CUDA only, lengths_attention_unavailable), for
-        passes over all the cache's rows."""
+        passes over all the cache's rows: True or "flash" by flash-attention's kernel,
+        "triton" by ours (lengths_kernel)."""
         return self._pass(tokens, start, cache, logits_at, window, rows, by_lengths=by_lengths)
 
     def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
               rows: Tensor | None, scores: tuple[set[int], dict[int, Tensor]] | None = None,
-              by_lengths: bool = False) -> Tensor:
+              by_lengths: bool | str = False) -> Tensor:
         batch, q = tokens.shape
         positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
         attended = cache.capacity if window is None else window
@@ -294,7 +332,7 @@ class DecoderRunner:
         if by_lengths:
             if rows is not None:
                 raise ValueError("attention by row lengths reads every row of the cache, not some")
-            lengths = ByLengths.of(positions, self.num_heads, cache.capacity, attended)
+            lengths = ByLengths.of(positions, self.num_heads, cache.capacity, attended, lengths_kernel(by_lengths))
         elif window is None or batch > 1 or q > 1:
             # Additive, in the model's dtype, made once for every layer (SDPA would convert a
             # boolean mask in each call).
@@ -329,12 +367,16 @@ class DecoderRunner:
             x = x + project.out(out)
 
             h = layer.encoder_attn_layer_norm(x)
-            cross_query = self._heads(project.cross_q(h))
-            if scores is not None and i in scores[0]:
-                keys = rows_of(cache.cross_k[i]).float().transpose(-1, -2)  # float32: fp16/bf16 blur near-ties
-                scores[1][i] = cross_query.float() @ keys * self.head_dim**-0.5
-            out = F.scaled_dot_product_attention(cross_query, rows_of(cache.cross_k[i]), rows_of(cache.cross_v[i]))
-            x = x + project.cross_out(out.transpose(1, 2).reshape(batch, q, -1))
+            if lengths is not None:
+                out = lengths.cross(project.cross_q(h), cache.cross_k[i], cache.cross_v[i])
+            else:
+                cross_query = self._heads(project.cross_q(h))
+                if scores is not None and i in scores[0]:
+                    keys = rows_of(cache.cross_k[i]).float().transpose(-1, -2)  # float32: fp16/bf16 blur near-ties
+                    scores[1][i] = cross_query.float() @ keys * self.head_dim**-0.5
+                out = F.scaled_dot_product_attention(cross_query, rows_of(cache.cross_k[i]), rows_of(cache.cross_v[i]))
+                out = out.transpose(1, 2).reshape(batch, q, -1)
+            x = x + project.cross_out(out)
 
             h = layer.final_layer_norm(x)
             x = x + project.fc2(layer.activation_fn(project.fc1(h)))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from statistics import median_low
 from typing import Iterable
@@ -24,6 +24,7 @@ class _Costs:
     exploring: bool = False
     wide: bool = False  # where plain wins, whether the next round going the other way drafts k, not 1
     languages: list[str | None] = field(default_factory=list)  # the live rows' of the round under way
+    rounds: Counter[int] = field(default_factory=Counter)  # rounds measured, by k
 
 
 class DraftLength:
@@ -112,6 +113,7 @@ class DraftLength:
         if self.fixed is not None:
             return
         c = self._costs(rows)
+        c.rounds[k] += 1
         if k == 0:
             c.plain.append(seconds)
         else:
@@ -140,6 +142,22 @@ class DraftLength:
         round going the other way, the next round goes that way again, to be measured."""
         if self.fixed is None and (c := self._costs(rows)).exploring:
             c.until_explore = 1
+
+    def summary(self) -> dict:
+        """What it measured and chose, for a report: the acceptance per language, and per batch
+        size (rows up to a power of two) the rounds measured by k, the costs it last fitted
+        (milliseconds: a plain round, a drafting round's overhead, a proposal) and its choice."""
+        sizes = {}
+        for size, c in sorted(self._by_rows.items()):
+            entry: dict = {"rounds_by_k": dict(sorted(c.rounds.items()))}
+            if c.plain and c.drafting:
+                plain = median_low(c.plain)
+                overhead, per_proposal = _drafting_costs(plain, c.drafting)
+                entry.update(plain_round_ms=1e3 * plain, overhead_ms=1e3 * overhead, per_proposal_ms=1e3 * per_proposal,
+                             k=0 if c.plain_wins else c.k)
+            sizes[size] = entry
+        return {"fixed": self.fixed, "acceptance": {language or "-": self.acceptance(language) for language in self._acceptance},
+                "by_rows": sizes}
 
     def _choose(self, c: _Costs) -> bool:
         """Sets c.k and c.plain_wins from the measured costs and the acceptance of the round's

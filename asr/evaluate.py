@@ -28,6 +28,7 @@ from transformers.generation.streamers import BaseStreamer
 from asr import vad
 from asr.audio import SAMPLE_RATE, load_audio
 from asr.cudagraphs import GraphCounts, device_clock
+from asr.decoder import lengths_kernel
 from asr.features import WINDOW_FRAMES, WINDOW_SAMPLES, content_frames, log_mel
 from asr.metrics import (NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, machine_load, normalize, normalized_wer,
                          word_errors)
@@ -155,6 +156,14 @@ class OurSystem:
         self.batch_size = batch_size
         self._transcribers: dict[str, Transcriber] = {}
         self.warm_up_graphs = GraphCounts()  # the graph work of Transcriber.warm_up, untimed
+
+    def draft_length(self) -> dict | None:
+        """The speculative engine's draft length, as DraftLength.summary says it, after every
+        run of this process (warm-ups included); None for target-only or before any run."""
+        transcriber = next(iter(self._transcribers.values()), None)
+        if transcriber is None or not self.options.speculative:
+            return None
+        return transcriber.engine.draft_length(self.options.num_draft_tokens).summary()
 
     def run(self, items: list[AudioInput], language: str) -> list[Run]:
         try:
@@ -465,8 +474,11 @@ def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOption
     """Transcribes every clip with every system and returns the report (see build_report)."""
     warm_up: dict[str, dict] = {}
     loads: list[float] = []
-    results = run_systems(clips, pair, options, warm_up, loads)
+    draft_lengths: dict[str, dict] = {}
+    results = run_systems(clips, pair, options, warm_up, loads, draft_lengths)
     environment = describe_environment(pair, options)
+    if SPECULATIVE in draft_lengths:
+        environment["draft_length"] = draft_lengths[SPECULATIVE]
     # The highest of the 1-minute averages after each batch and at the end: other work on the
     # machine skews every speed figure (sampled at the end only, a run's busy start went unsaid).
     environment["load_average"] = max([*loads, machine_load()])
@@ -476,10 +488,12 @@ def evaluate(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOption
 
 
 def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOptions,
-                warm_up: dict[str, dict] | None = None, loads: list[float] | None = None) -> list[FileResult]:
+                warm_up: dict[str, dict] | None = None, loads: list[float] | None = None,
+                draft_lengths: dict[str, dict] | None = None) -> list[FileResult]:
     """Each clip's audio is read once and decoded by every system; a file that cannot be
     read, or that a system fails on, is marked and the others go on. loads: the machine's
-    load average after each batch is appended to it."""
+    load average after each batch is appended to it; draft_lengths: our speculative system's
+    draft length at the end (OurSystem.draft_length) is put in it."""
     if pair.draft is None:
         raise ValueError("evaluation compares speculative decoding with target-only decoding: it needs a draft")
     results = [FileResult(clip) for clip in clips]
@@ -546,6 +560,9 @@ def run_systems(clips: list[LabelledClip], pair: ModelPair, options: EvaluateOpt
                 system.process.close()
     if warm_up is not None:  # filled in for the report: our systems' untimed graph work
         warm_up.update({name: asdict(s.warm_up_graphs) for name, s in systems.items() if isinstance(s, OurSystem)})
+    if draft_lengths is not None:
+        draft_lengths.update({name: summary for name, s in systems.items()
+                              if isinstance(s, OurSystem) and (summary := s.draft_length()) is not None})
     return results
 
 
@@ -571,7 +588,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "repeats": options.repeats,
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
         "compiled": options.transcribe.compile,
-        "lengths_attention": options.transcribe.lengths_attention,
+        "lengths_attention": lengths_kernel(options.transcribe.lengths_attention),  # None: masked
         # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
         # (transformers is given those samples), timed from the whole recording.
         "vad": options.transcribe.vad_filter,
@@ -589,6 +606,13 @@ def _precision_notes(pair: ModelPair, options: EvaluateOptions) -> list[str]:
         return []
     return [f"Ours ran in {pair.target.dtype_label}, faster-whisper in float32 (CTranslate2 has no bfloat16 on a "
             "CPU): part of the speed difference is the precision; --dtype float32 compares like with like."]
+
+
+def _lengths_label(kernel: bool | str | None) -> str:
+    """The header's words for attention by row lengths (environment["lengths_attention"])."""
+    if not kernel:
+        return ""
+    return ", attention by row lengths" + (" (our Triton kernel)" if kernel == "triton" else "")
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:
@@ -756,6 +780,18 @@ def _rest(times: dict) -> float:
     return times["seconds"] - times["features_seconds"] - times["encoder_seconds"] - times["decoder_seconds"]
 
 
+def _draft_length_line(rows, entry: dict) -> str:
+    """A batch size's rounds by k and, once both kinds of round were measured, the costs fitted and k chosen."""
+    rounds = ", ".join(f"k = {k}: {n}" for k, n in entry["rounds_by_k"].items())
+    size = "batches of 1 row" if int(rows) == 1 else f"batches of up to {rows} rows"
+    line = f"{size}, {sum(entry['rounds_by_k'].values())} rounds measured ({rounds})"
+    if "k" in entry:
+        line += (f", last fitted a plain round {entry['plain_round_ms']:.2f} ms, a drafting round's overhead "
+                 f"{entry['overhead_ms']:.2f} ms and {entry['per_proposal_ms']:.2f} ms a proposal, so "
+                 + (f"k = {entry['k']}" if entry["k"] else "no drafting"))
+    return line
+
+
 def _number(value: float | None, unit: str = "", digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}{unit}"
 
@@ -775,7 +811,7 @@ def render_markdown(report: dict, title: str) -> str:
         "",
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
-        f"{', compiled steps' if env.get('compiled') else ''}{', attention by row lengths' if env.get('lengths_attention') else ''}"
+        f"{', compiled steps' if env.get('compiled') else ''}{_lengths_label(env.get('lengths_attention'))}"
         f"{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']}{peers}{_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}"
@@ -850,6 +886,11 @@ def render_markdown(report: dict, title: str) -> str:
             f"({g['capture_seconds']:.2f} s)" + (f", {g['compilations']} compilations" if g.get("compilations") else "")
             + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else "")
             for system, g in warmed.items()) + "."]
+    if (length := env.get("draft_length")) and length["fixed"] is None:
+        lines += ["", f"{LABELS[SPECULATIVE]}'s adaptive draft length, over every round of the process (warm-ups "
+                  "included): " + "; ".join(_draft_length_line(rows, entry) for rows, entry in length["by_rows"].items())
+                  + "; acceptance " + ", ".join(f"{language} {100 * a:.0f}%" for language, a in length["acceptance"].items())
+                  + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])
         lines += ["", "| files | audio s | " + " | ".join(f"{LABELS[s]} s (RTFx)" for s in systems) + " |",

@@ -170,7 +170,7 @@ class ModelPair:
     _engines: dict = field(default_factory=dict, repr=False, compare=False)
 
     def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
-               compile: bool = False, lengths_attention: bool = False) -> SpeculativeDecoder:
+               compile: bool = False, lengths_attention: bool | str = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
         configuration: it keeps its batch states and CUDA graphs for every Transcriber.
         compile: its steps compiled whole by torch.compile (SpeculativeDecoder.compiled);

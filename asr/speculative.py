@@ -25,7 +25,7 @@ from torch import Tensor
 
 from asr import hints, sampling
 from asr.cudagraphs import CompiledSteps, StepGraphs, compilations, device_clock
-from asr.decoder import DecoderRunner, attention_without_cudnn, lengths_attention_unavailable
+from asr.decoder import DecoderRunner, attention_without_cudnn, lengths_attention_unavailable, lengths_kernel
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
 from asr.slots import Row, Sequence, Slots, States, Window, prefill_width
@@ -45,21 +45,21 @@ class SpeculativeDecoder:
     CUDA); cuda_graphs: run those as CUDA graphs on CUDA; compile: a torch.compile mode
     ("default", "max-autotune-no-cudagraphs", ...) in which each step is compiled whole;
     lengths_attention: the draft's steps and the verification attend by row lengths
-    (asr/decoder.py's ByLengths, CUDA in float16 or bfloat16), and not by cuDNN's kernel."""
+    (asr/decoder.py's ByLengths, CUDA in float16 or bfloat16), and not by cuDNN's kernel:
+    True or "flash" by flash-attention's kernel, "triton" by ours (asr/triton_attention.py)."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
                  fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None,
-                 lengths_attention: bool = False):
+                 lengths_attention: bool | str = False):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
-        if lengths_attention:
-            if compile is not None:
-                raise ValueError("attention by row lengths has not been tried in compiled steps: not both at once")
+        kernel = lengths_kernel(lengths_attention)
+        if kernel:
             for runner in filter(None, (target, draft)):
                 weight = runner.decoder.embed_tokens.weight
-                if reason := lengths_attention_unavailable(weight.device, weight.dtype, runner.head_dim):
+                if reason := lengths_attention_unavailable(weight.device, weight.dtype, runner.head_dim, kernel):
                     raise ValueError(f"attention by row lengths cannot run here: {reason}")
-        self.lengths_attention = lengths_attention
+        self.lengths_attention = kernel  # None: masked
         self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
         self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
@@ -286,7 +286,7 @@ class Batch(Slots):
         positions = s.length[:, None] + steps  # predicted indices
         # Inside the step: a compiled one then keeps it. By lengths, the cross-attention runs flash's kernel (11 us
         # against cuDNN's 20 at 9 queries over 1,500 frames on an H100, docs/gpu-check-2026-11-28.md).
-        with attention_without_cudnn(e.device, width != e.verify_width or e.lengths_attention):
+        with attention_without_cudnn(e.device, width != e.verify_width or e.lengths_attention is not None):
             logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window,
                                       by_lengths=e.lengths_attention)
         n, _, vocab = logits.shape

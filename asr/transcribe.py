@@ -26,7 +26,7 @@ from asr.audio import (SAMPLE_RATE, AudioError, audio_seconds, checked_rate, gat
                        time_within, to_model_input)
 from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
-from asr.decoder import KVCache, attention_without_cudnn
+from asr.decoder import KVCache, attention_without_cudnn, lengths_kernel
 from asr.models import ModelPair
 from asr.rules import DecodingRules
 from asr.slots import DecodeStats, Sequence, Window
@@ -94,7 +94,7 @@ class TranscribeOptions:
     best_of: int = 1
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
-    lengths_attention: bool = False  # on CUDA, attention by row lengths (SpeculativeDecoder's)
+    lengths_attention: bool | str = False  # on CUDA, attention by row lengths: True/"flash" or "triton" (SpeculativeDecoder's)
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
@@ -136,6 +136,17 @@ class TranscribeOptions:
             self.initial_prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise ValueError(f"initial_prompt is not UTF-8 text: {self.initial_prompt!r}") from None
+        # Flags as flags: "false" is a true value, and was taken for one (speculative="false" drafted).
+        for name in ("condition_on_previous_text", "without_timestamps", "word_timestamps", "retry_greedy_copies",
+                     "vad_filter", "speculative", "cuda_graphs", "compile"):
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
+            object.__setattr__(self, name, bool(getattr(self, name)))
+        lengths_kernel(self.lengths_attention)  # a kernel it knows
+        if self.language is not None and not isinstance(self.language, str):
+            raise ValueError(f"language must be a language's code or name, or None to detect it, not {self.language!r}")
+        if self.language is not None and self.language.strip().lower() == "auto":  # as the commands take it
+            object.__setattr__(self, "language", None)
         if self.language is not None:  # "English" or "EN" as Whisper's command line takes them
             object.__setattr__(self, "language", language_code(self.language))
 
@@ -168,6 +179,7 @@ class TranscriptionInfo:
     dtype: str = ""  # the models' dtypes, e.g. "float32, encoder bfloat16"
     duration_after_vad: float | None = None  # the speech decoded, with vad_filter
     warnings: tuple[str, ...] = ()  # what reading the audio lost (AudioInput.warnings)
+    task: str = "transcribe"  # or "translate": then language is the speech's, the text English
 
 
 @dataclass
@@ -361,6 +373,11 @@ class Transcriber:
         """scheduler: decode in its shared batches (many threads' work together) rather than
         in this thread."""
         check_whole("batch_size", batch_size, 1)  # 0 waited for ever for a batch's first recording
+        # A model's name (faster-whisper's WhisperModel("base")) or options as a dict failed deep inside.
+        if not isinstance(models, ModelPair):
+            raise TypeError(f"Transcriber takes the models asr.models.load_pair(...) loads, not {models!r}")
+        if not isinstance(options, TranscribeOptions):
+            raise TypeError(f"Transcriber takes its options as a TranscribeOptions(...), not {options!r}")
         self.models = models
         self.options = options
         self.batch_size = batch_size
@@ -455,7 +472,7 @@ class Transcriber:
         """What transcribe takes, as an AudioInput named `name` (default: an array "audio",
         a file its path); a file is read (read)."""
         if isinstance(audio, AudioInput):
-            return audio
+            return audio if name is None else replace(audio, name=name)
         if isinstance(audio, np.ndarray):
             return AudioInput(name or "audio", audio)
         if isinstance(audio, (str, Path)):
@@ -665,6 +682,7 @@ class Transcriber:
             duration_after_vad=None if speech is None else speech.seconds,
             features_seconds=features_seconds,
             warnings=audio.warnings,
+            task=self.options.task,
         )
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []

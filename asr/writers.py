@@ -198,6 +198,7 @@ def to_json(transcript: Transcript) -> str:
     document = {
         "text": transcript.text,
         "language": info.language or None,  # none detected: nothing decoded (no speech kept by vad_filter)
+        "task": info.task,  # translate: the language is the speech's, the text English
         "language_probability": round(info.language_probability, 4),
         "duration": round(info.duration, 3),
         **({} if info.duration_after_vad is None else {"duration_after_vad": round(info.duration_after_vad, 3)}),

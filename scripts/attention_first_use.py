@@ -19,7 +19,9 @@ a mask (flash's and the memory-efficient kernel's variable-length forms, causal 
 bottom right), over a cache laid out position-major ([rows x positions, heads, 64]), with
 64 and with all 464 positions in use: they need no mask and skip the positions past a row's
 length, where a masked kernel reads all 464. Their outputs are checked against masked
-attention (the largest difference is printed).
+attention (the largest difference is printed). Ours in Triton (asr/triton_attention.py,
+`--lengths-attention triton`) is timed both ways: over every key, and by row lengths over
+the cache as the engine keeps it ([rows, heads, positions, 64], in place).
 
     python scripts/attention_first_use.py                 # CUDA, float16
     python scripts/attention_first_use.py --device cpu    # runs anywhere (no cuDNN there)"""
@@ -35,6 +37,9 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from asr.decoder import attention_without_cudnn
+from asr.triton_attention import decode_attention
+
+OURS = "ours (Triton)"  # asr/triton_attention.py's kernels
 
 
 def main() -> None:
@@ -67,8 +72,9 @@ def main() -> None:
                           f"| {first * 1e3:.1f} | {later * 1e6:.1f} |")
     print()
     kernels = {"cuDNN": [SDPBackend.CUDNN_ATTENTION], "flash": [SDPBackend.FLASH_ATTENTION],
-               "memory-efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH], "written out": None}
-    by_length = [(kind, used) for kind in ("flash", "memory-efficient") for used in (64, 464)]
+               "memory-efficient": [SDPBackend.EFFICIENT_ATTENTION], "math": [SDPBackend.MATH], "written out": None,
+               OURS: OURS}
+    by_length = [(kind, used) for kind in ("flash", "memory-efficient", OURS) for used in (64, 464)]
     print("| heads | rows | queries | keys | " + " | ".join(f"{name} us" for name in kernels) + " | "
           + " | ".join(f"{kind}, row lengths ({used} used) us" for kind, used in by_length) + " |")
     print("|---|---|---|---|" + "---|" * (len(kernels) + len(by_length)))
@@ -85,12 +91,15 @@ def main() -> None:
                         if backends is None:
                             written_out(query, key, value, mask)
                             return
+                        if backends == OURS:  # every key (the mask hides none)
+                            decode_attention(query.transpose(1, 2), key, value, None, False)
+                            return
                         with sdpa_kernel(backends):
                             F.scaled_dot_product_attention(query, key, value, attn_mask=mask)
 
                     try:
                         call()  # eagerly: a backend that does not take the shape (or the device) raises
-                    except RuntimeError:
+                    except (RuntimeError, ImportError):  # ours without Triton
                         cells.append("-")
                         continue
                     try:
@@ -122,6 +131,8 @@ def lengths_cell(kind: str, query: Tensor, key: Tensor, value: Tensor, used: int
 
     def call() -> Tensor:
         q, k, v = packed
+        if kind == OURS:  # reads the keys in place, [rows, heads, positions, 64]
+            return decode_attention(query.transpose(1, 2), key, value, lengths, True).transpose(1, 2)
         if kind == "flash":
             out = torch.ops.aten._flash_attention_forward(q, k, v, starts_q, starts_k, queries, keys, 0.0, True, False,
                                                           seqused_k=lengths)[0]
@@ -139,7 +150,7 @@ def lengths_cell(kind: str, query: Tensor, key: Tensor, value: Tensor, used: int
         with sdpa_kernel([SDPBackend.MATH]):
             expected = F.scaled_dot_product_attention(query.float(), key.float(), value.float(), attn_mask=mask)
         difference = (out.float() - expected).abs().max().item()  # where a kernel's fault surfaces
-    except (RuntimeError, TypeError, NotImplementedError):
+    except (RuntimeError, TypeError, NotImplementedError, ImportError):
         return "-"
     label = f"{kind}, row lengths"
     differences[label] = max(differences.get(label, 0.0), difference)

@@ -30,7 +30,9 @@ products against cuBLAS per shape, and can fuse the bias, GELU and residual add 
 --lengths-attention adds our target-only and speculative rows with the draft's steps and the
 verification attending by row lengths (SpeculativeDecoder's lengths_attention: flash-attention's
 kernel told each row's length, no mask, no cuDNN), side by side with the masked ones (CUDA,
-float16 or bfloat16).
+float16 or bfloat16); with --compile as well, each mode's compiled rows by row lengths too.
+`--lengths-attention flash,triton` gives a set of rows per kernel: flash-attention's, and
+ours in Triton (asr/triton_attention.py).
 
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time), and writes
@@ -76,7 +78,7 @@ sys.path.insert(0, str(REPO))  # run from anywhere, installed or not
 
 from asr.models import device_problem  # noqa: E402
 from asr.cudagraphs import compile_modes as engine_compile_modes  # noqa: E402
-from asr.decoder import DecoderRunner, lengths_attention_unavailable  # noqa: E402
+from asr.decoder import LENGTHS_KERNELS, DecoderRunner, lengths_attention_unavailable  # noqa: E402
 from asr.draft_length import DraftLength  # noqa: E402
 from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_proposals, oracle_table  # noqa: E402
 from asr.rules import DecodingRules  # noqa: E402
@@ -188,8 +190,9 @@ def main() -> None:
     parser.add_argument("--compile", nargs="?", const="default", metavar="MODES",
                         help="add rows with the engine's steps compiled by torch.compile (SpeculativeDecoder.compiled), "
                              "a set per torch.compile mode in MODES (comma-separated; default: default)")
-    parser.add_argument("--lengths-attention", action="store_true",
-                        help="add rows whose steps attend by row lengths (SpeculativeDecoder's lengths_attention; CUDA)")
+    parser.add_argument("--lengths-attention", nargs="?", const="flash", metavar="KERNELS",
+                        help="add rows whose steps attend by row lengths (SpeculativeDecoder's lengths_attention; CUDA), "
+                             "a set per kernel in KERNELS (comma-separated, of flash and triton; default: flash)")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -230,8 +233,11 @@ def main() -> None:
 
         inductor.cpp.enable_kernel_profile = True
     dtype = DTYPES[args.dtype] if args.dtype else (torch.float16 if device.type == "cuda" else torch.float32)
-    if args.lengths_attention and (reason := lengths_attention_unavailable(device, dtype)):
-        parser.error(f"--lengths-attention cannot run here: {reason}")
+    for kernel in lengths_kernels(args):
+        if kernel not in LENGTHS_KERNELS:
+            parser.error(f"--lengths-attention: kernels are {', '.join(LENGTHS_KERNELS)}, not {kernel!r}")
+        if reason := lengths_attention_unavailable(device, dtype, kernel=kernel):
+            parser.error(f"--lengths-attention cannot run here: {reason}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = device.type == "cuda"
     bandwidth = measure_bandwidth(device) if args.measure_bandwidth else args.bandwidth_gbs * 1e9
@@ -312,7 +318,7 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
     fixed = device.type == "cuda" or args.fixed_shapes
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
-              compile: str | None = None, lengths: bool = False) -> SpeculativeDecoder:
+              compile: str | None = None, lengths: str | None = None) -> SpeculativeDecoder:
         if draft is not None:  # room for the rows' fixed k
             max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
         return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
@@ -322,9 +328,21 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """The engine's variants beside its default, each a set of rows: a label's suffix, and the
-    engine's options (compiled steps per --compile mode; attention by lengths)."""
+    engine's options (compiled steps per --compile mode; attention by lengths; with both, each
+    mode's compiled steps by lengths too)."""
     found = [(f", {compiled(mode)}", dict(compile=mode)) for mode in compile_modes(args)]
-    return found + ([(f", {BY_LENGTHS}", dict(lengths=True))] if args.lengths_attention else [])
+    for kernel in lengths_kernels(args):
+        label = BY_LENGTHS + (" (ours, Triton)" if kernel == "triton" else "")
+        found += [(f", {label}", dict(lengths=kernel))]
+        found += [(f", {compiled(mode)}, {label}", dict(compile=mode, lengths=kernel)) for mode in compile_modes(args)]
+    return found
+
+
+def lengths_kernels(args: argparse.Namespace) -> list[str]:
+    """--lengths-attention's kernels (none without it)."""
+    if not args.lengths_attention:
+        return []
+    return list(dict.fromkeys(k.strip() for k in args.lengths_attention.split(",") if k.strip()))
 
 
 def compile_modes(args: argparse.Namespace) -> list[str]:

@@ -14,8 +14,9 @@ runs gpu_check.py's PARTS over a report folder that lasts while the machine stay
 and returns that folder as $OUT/check.tgz. The calls go back to back, most wanted first,
 sized for a machine lent for 15 minutes in all: the calls that carry the first chunks only
 carry them; the one that brings the last runs the dev-set parts and the tests that need a
-GPU; then the benchmark at batch 1 and 16, in the time left; the rest of the check with
-time to spare. Writes the calls to .device/PLAN.md."""
+GPU; then the benchmark at batch 1 with rows attending by row lengths in flash-attention's
+kernel and in ours beside the masked ones, in the time left; the rest of the check (the
+steps compiled first) with time to spare. Writes the calls to .device/PLAN.md."""
 
 from __future__ import annotations
 
@@ -49,20 +50,24 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # and the seconds they may take (CHECK_SECONDS). The calls that carry the first chunks only
 # carry them; the one that brings the last runs the dev-set parts and the tests that need a
 # GPU (float16 only: the verification's fixed shapes keep bfloat16's tokens as float16's,
-# identical on 17/17 on 2026-11-26), 292 s on an H100 on 2026-11-28, 280 s on an H200 (evaluate
-# 39, tests 138, transcribe 75, stream 28); then the benchmark at batch 1, 191 s on the H200
-# (it writes its rows as they come), now with rows attending by row lengths beside the masked
-# ones (asr/decoder.py's ByLengths, never yet run on a GPU: a few rows more, about 20 s); the
-# dev set by row lengths, the attention part and batch 16 with time to spare.
+# identical on 17/17 on 2026-11-26 and 2026-11-30), 292 s on an H100 on 2026-11-28, 280 s on an H200
+# (evaluate 39, tests 138, transcribe 75, stream 28); then the benchmark at batch 1 (222 s on
+# the H200 on 2026-11-30 with the rows by flash's kernel) with rows attending by row lengths in
+# flash-attention's kernel (12 % less time per token at large-v3 geometry there) and in ours
+# (asr/triton_attention.py, never yet run on a GPU). With time to spare: the steps compiled, by
+# our kernel too; batch 16 (by row lengths never measured there); the dev set by row lengths;
+# bfloat16 (0.89x end to end on 2026-11-30); the rest; max-autotune last (Inductor's own matrix
+# products were no faster than cuBLAS's at these shapes in a scratch timing on an H200).
 DEVICE_SECONDS = 900
 START_SECONDS = 90  # what a machine's start takes of it, about
-WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 320)
+WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 340)
 AFTER = (("benchmark --batch-sizes 1 --acceptance 0.8 --repeats 1 --lengths-attention", 260),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("lengths-evaluate --dtypes float16", 120), ("attention", 90), ("benchmark --batch-sizes 16 --acceptance 0.8 --repeats 1 --lengths-attention", 320),
-         ("autotune --batch-sizes 1 --repeats 1", 540), ("compile --batch-sizes 1 --repeats 2", 300),
-         ("evaluate --dtypes bfloat16", 120), ("benchmark --repeats 2", 540),
-         ("compile --batch-sizes 16 --repeats 2", 540), ("compile-evaluate", 240))
+SPARE = (("compile --batch-sizes 1 --repeats 1 --lengths-attention triton", 400),
+         ("benchmark --batch-sizes 16 --acceptance 0.8 --repeats 1 --lengths-attention", 320),
+         ("lengths-evaluate --dtypes float16", 120), ("evaluate --dtypes bfloat16", 120), ("compile-evaluate", 240),
+         ("attention", 90), ("benchmark --repeats 2 --lengths-attention", 540),
+         ("compile --batch-sizes 16 --repeats 2 --lengths-attention", 540), ("autotune --batch-sizes 1 --repeats 1", 540))
 CALL_OVERHEAD = 60  # seconds a call may take beyond gpu_check.py: installing, unpacking, packing the report
 CHUNK_CALL_SECONDS = 30  # a call that only carries a chunk copies it (1.5 s and 0.3 s on 2026-11-28)
 
@@ -181,8 +186,8 @@ def calls(chunks: int) -> str:
              f"Before each call after the {chunks_word(chunks)}, ask `status`: where budget_left_s is under the "
              "call's timeout_s plus 60, lower CHECK_SECONDS by the difference (a machine that runs out of time "
              "returns nothing). Where the tests part reports test_attention_by_row_lengths_on_cuda failed "
-             "(a kernel fault ends the whole process, and the benchmark's other rows with it), drop "
-             "--lengths-attention from the benchmark calls.", "", "With device time to spare, in this order:", "",
+             "(a kernel fault ends the whole process, and the benchmark's other rows with it) for one kernel, "
+             "name the other after --lengths-attention (flash or triton) in the later calls; for both, drop it.", "", "With device time to spare, in this order:", "",
              *(line("-", [], parts, seconds)[0] for parts, seconds in SPARE), "",
              "Each call returns the report so far as check.tgz (gpu_check.md inside), also when gpu_check.py "
              "runs out of its CHECK_SECONDS. Give the machine back after the last. Then, here, the README's GPU "

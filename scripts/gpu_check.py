@@ -6,7 +6,8 @@ set are installed) the dev set through
 benchmark with the engine's steps compiled (torch.compile, `compile`), the dev set through
 `asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
 max-autotune (`autotune`). --lengths-attention adds rows attending by row lengths to every
-benchmark part; `lengths-evaluate` runs the dev set through `asr evaluate --lengths-attention`.
+benchmark part, in flash-attention's kernel and in ours (Triton); `lengths-evaluate` runs
+the dev set through `asr evaluate --lengths-attention KERNEL` in each.
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -35,6 +36,7 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "av", "jiwer", "whisper_normalizer")  # av: the MP3s
+LENGTHS_KERNELS = "flash,triton"  # attention by row lengths: flash-attention's kernel, ours (asr/triton_attention.py)
 PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate"
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
@@ -47,8 +49,9 @@ def main() -> None:
     parser.add_argument("--batch-sizes", help="of the large-v3-geometry benchmark (default 1,4,16; compiled: 1,16)")
     parser.add_argument("--acceptance", help="the oracle draft's in the benchmark (default 0.6,0.8,0.95; compiled: 0.8)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per benchmark row")
-    parser.add_argument("--lengths-attention", action="store_true",
-                        help="the benchmark parts add rows attending by row lengths (benchmark_gpu.py --lengths-attention)")
+    parser.add_argument("--lengths-attention", nargs="?", const=LENGTHS_KERNELS, metavar="KERNELS",
+                        help="the benchmark parts add rows attending by row lengths in these kernels (benchmark_gpu.py "
+                             f"--lengths-attention; default {LENGTHS_KERNELS}), as lengths-evaluate runs the dev set in")
     parser.add_argument("--only", default=PARTS, help=f"comma-separated parts to run, in this order, from {PARTS} (default: all)")
     args = parser.parse_args()
     only = list(dict.fromkeys(part.strip() for part in args.only.split(",") if part.strip()))
@@ -69,8 +72,9 @@ def main() -> None:
         "compile-evaluate": [("compile evaluate float16", lambda: evaluate(args, env, "float16", real, compile=True))],
         "autotune": [(f"autotune benchmark, batch {batch_sizes(args, True)}",
                       lambda: benchmark(args, env, real, compile="max-autotune-no-cudagraphs"))],
-        "lengths-evaluate": [(f"lengths evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real, lengths=True))
-                             for dtype in args.dtypes.split(",")],
+        "lengths-evaluate": [(f"lengths evaluate {dtype}" + ("" if kernel == "flash" else f", {kernel}"),
+                              lambda dtype=dtype, kernel=kernel: evaluate(args, env, dtype, real, lengths=kernel))
+                             for dtype in args.dtypes.split(",") for kernel in (args.lengths_attention or LENGTHS_KERNELS).split(",")],
     }
     unknown = [name for name in only if name not in parts]
     if unknown:
@@ -178,7 +182,7 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
     command = [sys.executable, "scripts/benchmark_gpu.py", "--measure-bandwidth", "--profile", "--batch-sizes",
                sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
                "--out", str(folder)] + (["--no-real"] if real or compile else []) + (["--compile", compile] if compile else [])
-    command += ["--lengths-attention"] if args.lengths_attention and not compile else []  # not tried compiled
+    command += ["--lengths-attention", args.lengths_attention] if args.lengths_attention else []
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"
@@ -188,16 +192,17 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
 
 
 def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False,
-             lengths: bool = False) -> dict:
+             lengths: str | None = None) -> dict:
     """The dev set through `asr evaluate`, English and multilingual; compile: with --compile;
-    lengths: with --lengths-attention."""
+    lengths: with --lengths-attention in this kernel (flash, triton)."""
     if real:
         return {"skipped": real}
     results = {}
     ok = True
-    options = (["--compile"] if compile else []) + (["--lengths-attention"] if lengths else [])
+    options = (["--compile"] if compile else []) + (["--lengths-attention", lengths] if lengths else [])
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
-        variant = "".join(f"-{name}" for name, on in (("compiled", compile), ("lengths", lengths)) if on)
+        variant = "".join(f"-{name}" for name, on in (("compiled", compile), ("lengths", lengths),
+                                                      ("triton", lengths == "triton")) if on)
         folder = args.out / f"evaluate-{dtype}{variant}-{manifest.removesuffix('.tsv')}"
         command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
                    "--batch-size", "8", "--repeats", "5", "--out", str(folder)] + options
@@ -219,6 +224,9 @@ def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, 
             if lengths else None,
             "graphs": {"target-only": target.get("cuda_graphs"), "speculative": speculative.get("cuda_graphs")},
             "warm_up": report["environment"].get("warm_up_graphs"),  # untimed, before the timed runs
+            # What the adaptive draft length measured and chose, as report.md says it.
+            "draft_length": next((line for line in (folder / "report.md").read_text().splitlines()
+                                  if "adaptive draft length" in line), None) if (folder / "report.md").is_file() else None,
             # Per system: seconds of features, encoder, decoder, and the rest (the host's work around them).
             "split": {name: [system[f"{part}_seconds"] for part in ("features", "encoder", "decoder")]
                       + [system["seconds"] - sum(system[f"{part}_seconds"] for part in ("features", "encoder", "decoder"))]
@@ -333,6 +341,8 @@ def write(report: dict, out: Path) -> None:
             lines += ["", "Seconds of features, encoder, decoder and the rest (the host's work around them):", ""]
             lines += [f"- {manifest}, {system}: " + ", ".join(f"{value:.3f}" for value in split)
                       for manifest, r in result["runs"].items() for system, split in (r.get("split") or {}).items()]
+            lengths = [f"- {manifest}: {r['draft_length']}" for manifest, r in result["runs"].items() if r.get("draft_length")]
+            lines += ["", "The adaptive draft length:", "", *lengths] if lengths else []
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "stream":
             lines += ["", "```", result["output"], "```"]

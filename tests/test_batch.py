@@ -1303,6 +1303,36 @@ def test_a_ray_workers_batch_that_raises_says_why_for_each_of_its_files(monkeypa
           for name in ("b.wav", "c.wav")]]
 
 
+def test_a_format_asked_for_later_is_written_beside_the_outputs_kept_as_they_are(tmp_path: Path, pair):
+    """srt and txt done (the srt edited by hand since), then srt,txt,json asked for: only the
+    json is written; the srt and txt stay as they were (they were all written again, the
+    hand edits lost, said nowhere) and are still known as this run's; --overwrite redoes them."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "LJ002-0020.wav", source / "a.wav")
+    english = batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en"))
+
+    def run(formats: tuple[str, ...], overwrite: bool = False) -> batch.FolderSummary:
+        return transcribe_folder(FolderRun((source,), out, formats, overwrite=overwrite, echo=False, progress=False,
+                                           settings=english), lambda: Transcriber(pair))
+
+    run(("srt", "txt"))
+    edited = (out / "a.srt").read_text().replace("1813", "eighteen thirteen")
+    assert edited != (out / "a.srt").read_text()
+    (out / "a.srt").write_text(edited)
+    txt = (out / "a.txt").read_bytes()
+    summary = run(("srt", "txt", "json"))
+    assert (summary.ok, summary.completed) == (1, 1)
+    assert (out / "a.srt").read_text() == edited and (out / "a.txt").read_bytes() == txt
+    assert json.loads((out / "a.json").read_text())["text"] == txt.decode().strip()
+    assert "1 transcribed (1 of them only into the formats they lacked, their other outputs kept as they were: " \
+           "--overwrite redoes those too)" in summary.describe()
+    again = run(("srt", "txt", "json"))
+    assert (again.skipped, again.ok) == (1, 0)  # all three known as done
+    redone = run(("srt", "txt", "json"), overwrite=True)
+    assert (redone.ok, redone.completed) == (1, 0) and (out / "a.srt").read_text() != edited
+
+
 def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Path, pair, capsys):
     """Settings were not recorded: a re-run with --language de (or another target, prompt,
     subtitle layout) skipped the files done before as finished, saying nothing."""

@@ -229,6 +229,13 @@ def test_a_recording_cut_short_fails_saying_what_its_header_states(tmp_path: Pat
             load_audio(tmp_path / name)
         with pytest.raises(AudioError, match=re.escape(told)):
             list(stream_audio(tmp_path / name))
+    # Damaged too (packets skipped, told as such): the missing end was unsaid.
+    damaged = bytearray(mp3[: len(mp3) // 3])
+    damaged[len(damaged) // 7 : len(damaged) // 7 + 300] = bytes(300)
+    (tmp_path / "damaged_third.mp3").write_bytes(bytes(damaged))
+    with pytest.raises(AudioError, match=re.escape(f"{tmp_path / 'damaged_third.mp3'}: truncated: its header states "
+                                                   "44.1 s of audio, the file holds 14.")):
+        load_audio(tmp_path / "damaged_third.mp3", notices=[])
     # Whole files stay whole: a WAV with a chunk after its data, an MP3 with bytes after its
     # frames or a tag before them, and WAVs whose data size was never written.
     (tmp_path / "tagged.wav").write_bytes(wav + b"LIST" + (4).to_bytes(4, "little") + b"INFO")
@@ -635,6 +642,10 @@ def test_json_has_no_nan_and_keeps_whispers_segment_text():
     assert first["avg_logprob"] is None and first["no_speech_prob"] is None and first["words"][0]["probability"] is None
     assert [s["text"] for s in document["segments"]] == [" Hello there.", " General Kenobi!"]
     assert document["text"] == "Hello there. General Kenobi!"
+    # A translation's JSON says so: its language is the speech's, its text English (it read as German text).
+    assert document["task"] == "transcribe"
+    translated = replace(transcript, info=replace(transcript.info, language="de", task="translate"))
+    assert json.loads(writers.to_json(translated))["task"] == "translate"
 
 
 def test_words_are_cut_to_their_segment_and_the_next_window_starts_where_whispers_last_word_ends():
@@ -687,8 +698,10 @@ def test_timed_chinese_or_japanese_words_break_lines_where_untimed_text_does():
 
 def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     clip = str(DEV / "en_short" / "jfk.flac")
-    assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "srt,txt", "--language", "en",
+    # Formats in any case, as extensions are written (SRT was refused as unknown).
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "SRT,txt,srt", "--language", "en",
                  "--word-timestamps", "--max-line-width", "20", "--max-line-count", "1"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["jfk.srt", "jfk.txt"]
     cues = [block.split("\n") for block in (tmp_path / "jfk.srt").read_text().strip().split("\n\n")]
     assert len(cues) > 4 and all(len(cue) == 3 and len(cue[2]) <= 20 for cue in cues)
     assert " ".join(cue[2] for cue in cues) == " ".join((tmp_path / "jfk.txt").read_text().split("\n")).strip()
@@ -940,6 +953,13 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
     assert "unknown format" in capsys.readouterr().err
     assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path)]) == 2
     assert "neither a save_pretrained" in capsys.readouterr().err
+    # A target that cannot load: the folders the run made for its outputs go again (they were
+    # left holding only the run's lock); a folder that was there stays, as it was.
+    assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path / "new" / "out")]) == 2
+    assert "neither a save_pretrained" in capsys.readouterr().err and not (tmp_path / "new").exists()
+    (tmp_path / "there").mkdir()
+    assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path / "there")]) == 2
+    assert (tmp_path / "there").is_dir()
     # A mistyped path: said before anything is written (errors.jsonl and the lock were left in --out-dir).
     assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path / "out")]) == 2
     assert f"asr: {tmp_path / 'nothing'}: no such file or folder" in capsys.readouterr().err

@@ -89,7 +89,7 @@ def test_the_plan_runs_the_dev_set_parts_as_soon_as_the_weights_have_come_within
     assert plan[0].endswith("`bash scripts/device_call.sh none`") and plan[1].endswith("`bash scripts/device_call.sh none`")
     assert '[".device/w2"]' in plan[1] and '[".device/w3"]' in plan[2]
     assert plan[2].endswith("device_call.sh evaluate,tests,transcribe,stream --dtypes float16`")
-    assert "benchmark --batch-sizes 1 " in plan[3] and plan[4].startswith("- carry nothing")
+    assert "benchmark --batch-sizes 1 " in plan[3] and "--lengths-attention" in plan[3] and plan[4].startswith("- carry nothing")
     numbered = [line for line in plan if line[0].isdigit()]
     timeouts = [int(line.split("timeout_s ")[1].split(":")[0]) for line in numbered]
     checks = [int(line.split("CHECK_SECONDS=")[1].split()[0]) if "CHECK_SECONDS=" in line else 0 for line in numbered]
@@ -136,7 +136,8 @@ def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part
     run = {"files": 3, "identical": 3, "wer_target": None, "wer_speculative": None, "wer_delta": None,
            "seconds_target": 0.5, "seconds_speculative": 0.0, "speedup": None, "decoder_speedup": None,
            "acceptance": None, "tokens_per_pass": None, "graphs": {}, "warm_up": None, "command": "asr.cli evaluate",
-           "split": {"target-only": [0.01, 0.2, 0.25, 0.04]}}
+           "split": {"target-only": [0.01, 0.2, 0.25, 0.04]},
+           "draft_length": "ours, speculative's adaptive draft length, over every round of the process: ..."}
     report = {"environment": {"GPU": "none"},
               "parts": {"evaluate float16": {"ok": True, "runs": {"manifest.tsv": run}, "part_seconds": 1.0}}}
     (tmp_path / "report").mkdir()
@@ -144,7 +145,9 @@ def test_the_report_shows_what_was_not_measured_and_is_mirrored_after_every_part
     check.write(report, tmp_path / "report")
     assert "| manifest.tsv | 3 | 3/3 | - | - | - | 0.50 | 0.00 | -x | -x | - | - |" in \
         (tmp_path / "out" / "report" / "gpu_check.md").read_text()
-    assert "- manifest.tsv, target-only: 0.010, 0.200, 0.250, 0.040" in (tmp_path / "report" / "gpu_check.md").read_text()
+    written = (tmp_path / "report" / "gpu_check.md").read_text()
+    assert "- manifest.tsv, target-only: 0.010, 0.200, 0.250, 0.040" in written
+    assert "The adaptive draft length:\n\n- manifest.tsv: ours, speculative's adaptive draft length, over every" in written
     assert sorted(p.name for p in (tmp_path / "report").iterdir()) == ["gpu_check.json", "gpu_check.md"]
 
 

@@ -94,9 +94,11 @@ def evaluated(embedded, tmp_path_factory):
     options = EvaluateOptions(batch_size=2, preset="embedded", progress=False,
                               transcribe=TranscribeOptions(num_draft_tokens=4))
     warm_up: dict[str, dict] = {}
-    results = run_systems(read_manifest(manifest), embedded, options, warm_up)
+    draft_lengths: dict[str, dict] = {}
+    results = run_systems(read_manifest(manifest), embedded, options, warm_up, draft_lengths=draft_lengths)
     # Our systems' warm-ups (Transcriber.warm_up) capture nothing on a CPU.
     assert warm_up == {name: asdict(GraphCounts()) for name in system_names(())}
+    assert draft_lengths == {SPECULATIVE: {"fixed": 4, "acceptance": {}, "by_rows": {}}}  # target-only has none
     environment = describe_environment(embedded, options)
     return results, environment, build_report(results, system_names(()), environment)
 
@@ -256,6 +258,24 @@ def test_the_report_adds_up_the_graph_work_on_a_gpu(evaluated):
     assert ("Before them, untimed, each engine's warm-up captured every step its batches can meet: ours, target only: "
             "8 first uses (0.10 s), 8 captures (0.20 s); ours, speculative: 48 first uses (1.50 s), 48 captures (0.75 s)."
             in render_markdown(build_report(graphed, system_names(()), environment), "t"))
+
+
+def test_the_report_says_what_the_adaptive_draft_length_measured_and_chose(evaluated):
+    """environment["draft_length"] (DraftLength.summary of our speculative system, evaluate())
+    is said in the text: rounds by k per batch size, the fitted costs and the choice; a fixed
+    length (--num-draft-tokens) is not."""
+    results, environment, _ = evaluated
+    length = {"fixed": None, "acceptance": {"en": 0.52},
+              "by_rows": {8: {"rounds_by_k": {0: 12, 4: 3, 8: 40}, "plain_round_ms": 4.5, "overhead_ms": 0.75,
+                              "per_proposal_ms": 1.25, "k": 8},
+                          1: {"rounds_by_k": {4: 1}}}}
+    text = render_markdown(build_report(results, system_names(()), {**environment, "draft_length": length}), "t")
+    assert ("ours, speculative's adaptive draft length, over every round of the process (warm-ups included): batches "
+            "of up to 8 rows, 55 rounds measured (k = 0: 12, k = 4: 3, k = 8: 40), last fitted a plain round 4.50 ms, "
+            "a drafting round's overhead 0.75 ms and 1.25 ms a proposal, so k = 8; batches of 1 row, 1 rounds measured "
+            "(k = 4: 1); acceptance en 52%.") in text
+    fixed = {**environment, "draft_length": {"fixed": 4, "acceptance": {}, "by_rows": {}}}
+    assert "draft length" not in render_markdown(build_report(results, system_names(()), fixed), "t")
 
 
 def test_an_unreadable_file_is_reported_and_the_others_still_run(evaluated):

@@ -5,6 +5,7 @@ and without timestamps (tiny random models in float64, logits well separated).""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -188,6 +189,23 @@ def test_draft_length_stops_drafting_where_it_does_not_pay():
     assert chosen[-32:].count(0) >= 28 and any(chosen[-32:])  # still tried now and then
     chosen = rounds_of(DraftLength(), **ONE_ROW)
     assert chosen[-32:].count(0) <= 4 and max(chosen[-32:]) >= 4
+
+
+def test_draft_length_summary_says_its_rounds_costs_and_choice():
+    """DraftLength.summary (asr evaluate's report): rounds measured by k per batch size, the
+    costs it fitted (ms) and the k it would choose, and the acceptance per language."""
+    draft_length = DraftLength()
+    chosen = rounds_of(draft_length, rounds=64, language="en", **ONE_ROW)
+    rounds_of(draft_length, rounds=64, rows=8, language="en", **LARGE_BATCH)
+    summary = draft_length.summary()
+    assert summary["fixed"] is None and summary["acceptance"].keys() == {"en"}
+    one, eight = summary["by_rows"][1], summary["by_rows"][8]
+    assert one["rounds_by_k"] == dict(sorted(Counter(chosen).items()))
+    # A plain round is `plain`; each proposal a draft step and its share of the verification, no overhead.
+    assert one["plain_round_ms"] == pytest.approx(20.0)
+    assert one["per_proposal_ms"] == pytest.approx(4.0) and one["overhead_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert one["k"] >= 4 and eight["k"] == 0  # drafting pays for one row, not for eight
+    assert DraftLength(fixed=3).summary() == {"fixed": 3, "acceptance": {}, "by_rows": {}}
 
 
 def test_draft_length_tries_the_losing_way_less_often_while_it_keeps_losing():

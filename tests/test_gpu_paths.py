@@ -8,6 +8,7 @@ Tests of the CUDA graphs themselves skip without CUDA."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asr import decoder as asr_decoder, slots, speculative
+from asr import decoder as asr_decoder, slots, speculative, triton_attention
 from asr.cudagraphs import StepGraphs
 from asr.decoder import attention_without_cudnn
 from asr.draft_length import DraftLength
@@ -116,7 +117,40 @@ def lengths_on_cpu(monkeypatch):
     calls = []
     monkeypatch.setattr(asr_decoder, "flash_varlen",
                         lambda *a, **k: calls.append((len(a[3]) - 1, a[5])) or flash_varlen_on_cpu(*a, **k))
-    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda device, dtype, head_dim: None)
+    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda *_: None)
+    return calls
+
+
+def decode_attention_on_cpu(query, keys, values, used, causal):
+    """asr/triton_attention.decode_attention's kernels as its documentation defines them, in
+    plain PyTorch: row b's queries [q, H, Dh] over its first used[b] keys (all without used),
+    query i seeing the keys up to used - q + i when causal; in float32, returned in the
+    query's dtype (float64 in float64), [n, q, H, Dh] contiguous."""
+    n, q, heads, head_dim = query.shape
+    exact = torch.promote_types(query.dtype, torch.float32)
+    assert keys.stride(-1) == values.stride(-1) == query.stride(-1) == 1
+    assert used is None or (used.dtype == torch.int32 and used.shape == (n,))
+    out = torch.empty((n, q, heads, head_dim), dtype=query.dtype)
+    for b in range(n):
+        n_k = keys.shape[2] if used is None else int(used[b])
+        assert q <= n_k <= keys.shape[2]  # every query sees a key
+        scores = torch.einsum("qhd,hkd->hqk", query[b].to(exact), keys[b, :, :n_k].to(exact)) * head_dim**-0.5
+        if causal:
+            seen = torch.arange(n_k)[None, :] <= torch.arange(q)[:, None] + n_k - q
+            scores = scores.masked_fill(~seen, float("-inf"))
+        out[b] = torch.einsum("hqk,hkd->qhd", scores.softmax(-1), values[b, :, :n_k].to(exact)).to(query.dtype)
+    return out
+
+
+@pytest.fixture
+def triton_on_cpu(monkeypatch):
+    """Attention by row lengths in our Triton kernel made to run on a CPU: the operator
+    asr/triton_attention.decode_attention (opaque to torch.compile) runs decode_attention_on_cpu;
+    records the rows, queries and whether causal of each call."""
+    calls = []
+    monkeypatch.setattr(triton_attention, "launch", lambda q, k, v, used, causal: calls.append(
+        (q.shape[0], q.shape[1], causal)) or decode_attention_on_cpu(q, k, v, used, causal))
+    monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda *_: None)
     return calls
 
 
@@ -169,8 +203,6 @@ def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, l
         for by_lengths in (False, True)]
     assert_same(hinted[1], hinted[0])
     assert max(q for _, q in lengths_on_cpu) > by_lengths.max_draft_tokens + 1
-    with pytest.raises(ValueError, match="not been tried in compiled steps"):
-        engine(target, draft, lengths_attention=True, compile="default")
     monkeypatch.undo()
     with pytest.raises(ValueError, match="row lengths cannot run here: it needs a CUDA device"):
         engine(target, draft, lengths_attention=True)
@@ -180,10 +212,120 @@ def test_attention_by_row_lengths_gives_the_masked_tokens_and_needs_cuda(pair, l
     from asr.cli import main
 
     capsys.readouterr()
-    for extra, told in (([], "cannot run here: it needs a CUDA device"), (["--compile"], "has not been tried with --compile")):
+    for extra in ([], ["--compile"]):
         assert main(["transcribe", str(REPO / "samples" / "jfk.flac"), "--out-dir", str(tmp_path), "--lengths-attention",
                      *extra]) == 2  # before any model loads
-        assert f"asr: --lengths-attention {told}" in capsys.readouterr().err
+        assert "asr: --lengths-attention cannot run here: it needs a CUDA device" in capsys.readouterr().err
+
+
+FLASH_VARLEN_CALLS: list[int] = []  # rows of each call of flash_varlen_op
+
+
+def test_attention_by_row_lengths_in_our_kernel_gives_the_masked_logits_and_tokens(pair, triton_on_cpu):
+    """--lengths-attention triton: the self-attention over the cache in place and the
+    cross-attention over the frames by asr/triton_attention.decode_attention (its plain-PyTorch
+    stand-in here) give masked attention's logits, and the engine its tokens, target-only and
+    speculative, in fixed and fitted shapes, with the steps compiled too (no graph broken)."""
+    from torch._dynamo.utils import counters
+
+    target, encoded, draft = pair[0], pair[1][:3], pair[2]
+    run = runner(target)
+    prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * 3)
+    caches = [run.new_cache(encoded, capacity=24) for _ in range(2)]
+    outputs = []
+    for cache, by_lengths in zip(caches, (False, "triton")):
+        run.forward(prompt, torch.tensor([0, 0, 0]), cache)
+        tokens, start = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]]), torch.tensor([4, 6, 2])
+        outputs.append(run.forward(tokens, start, cache, window=10, by_lengths=by_lengths))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-10)
+    assert triton_on_cpu == [(3, 3, True), (3, 3, False)] * len(run.layers)  # self-, then cross-attention, per layer
+
+    encoded = pair[1]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    masked = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    for fixed, k, compile in ((True, 0, None), (True, 3, None), (False, 3, None), (True, 3, "default")):
+        triton_on_cpu.clear()
+        breaks = sum(counters["graph_break"].values())
+        ours = engine(target, draft, fixed=fixed, lengths_attention="triton", compile=compile)
+        assert ours.lengths_attention == "triton"
+        assert_same(ours.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options), masked)
+        assert {causal for _, _, causal in triton_on_cpu} == {True, False}
+        assert fixed == ({rows for rows, _, _ in triton_on_cpu} == {BATCH}), (fixed, k)
+        assert sum(counters["graph_break"].values()) == breaks
+    with pytest.raises(ValueError, match="runs flash or triton's kernel, not 'cudnn'"):
+        engine(target, draft, lengths_attention="cudnn")
+
+
+def test_our_attention_kernels_give_the_attention_of_their_definition(tmp_path):
+    """asr/triton_attention.py's Triton kernels themselves, run by Triton's interpreter on a
+    CPU (where Triton is installed; a GPU runs them in test_attention_by_row_lengths_on_cuda):
+    against decode_attention_on_cpu, causal over rows of their own lengths and over all keys,
+    one split and several (combined), float32 and float16."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with PyTorch's CUDA builds)")
+    script = tmp_path / "check_decode_attention.py"  # not kernels.py: transformers imports a "kernels" package if found
+    script.write_text(f"""
+import sys, torch
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+from asr.triton_attention import decode_attention, splits_for
+from test_gpu_paths import decode_attention_on_cpu
+torch.manual_seed(0)
+for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
+    for n, q, heads, keys, used in [(1, 9, 4, 464, [70]), (3, 9, 4, 464, [9, 200, 464]), (2, 1, 4, 96, [5, 96]),
+                                    (1, 9, 20, 1500, None), (2, 3, 2, 300, None), (16, 9, 20, 464, list(range(20, 340, 20)))]:
+        kv = torch.randn(2, n, heads, keys, 64).to(dtype)
+        query = torch.randn(n, q, 3 * heads * 64)[..., : heads * 64].to(dtype).view(n, q, heads, 64)  # a projection's slice
+        lengths = None if used is None else torch.tensor(used, dtype=torch.int32)
+        got = decode_attention(query, kv[0], kv[1], lengths, used is not None)
+        want = decode_attention_on_cpu(query, kv[0], kv[1], lengths, used is not None)
+        assert got.dtype == dtype and got.is_contiguous()
+        torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+        print(dtype, n, q, heads, keys, "splits", splits_for(n * heads, keys))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {line.split("splits ")[1] for line in done.stdout.splitlines()} >= {"1", "2", "8"}
+
+
+@torch.library.custom_op("asr_tests::flash_varlen", mutates_args=())
+def flash_varlen_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts_q: torch.Tensor,
+                    starts_k: torch.Tensor, max_q: int, max_k: int, seqused_k: torch.Tensor) -> torch.Tensor:
+    """flash_varlen_on_cpu as one opaque operator with its output's shape declared, as
+    torch.compile sees flash-attention's kernel (an aten operator with a meta kernel); counts
+    its calls in FLASH_VARLEN_CALLS."""
+    FLASH_VARLEN_CALLS.append(len(starts_q) - 1)
+    return flash_varlen_on_cpu(query, key, value, starts_q, starts_k, max_q, max_k, 0.0, True, False,
+                               seqused_k=seqused_k)[0]
+
+
+@flash_varlen_op.register_fake
+def _(query, key, value, starts_q, starts_k, max_q, max_k, seqused_k):
+    return torch.empty_like(query)
+
+
+def test_compiled_steps_by_row_lengths_give_the_masked_tokens(pair, lengths_on_cpu, monkeypatch):
+    """--compile with --lengths-attention: the steps compiled whole by torch.compile (Inductor's
+    CPU code here) with the kernel by row lengths inside them as one operator, in fixed
+    shapes, give the tokens of masked attention, eager, without breaking a step's graph."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(asr_decoder, "flash_varlen", lambda q, k, v, sq, sk, mq, mk, dropout, causal, debug, *, seqused_k:
+                        (flash_varlen_op(q, k, v, sq, sk, mq, mk, seqused_k),))
+    target, encoded, draft = pair[:3]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    masked = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    compiled = engine(target, draft, lengths_attention=True, compile="default")
+    graphs, breaks = counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+    FLASH_VARLEN_CALLS.clear()
+    result = compiled.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=3), **options)
+    assert_same(result, masked)
+    assert sum(s.stats.draft_accepted for s in result) > 0
+    # the verification, the draft's catch-up and its later steps, each compiled whole, reading every row by its length
+    assert counters["stats"]["unique_graphs"] - graphs >= 3 and sum(counters["graph_break"].values()) == breaks
+    assert set(FLASH_VARLEN_CALLS) == {BATCH}
 
 
 @pytest.mark.parametrize("timestamps", [False, True], ids=["no-timestamps", "timestamps"])
@@ -903,12 +1045,15 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
 
 
 @cuda
+@pytest.mark.parametrize("kernel", ["flash", "triton"])
 @torch.inference_mode()
-def test_attention_by_row_lengths_on_cuda():
-    """On a GPU in float16 (heads of 64, as Whisper's): flash-attention's kernel by row lengths
-    gives masked attention's logits to float16's rounding, for rows at different positions;
+def test_attention_by_row_lengths_on_cuda(kernel: str):
+    """On a GPU in float16 (heads of 64, as Whisper's): flash-attention's kernel by row lengths,
+    and ours (asr/triton_attention.py), give masked attention's logits to float16's rounding,
+    for rows at different positions;
     with the steps by row lengths captured as CUDA graphs, speculative tokens equal target-only
-    ones (the same kernels at the same verification width), and no capture fails."""
+    ones (the same kernels at the same verification width), also with the steps compiled, and
+    no capture fails."""
     from test_exactness import windows
 
     target = tiny_target(0, d_model=256)
@@ -918,7 +1063,7 @@ def test_attention_by_row_lengths_on_cuda():
     run = runner(target)
     prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
     outputs = []
-    for by_lengths in (False, True):
+    for by_lengths in (False, kernel):
         cache = run.new_cache(encoded, capacity=32)
         run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, by_lengths=by_lengths)
         tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
@@ -928,13 +1073,25 @@ def test_attention_by_row_lengths_on_cuda():
     rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
                           begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
     prompts = [prompt_for(True)] * BATCH
-    target_only = SpeculativeDecoder(runner(target), lengths_attention=True).decode(encoded, prompts, rules,
+    target_only = SpeculativeDecoder(runner(target), lengths_attention=kernel).decode(encoded, prompts, rules,
                                                                                   max_new_tokens=MAX_NEW)
-    graphed = SpeculativeDecoder(runner(target), runner(draft), lengths_attention=True)
+    graphed = SpeculativeDecoder(runner(target), runner(draft), lengths_attention=kernel)
     for k in (1, 4, 8, 4):
         result = graphed.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=k))
         assert [s.tokens for s in result] == [s.tokens for s in target_only], f"k={k}"
     assert graphed.graphs.counts.captures > 0 and graphed.graphs.counts.failed == 0
+
+    # Compiled whole too (--compile --lengths-attention): the kernel traced as one operator in each step, captured;
+    # compiled kernels round otherwise than eager ones, so their tokens are compared with their own target-only's.
+    from torch._dynamo.utils import counters
+
+    compiled = SpeculativeDecoder(runner(target), runner(draft), lengths_attention=kernel, compile="default")
+    breaks = sum(counters["graph_break"].values())
+    runs = [[s.tokens for s in compiled.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW,
+                                               draft_length=DraftLength(fixed=k))] for k in (0, 4, 8, 0)]
+    assert all(run == runs[0] for run in runs), "k = 0, 4, 8, then 0 again (captured by then)"
+    assert compiled.graphs.counts.captures > 0 and compiled.graphs.counts.failed == 0
+    assert sum(counters["graph_break"].values()) == breaks
 
 
 @cuda

@@ -266,12 +266,26 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(initial_prompt="Caf\udce9"), "initial_prompt is not UTF-8 text"),
         (dict(no_speech_threshold="none"), "no_speech_threshold must be a number, or None for no threshold, not 'none'"),
         (dict(compression_ratio_threshold=-1), "compression_ratio_threshold must be above 0"),
+        # "false" is a true value: it drafted, timed words, cut silences (speculative="false" decoded speculatively).
+        (dict(speculative="false"), "speculative must be True or False, not 'false'"),
+        (dict(word_timestamps="no"), "word_timestamps must be True or False, not 'no'"),
+        (dict(vad_filter=1), "vad_filter must be True or False, not 1"),
+        (dict(language=123), "language must be a language's code or name, or None to detect it, not 123"),
+        (dict(lengths_attention="cudnn"), "attention by row lengths runs flash or triton's kernel, not 'cudnn'"),
     ]:
         with pytest.raises(ValueError, match=message):
             TranscribeOptions(**given)
     accepted = TranscribeOptions(temperatures=np.float32(0.2), seed=np.int64(3), best_of=np.int32(2),
                                  no_speech_threshold=None, initial_prompt=None)
     assert accepted.temperatures == (pytest.approx(0.2),) and accepted.initial_prompt == ""
+    # "auto" as the commands take it; numpy's booleans as flags.
+    assert TranscribeOptions(language="Auto").language is None and TranscribeOptions(language="German").language == "de"
+    assert TranscribeOptions(speculative=np.bool_(False)).speculative is False
+    # A model's name for the models (faster-whisper's WhisperModel("base")), options as a dict.
+    with pytest.raises(TypeError, match="Transcriber takes the models asr.models.load_pair"):
+        Transcriber("packaged:whisper-base")
+    with pytest.raises(TypeError, match=r"Transcriber takes its options as a TranscribeOptions\(...\), not \{'language'"):
+        Transcriber(pair, {"language": "en"})
     # Any numbers, as they worked before the checks: an array (its truth was ambiguous, a lone
     # 0.0 "no temperatures"), a tensor, a generator (read up by the check, decoding none), and
     # infinite thresholds, another way to turn one off.
@@ -285,6 +299,7 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
     from asr.writers import write_transcript
 
     transcript = transcriber.transcribe(SAMPLES / "jfk.flac")
+    assert transcriber.transcribe(transcriber.read(SAMPLES / "jfk.flac"), name="renamed").source == "renamed"
     with pytest.raises(ValueError, match="unknown output format 'TXT': the formats are txt, srt, vtt, json"):
         write_transcript(transcript, tmp_path, "jfk", ["srt", "TXT"])  # a bare KeyError: 'TXT', the srt written
     assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,100 @@
+"""Attention for the decoder's steps on a GPU, in our own Triton kernel: a few queries per row
+(a verification's 9, a draft step's 1) over keys read in place, each row told how many it
+has (the self-attention cache's positions up to the row's length) or all of them (the
+encoder's 1,500 frames), split over the keys so that one row's heads fill more of the GPU
+than one block each, and the splits' partial softmaxes combined in a second kernel.
+
+Why not PyTorch's kernels: at large-v3's shapes on an H200, batch 1, 9 queries, flash's
+kernel by row lengths took 7.5 us plus 4.2 for its combining kernel over the cache, and
+9.8 us over the 1,500 frames (docs/gpu-check-2026-11-30-h200.md), where reading those keys
+takes about 1 and 3.6 us; cuDNN's masked kernel 13 and 20. Each query's output depends only
+on its own row, head and keys, never on how many queries the call computes, so it keeps
+speculative decoding's exactness as PyTorch's kernels do (a verification computes its fixed
+width whatever k is).
+
+Triton comes with PyTorch's CUDA builds; `available()` says whether it can run here.
+`TRITON_INTERPRET=1` runs the kernels on a CPU (tests/test_gpu_paths.py, where Triton is
+installed)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+from torch import Tensor
+
+BLOCK_KEYS = 64  # keys a loop step reads
+SPLIT_KEYS = 128  # at least this many keys a split (a program) reads, where there are enough programs without
+FILLED = 264  # programs that keep an H200's 132 SMs busy twice over: no split beyond that
+
+
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the kernels cannot run here, or None."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and not interpreted:
+        return f"it needs a CUDA device, not {device.type}"
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (it comes with PyTorch's CUDA builds)"
+    if dtype not in (torch.float16, torch.bfloat16) and not interpreted:
+        return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
+    if head_dim not in (16, 32, 64, 128, 256):
+        return f"it takes heads 16, 32, 64, 128 or 256 wide, not {head_dim}"
+    return None
+
+
+def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    return unavailable(device, dtype, head_dim) is None
+
+
+def splits_for(programs: int, keys: int) -> int:
+    """Splits over the keys (a power of two): enough programs to fill the GPU, none of them
+    with fewer than SPLIT_KEYS keys."""
+    splits = 1
+    while programs * splits * 2 <= FILLED and keys >= SPLIT_KEYS * splits * 2:
+        splits *= 2
+    return splits
+
+
+@torch.library.custom_op("asr::decode_attention", mutates_args=())
+def decode_attention(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, causal: bool) -> Tensor:
+    """query [n, q, H, Dh] (any strides but the last), keys and values [n, H, K, Dh] read in
+    place (a cache's rows; the last stride 1); used [n] int32: the keys each row has (its
+    first ones), or None: all K. causal: query i of q sees the keys up to used - q + i (the
+    last query meets the last key). Returns [n, q, H, Dh], contiguous, in the query's dtype.
+    One operator to torch.compile (a compiled step calls it as it is)."""
+    if keys.stride(-1) != 1 or values.stride(-1) != 1 or query.stride(-1) != 1:
+        raise ValueError("decode_attention reads heads whose last dimension is contiguous")
+    return launch(query, keys, values, used, causal)
+
+
+@decode_attention.register_fake
+def _(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, causal: bool) -> Tensor:
+    return query.new_empty(query.shape)
+
+
+def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, causal: bool) -> Tensor:
+    """decode_attention's kernels (tests put a plain-PyTorch stand-in here)."""
+    from asr import _triton_kernels as kernels  # Triton is imported only where it runs
+
+    n, q, heads, head_dim = query.shape
+    capacity = keys.shape[2]
+    padded = max(16, 1 << (q - 1).bit_length())  # the matrix unit's smallest block of queries
+    splits = splits_for(n * heads, capacity)
+    chunk = -(-capacity // (splits * BLOCK_KEYS)) * BLOCK_KEYS
+    out = torch.empty((n, q, heads, head_dim), dtype=query.dtype, device=query.device)
+    lengths = used if used is not None else out  # not read without used (HAS_USED False)
+    common = dict(HAS_USED=used is not None, CAUSAL=causal, QUERIES=padded, HEAD_DIM=head_dim, BLOCK=BLOCK_KEYS)
+    strides = (*query.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *out.stride()[:3])
+    if splits == 1:
+        kernels.attend[(n * heads, 1)](query, keys, values, lengths, out, out, out, out, *strides,
+                                       heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=False, **common)
+        return out
+    partial = torch.empty((n * heads, splits, padded, head_dim), dtype=torch.float32, device=query.device)
+    maxima = torch.empty((n * heads, splits, padded), dtype=torch.float32, device=query.device)
+    sums = torch.empty_like(maxima)
+    kernels.attend[(n * heads, splits)](query, keys, values, lengths, out, partial, maxima, sums, *strides,
+                                        heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=True, **common)
+    kernels.combine[(n * heads,)](partial, maxima, sums, out, *out.stride()[:3], heads, q,
+                                  SPLITS=splits, QUERIES=padded, HEAD_DIM=head_dim)
+    return out
