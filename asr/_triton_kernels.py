@@ -10,12 +10,14 @@ def attend(Q, K, V, USED, OUT, PARTIAL, MAXIMA, SUMS,
            heads, queries, capacity, chunk, scale,
            HAS_USED: tl.constexpr, CAUSAL: tl.constexpr, QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr,
            BLOCK: tl.constexpr, SPLIT: tl.constexpr):
-    """One row's head over one split of its keys (program ids: row * heads + head, split):
-    an online softmax over blocks of BLOCK keys, in float32. SPLIT: writes the split's
-    unnormalised output, maximum and sum for `combine`; else the output itself."""
+    """One row's head, QUERIES of its queries, over one split of its keys (program ids: row *
+    heads + head, split, block of queries): an online softmax over blocks of BLOCK keys, in
+    float32. SPLIT: writes the split's unnormalised output, maximum and sum for `combine`;
+    else the output itself."""
     row_head = tl.program_id(0)
     split = tl.program_id(1)
-    row = row_head // heads
+    block = tl.program_id(2)
+    row = (row_head // heads).to(tl.int64)  # offsets past 2**31 elements in a large batch's cache
     head = row_head % heads
     if HAS_USED:
         used = tl.load(USED + row)
@@ -24,7 +26,7 @@ def attend(Q, K, V, USED, OUT, PARTIAL, MAXIMA, SUMS,
     begin = split * chunk
     end = tl.minimum(begin + chunk, used)
 
-    q_index = tl.arange(0, QUERIES)
+    q_index = block * QUERIES + tl.arange(0, QUERIES)
     d_index = tl.arange(0, HEAD_DIM)
     live = q_index < queries
     query = tl.load(Q + row * sq_n + head * sq_h + q_index[:, None] * sq_q + d_index[None, :],
@@ -56,11 +58,11 @@ def attend(Q, K, V, USED, OUT, PARTIAL, MAXIMA, SUMS,
         total = total * rescale + tl.sum(weights, 1)
         maximum = new_maximum
 
-    if SPLIT:
-        at = (row_head * tl.num_programs(1) + split) * QUERIES
-        tl.store(PARTIAL + (at + q_index[:, None]) * HEAD_DIM + d_index[None, :], acc)
-        tl.store(MAXIMA + at + q_index, maximum)
-        tl.store(SUMS + at + q_index, total)
+    if SPLIT:  # [row * heads + head, split, query]: queries padded to whole blocks
+        at = (row_head.to(tl.int64) * tl.num_programs(1) + split) * (tl.num_programs(2) * QUERIES) + q_index
+        tl.store(PARTIAL + at[:, None] * HEAD_DIM + d_index[None, :], acc)
+        tl.store(MAXIMA + at, maximum)
+        tl.store(SUMS + at, total)
     else:
         out = acc / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(OUT + row * so_n + head * so_h + q_index[:, None] * so_q + d_index[None, :],
@@ -70,14 +72,17 @@ def attend(Q, K, V, USED, OUT, PARTIAL, MAXIMA, SUMS,
 @triton.jit
 def combine(PARTIAL, MAXIMA, SUMS, OUT, so_n, so_q, so_h, heads, queries,
             SPLITS: tl.constexpr, QUERIES: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """A row's head: the splits' partial softmaxes as one (program id: row * heads + head)."""
+    """A row's head, QUERIES of its queries: the splits' partial softmaxes as one (program ids:
+    row * heads + head, block of queries)."""
     row_head = tl.program_id(0)
-    row = row_head // heads
+    block = tl.program_id(1)
+    row = (row_head // heads).to(tl.int64)
     head = row_head % heads
     s_index = tl.arange(0, SPLITS)
-    q_index = tl.arange(0, QUERIES)
+    q_index = block * QUERIES + tl.arange(0, QUERIES)
     d_index = tl.arange(0, HEAD_DIM)
-    at = (row_head * SPLITS + s_index[:, None]) * QUERIES + q_index[None, :]  # [SPLITS, QUERIES]
+    padded = tl.num_programs(1) * QUERIES
+    at = (row_head.to(tl.int64) * SPLITS + s_index[:, None]) * padded + q_index[None, :]  # [SPLITS, QUERIES]
     maxima = tl.load(MAXIMA + at)
     sums = tl.load(SUMS + at)
     maximum = tl.max(maxima, 0)  # [QUERIES]

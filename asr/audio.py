@@ -26,8 +26,8 @@ FLOAT_PEAK = 64.0  # float samples louder than this are PCM integers cast to flo
 FFMPEG_FORMATS = {"MP3", "OGG"}
 # A file whose header states this much more audio than it holds was cut short (a copy or
 # download interrupted): its transcript would be of a part, and a folder run would skip it as done.
-MP3_FRAME_SECONDS = 576 / 8000  # the longest an MP3 frame lasts (MPEG-2.5 layer III at 8 kHz)
 TRUNCATED_SECONDS = 0.5
+MP3_FRAME_SECONDS = 576 / 8000  # the longest an MP3 frame lasts (MPEG-2.5 layer III at 8 kHz)
 # Audio missing inside a stream (a damaged FLAC stretch the decoder resyncs past, packets that
 # fail to decode) shows as a jump in its frames' times: filled with silence from this long,
 # so that the times after it stay the recording's (subtitles would run early by the loss).

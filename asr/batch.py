@@ -876,7 +876,8 @@ class _Recorder:
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}", before_work=True)
         # The highest folder this run makes: gone again if the run stops before writing (a model that cannot load).
-        self.made = next((folder for folder in reversed([run.out_dir, *run.out_dir.parents]) if not folder.exists()), None)
+        out = run.out_dir.resolve()  # "new/../old" makes no folder
+        self.made = next((folder for folder in reversed([out, *out.parents]) if not folder.exists()), None)
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # permissions pass, the file system refuses (/sys, a read-only mount)
@@ -924,7 +925,10 @@ class _Recorder:
                         self.sources.redo(item)
                     elif not self.sources.writing(item) and not self.sources.redoing(item):
                         # Asked for formats it lacks: those it has stay as they are (edited by hand, say).
-                        if present := {fmt for fmt in run.formats if item.output(fmt).is_file()}:
+                        # Those made with other settings are made again, with the new formats' (a German
+                        # srt beside an English json was said nowhere).
+                        if present := {fmt for fmt in run.formats if item.output(fmt).is_file()
+                                       and not self._differs(self.sources.settings(item, fmt), fmt)}:
                             self.present[str(item.source)] = present
                     todo.append(dataclasses.replace(item, seconds=audio_seconds(item.source)))
                 else:
@@ -1015,8 +1019,7 @@ class _Recorder:
                 # All written before any replaces its old one: a full disk leaves the old set whole.
                 write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats if fmt not in present})
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
-                self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items()
-                                                          if fmt not in present)
+                self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items())
                 self.summary.completed += bool(present)
             except (OutputError, KeyboardInterrupt):  # the ledger full, or Ctrl-C: not done, its earlier failure kept
                 self.by_source[result.source] = item
@@ -1073,11 +1076,15 @@ class _Recorder:
         self.bar.close()
         self.log.close(pending=self.by_source)
         self.sources.close()
+        out = self.run.out_dir.resolve()
+        try:  # while the folder is locked: no other run has begun in it
+            empty = self.made is not None and all(entry.name == LOCK_FILE for entry in out.iterdir())
+            if empty:
+                (out / LOCK_FILE).unlink()
+        except OSError:  # the folder gone or unreadable meanwhile: the run's own error is the one to tell
+            empty = False
         self.lock.release()
-        if self.made is None or any(entry.name != LOCK_FILE for entry in self.run.out_dir.iterdir()):
-            return
-        (self.run.out_dir / LOCK_FILE).unlink(missing_ok=True)
-        for folder in [self.run.out_dir, *self.run.out_dir.parents]:
+        for folder in [out, *out.parents] if empty else []:
             try:
                 folder.rmdir()
             except OSError:  # another's file meanwhile: kept

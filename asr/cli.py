@@ -272,16 +272,24 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile the engine's steps whole with torch.compile (Inductor; the decoder's pass, the rules "
                              "and the bookkeeping fused into fewer kernels inside the CUDA graphs), for a GPU: each new shape "
                              "compiles at first use, which takes a while; slower on a CPU")
-    parser.add_argument("--lengths-attention", nargs="?", const="flash", choices=LENGTHS_KERNELS, metavar="KERNEL",
+    parser.add_argument("--lengths-attention", action="store_true",
                         help="on a GPU in float16 or bfloat16, the draft's steps and the verification attend by each row's "
-                             "length rather than under a mask, by flash-attention's kernel for rows of their own lengths "
-                             "(flash, the default: 12 %% less time per token at large-v3's size on an H200 at batch 1, none "
-                             "with whisper-base) or by ours in Triton (triton: not yet run on a GPU)")
+                             "length rather than under a mask (12 %% less time per token at large-v3's size on an H200 at "
+                             "batch 1, none with whisper-base)")
+    parser.add_argument("--lengths-kernel", choices=LENGTHS_KERNELS,
+                        help="--lengths-attention by this kernel: flash-attention's for rows of their own lengths (flash, "
+                             "the default), or ours in Triton (triton: not yet run on a GPU); implies --lengths-attention")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     """The TranscribeOptions that say how the engine runs (graphs, compiled steps, attention by lengths)."""
-    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile, lengths_attention=args.lengths_attention)
+    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile, lengths_attention=lengths_of(args))
+
+
+def lengths_of(args: argparse.Namespace) -> str | None:
+    """--lengths-attention's kernel (--lengths-kernel, flash by default), or None for masked attention."""
+    kernel = getattr(args, "lengths_kernel", None)
+    return kernel or (LENGTHS_KERNELS[0] if getattr(args, "lengths_attention", False) else None)
 
 
 # A model that cannot load (or fit on the GPU), input or options it refuses: one line, no traceback.
@@ -593,9 +601,9 @@ def main(argv: list[str] | None = None) -> int:
     problem = device_problem(getattr(args, "device", "auto"), here=not remote)
     if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
-    if not problem and getattr(args, "lengths_attention", False) and not remote:
+    if not problem and (kernel := lengths_of(args)) and not remote:
         device, dtype, _ = device_and_dtypes(args)
-        if reason := lengths_attention_unavailable(torch.device(device), dtype, kernel=args.lengths_attention):
+        if reason := lengths_attention_unavailable(torch.device(device), dtype, kernel=kernel):
             problem = f"--lengths-attention cannot run here: {reason}"
     if problem:
         print(f"asr: {problem}", file=sys.stderr)

@@ -42,12 +42,11 @@ LENGTHS_KERNELS = ("flash", "triton")  # attention by row lengths: flash-attenti
 def lengths_kernel(choice: bool | str | None) -> str | None:
     """Attention by row lengths as asked (True: flash-attention's kernel; a kernel's name),
     as the kernel's name, or None for masked attention."""
-    if choice in (None, False, ""):
-        return None
-    kernel = LENGTHS_KERNELS[0] if choice is True else choice
-    if kernel not in LENGTHS_KERNELS:
+    if choice is None or (not isinstance(choice, str) and type(choice).__name__ in ("bool", "bool_")):  # numpy's too
+        return LENGTHS_KERNELS[0] if choice else None
+    if choice not in LENGTHS_KERNELS:
         raise ValueError(f"attention by row lengths runs {' or '.join(LENGTHS_KERNELS)}'s kernel, not {choice!r}")
-    return kernel
+    return choice
 
 
 def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None,
@@ -330,8 +329,8 @@ class DecoderRunner:
         attended = cache.capacity if window is None else window
         mask = lengths = None
         if by_lengths:
-            if rows is not None:
-                raise ValueError("attention by row lengths reads every row of the cache, not some")
+            if rows is not None or scores is not None:
+                raise ValueError("attention by row lengths reads every row of the cache, not some, and keeps no scores")
             lengths = ByLengths.of(positions, self.num_heads, cache.capacity, attended, lengths_kernel(by_lengths))
         elif window is None or batch > 1 or q > 1:
             # Additive, in the model's dtype, made once for every layer (SDPA would convert a

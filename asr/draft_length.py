@@ -150,7 +150,7 @@ class DraftLength:
         sizes = {}
         for size, c in sorted(self._by_rows.items()):
             entry: dict = {"rounds_by_k": dict(sorted(c.rounds.items()))}
-            if c.plain and c.drafting:
+            if self._choose(c):  # from the costs below (the last round's languages)
                 plain = median_low(c.plain)
                 overhead, per_proposal = _drafting_costs(plain, c.drafting)
                 entry.update(plain_round_ms=1e3 * plain, overhead_ms=1e3 * overhead, per_proposal_ms=1e3 * per_proposal,

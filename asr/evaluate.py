@@ -886,7 +886,7 @@ def render_markdown(report: dict, title: str) -> str:
             f"({g['capture_seconds']:.2f} s)" + (f", {g['compilations']} compilations" if g.get("compilations") else "")
             + (f", {g['failed']} captures failed (run eagerly)" if g.get("failed") else "")
             for system, g in warmed.items()) + "."]
-    if (length := env.get("draft_length")) and length["fixed"] is None:
+    if (length := env.get("draft_length")) and length["fixed"] is None and length["by_rows"]:
         lines += ["", f"{LABELS[SPECULATIVE]}'s adaptive draft length, over every round of the process (warm-ups "
                   "included): " + "; ".join(_draft_length_line(rows, entry) for rows, entry in length["by_rows"].items())
                   + "; acceptance " + ", ".join(f"{language} {100 * a:.0f}%" for language, a in length["acceptance"].items())

@@ -8,9 +8,11 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import queue
 import threading
 import time
 import traceback
+import weakref
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
 from dataclasses import dataclass, field, replace
@@ -94,7 +96,7 @@ class TranscribeOptions:
     best_of: int = 1
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
-    lengths_attention: bool | str = False  # on CUDA, attention by row lengths: True/"flash" or "triton" (SpeculativeDecoder's)
+    lengths_attention: bool | str = False  # on CUDA, attention by row lengths: "flash" (or True) or "triton" (SpeculativeDecoder's)
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
@@ -142,7 +144,8 @@ class TranscribeOptions:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
-        lengths_kernel(self.lengths_attention)  # a kernel it knows
+        # One value per engine (ModelPair.engine's key): True is flash's kernel.
+        object.__setattr__(self, "lengths_attention", lengths_kernel(self.lengths_attention) or False)
         if self.language is not None and not isinstance(self.language, str):
             raise ValueError(f"language must be a language's code or name, or None to detect it, not {self.language!r}")
         if self.language is not None and self.language.strip().lower() == "auto":  # as the commands take it
@@ -240,6 +243,35 @@ class Cancelled(Exception):
     """A transcription stopped by Progress.cancel()."""
 
 
+class _Following(Iterator[Segment]):
+    """Transcriber.segments' iterator: the segments of each report a decoding thread puts in
+    `events` (Progress after each window, then the Transcript, or an error), as they come.
+    close() stops the decoding (a generator's close did nothing before its first segment)."""
+
+    def __init__(self, first: Progress | Transcript, events: queue.SimpleQueue, stop: Callable[[], None]):
+        self._event, self._events, self._stop = first, events, stop
+        self._seen, self._closed = 0, False
+
+    def __next__(self) -> Segment:
+        while not self._closed:
+            if self._seen < len(segments := self._event.segments):
+                self._seen += 1
+                return segments[self._seen - 1]
+            if isinstance(self._event, Transcript):
+                break
+            event = self._events.get()
+            if isinstance(event, BaseException):  # Cancelled too: another call stopped it
+                self.close()
+                raise event
+            self._event = event
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        self._closed = True
+        self._stop()
+
+
 def _scanned(blocks: Iterator[np.ndarray], progress: Progress | None) -> Iterator[np.ndarray]:
     """blocks, until progress is cancelled."""
     for block in blocks:
@@ -261,6 +293,7 @@ class Progress:
         self.duration = 0.0  # of the recording, in seconds
         self.fraction = 0.0  # of the recording decoded
         self.segments: list[Segment] = []  # decoded so far, in the recording's times
+        self.info: TranscriptionInfo | None = None  # the transcription's (its language, once the first window is decoded)
         self._cancelled = threading.Event()
 
     def cancel(self) -> None:
@@ -350,7 +383,7 @@ class _Job:
         progress = self.audio.progress
         if progress is None or self.window_only:
             return
-        progress.started, progress.duration = True, self.info.duration
+        progress.started, progress.duration, progress.info = True, self.info.duration, self.info
         progress.fraction = 1.0 if self.done else min(self._recording_time(self.seek * FRAME_SECONDS) / self.info.duration, 1.0)
         progress.segments = progress.segments + self._restored(self.segments[len(progress.segments) :])
         if progress.listener is not None:
@@ -382,6 +415,8 @@ class Transcriber:
         self.options = options
         self.batch_size = batch_size
         self.scheduler = scheduler
+        # Without a scheduler: the decoding thread of a segments() generator still unread, and what stops it.
+        self._following: tuple[threading.Thread, Callable[[], None]] | None = None
         target = models.target
         self.vocab = target.vocab
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
@@ -436,17 +471,71 @@ class Transcriber:
         """A file, or an array of samples ([frames] or [frames, channels], float or PCM
         integers) at sample_rate, resampled to 16 kHz (soundfile.read's 44.1 kHz, read as 16 kHz,
         gave no text). Raises Cancelled if the AudioInput's progress is cancelled before it is done."""
-        if sample_rate != SAMPLE_RATE:
-            if not isinstance(audio, np.ndarray):
-                raise ValueError(f"sample_rate is an array's: a file tells its own, an AudioInput holds 16 kHz samples "
-                                 f"(given {sample_rate})")
-            audio = to_model_input(audio, checked_rate(sample_rate, name or "audio"), name or "audio")
-        item = self.input(audio, name)
+        item = self._at_model_rate(audio, name, sample_rate)
         if self.scheduler is not None:
             return self.submit(item).result()
         for transcript in self.transcribe_many([item]):
             return transcript
         raise Cancelled(item.name)
+
+    def _interrupt(self) -> None:
+        """Without a scheduler a Transcriber decodes one recording at a time: a segments()
+        generator left unread (a loop left with break keeps it) is stopped before the next
+        call decodes (its next segment then raises Cancelled)."""
+        following = self._following
+        if following is not None and following[0] is not threading.current_thread():
+            following[1]()
+
+    def segments(self, audio: Audio, name: str | None = None,
+                 sample_rate: int = SAMPLE_RATE) -> tuple[Iterator[Segment], TranscriptionInfo]:
+        """faster-whisper's transcribe: an iterator of the segments, each window's as it ends,
+        and the transcription's info, returned once the first window is decoded (its language
+        known; its figures complete once the segments are). transcribe's audio; the decoding
+        runs in a thread of its own, and closing the iterator (close(), or dropping it) stops
+        it. An error in decoding is raised by the iterator. A Transcriber without a scheduler
+        decodes one recording at a time: its next call stops an iterator left unread (a loop
+        left with break keeps it), whose next segment then raises Cancelled."""
+        item = self._at_model_rate(audio, name, sample_rate)
+        if item.progress is not None:
+            raise ValueError(f"{item.name}: segments() follows the transcription itself: give no Progress")
+        events: queue.SimpleQueue = queue.SimpleQueue()  # a Progress after each window, then the Transcript or an error
+        item = replace(item, progress=Progress(events.put))
+
+        def decode() -> None:
+            try:
+                events.put(self.transcribe(item))
+            except BaseException as error:  # Cancelled too, where the generator was closed
+                events.put(error)
+
+        def stop() -> None:  # at the next round
+            item.progress.cancel()  # a no-op once done
+            thread.join()
+            if self._following is not None and self._following[0] is thread:
+                self._following = None
+
+        self._interrupt()
+        thread = threading.Thread(target=decode, name=f"asr segments {item.name}", daemon=True)
+        if self.scheduler is None:
+            self._following = (thread, stop)
+        thread.start()
+        first = events.get()
+        if isinstance(first, BaseException):
+            raise first
+
+        segments = _Following(first, events, stop)
+        # Dropped unread, or the program ending with it unread: the decoding stops too (a thread
+        # cut off inside torch at exit aborted the process).
+        weakref.finalize(segments, stop)
+        return segments, first.info
+
+    def _at_model_rate(self, audio: Audio, name: str | None, sample_rate: int) -> AudioInput:
+        """transcribe's audio as an AudioInput: an array at another rate resampled to 16 kHz."""
+        if sample_rate != SAMPLE_RATE:
+            if not isinstance(audio, np.ndarray):
+                raise ValueError(f"sample_rate is an array's: a file tells its own, an AudioInput holds 16 kHz samples "
+                                 f"(given {sample_rate})")
+            audio = to_model_input(audio, checked_rate(sample_rate, name or "audio"), name or "audio")
+        return self.input(audio, name)
 
     def submit(self, audio: Audio) -> Future:
         """With a scheduler: transcribe's work handed over without waiting for it (the
@@ -527,6 +616,7 @@ class Transcriber:
         if self.scheduler is not None:  # its worker runs the engine: not this thread too
             yield from self._handed_over(inputs)
             return
+        self._interrupt()
         pending = self._read(inputs)
         decoding = _Decoding(self, self.batch_size)
         exhausted, failure = False, None
@@ -617,6 +707,7 @@ class Transcriber:
             raise ValueError(f"a window holds at most {WINDOW_SAMPLES} samples, not {len(samples)}")
         language = None if language is None else language_code(language)
         self._check_language(language)
+        self._interrupt()
         if encoder_frames is not None and not (0 < encoder_frames <= WINDOW_FRAMES and encoder_frames % 2 == 0):
             raise ValueError(f"encoder_frames must be an even number of frames up to {WINDOW_FRAMES}, not {encoder_frames}")
         if max_new_tokens is not None:  # -5 ran a row backwards; 0 meant the options' limit

@@ -7,10 +7,11 @@ than one block each, and the splits' partial softmaxes combined in a second kern
 Why not PyTorch's kernels: at large-v3's shapes on an H200, batch 1, 9 queries, flash's
 kernel by row lengths took 7.5 us plus 4.2 for its combining kernel over the cache, and
 9.8 us over the 1,500 frames (docs/gpu-check-2026-11-30-h200.md), where reading those keys
-takes about 1 and 3.6 us; cuDNN's masked kernel 13 and 20. Each query's output depends only
-on its own row, head and keys, never on how many queries the call computes, so it keeps
-speculative decoding's exactness as PyTorch's kernels do (a verification computes its fixed
-width whatever k is).
+takes about 1 and 3.6 us; cuDNN's masked kernel 13 and 20. A query's output never depends
+on how many queries the call computes (each block of 16 queries is a program of its own),
+nor on the other rows' keys; how its keys are split depends on the batch's size, as with
+flash's kernel. Speculative decoding keeps its exactness as with PyTorch's kernels: a
+verification computes its fixed width whatever k is, in batches of the same size.
 
 Triton comes with PyTorch's CUDA builds; `available()` says whether it can run here.
 `TRITON_INTERPRET=1` runs the kernels on a CPU (tests/test_gpu_paths.py, where Triton is
@@ -25,6 +26,7 @@ import torch
 from torch import Tensor
 
 BLOCK_KEYS = 64  # keys a loop step reads
+BLOCK_QUERIES = 16  # queries a program computes (the matrix unit's smallest block): more, in more programs
 SPLIT_KEYS = 128  # at least this many keys a split (a program) reads, where there are enough programs without
 FILLED = 264  # programs that keep an H200's 132 SMs busy twice over: no split beyond that
 
@@ -36,6 +38,11 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
         return f"it needs a CUDA device, not {device.type}"
     if importlib.util.find_spec("triton") is None:
         return "Triton is not installed (it comes with PyTorch's CUDA builds)"
+    if device.type == "cuda" and torch.version.hip is not None:
+        return "it has not been tried on ROCm"
+    if device.type == "cuda" and (capability := torch.cuda.get_device_capability(device)) < (8, 0):
+        # bfloat16's matrix products, and the tests', need Ampere's tensor cores
+        return f"it needs a GPU of compute capability 8.0 or later, not {capability[0]}.{capability[1]}"
     if dtype not in (torch.float16, torch.bfloat16) and not interpreted:
         return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if head_dim not in (16, 32, 64, 128, 256):
@@ -79,22 +86,23 @@ def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, cau
 
     n, q, heads, head_dim = query.shape
     capacity = keys.shape[2]
-    padded = max(16, 1 << (q - 1).bit_length())  # the matrix unit's smallest block of queries
+    blocks = -(-q // BLOCK_QUERIES)  # a verification's 9 queries in one, a draft's catch-up of 256 in 16
     splits = splits_for(n * heads, capacity)
     chunk = -(-capacity // (splits * BLOCK_KEYS)) * BLOCK_KEYS
     out = torch.empty((n, q, heads, head_dim), dtype=query.dtype, device=query.device)
     lengths = used if used is not None else out  # not read without used (HAS_USED False)
-    common = dict(HAS_USED=used is not None, CAUSAL=causal, QUERIES=padded, HEAD_DIM=head_dim, BLOCK=BLOCK_KEYS)
+    common = dict(HAS_USED=used is not None, CAUSAL=causal, QUERIES=BLOCK_QUERIES, HEAD_DIM=head_dim, BLOCK=BLOCK_KEYS)
     strides = (*query.stride()[:3], *keys.stride()[:3], *values.stride()[:3], *out.stride()[:3])
     if splits == 1:
-        kernels.attend[(n * heads, 1)](query, keys, values, lengths, out, out, out, out, *strides,
-                                       heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=False, **common)
+        kernels.attend[(n * heads, 1, blocks)](query, keys, values, lengths, out, out, out, out, *strides,
+                                               heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=False, **common)
         return out
+    padded = blocks * BLOCK_QUERIES
     partial = torch.empty((n * heads, splits, padded, head_dim), dtype=torch.float32, device=query.device)
     maxima = torch.empty((n * heads, splits, padded), dtype=torch.float32, device=query.device)
     sums = torch.empty_like(maxima)
-    kernels.attend[(n * heads, splits)](query, keys, values, lengths, out, partial, maxima, sums, *strides,
-                                        heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=True, **common)
-    kernels.combine[(n * heads,)](partial, maxima, sums, out, *out.stride()[:3], heads, q,
-                                  SPLITS=splits, QUERIES=padded, HEAD_DIM=head_dim)
+    kernels.attend[(n * heads, splits, blocks)](query, keys, values, lengths, out, partial, maxima, sums, *strides,
+                                                heads, q, capacity, chunk, head_dim ** -0.5, SPLIT=True, **common)
+    kernels.combine[(n * heads, blocks)](partial, maxima, sums, out, *out.stride()[:3], heads, q,
+                                         SPLITS=splits, QUERIES=BLOCK_QUERIES, HEAD_DIM=head_dim)
     return out

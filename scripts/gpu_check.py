@@ -7,7 +7,7 @@ benchmark with the engine's steps compiled (torch.compile, `compile`), the dev s
 `asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
 max-autotune (`autotune`). --lengths-attention adds rows attending by row lengths to every
 benchmark part, in flash-attention's kernel and in ours (Triton); `lengths-evaluate` runs
-the dev set through `asr evaluate --lengths-attention KERNEL` in each.
+the dev set through `asr evaluate --lengths-kernel KERNEL` in each.
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -194,12 +194,12 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
 def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False,
              lengths: str | None = None) -> dict:
     """The dev set through `asr evaluate`, English and multilingual; compile: with --compile;
-    lengths: with --lengths-attention in this kernel (flash, triton)."""
+    lengths: by row lengths in this kernel (asr evaluate --lengths-kernel: flash, triton)."""
     if real:
         return {"skipped": real}
     results = {}
     ok = True
-    options = (["--compile"] if compile else []) + (["--lengths-attention", lengths] if lengths else [])
+    options = (["--compile"] if compile else []) + (["--lengths-kernel", lengths] if lengths else [])
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
         variant = "".join(f"-{name}" for name, on in (("compiled", compile), ("lengths", lengths),
                                                       ("triton", lengths == "triton")) if on)

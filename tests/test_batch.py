@@ -1331,6 +1331,15 @@ def test_a_format_asked_for_later_is_written_beside_the_outputs_kept_as_they_are
     assert (again.skipped, again.ok) == (1, 0)  # all three known as done
     redone = run(("srt", "txt", "json"), overwrite=True)
     assert (redone.ok, redone.completed) == (1, 0) and (out / "a.srt").read_text() != edited
+    # Outputs made with other settings are made again beside the new format, with its settings (a
+    # German vtt beside the English srt and txt was said nowhere).
+    (out / "a.srt").write_text(edited)
+    german = batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="de"))
+    other = transcribe_folder(FolderRun((source,), out, ("srt", "vtt"), echo=False, progress=False, settings=german),
+                              lambda: Transcriber(pair, TranscribeOptions(language="de")))
+    assert (other.ok, other.completed) == (1, 0) and (out / "a.srt").read_text() != edited
+    assert (out / "a.txt").read_bytes() == txt  # not asked for: kept, and said to be of other settings
+    assert other.beside_other_settings == 1
 
 
 def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Path, pair, capsys):

