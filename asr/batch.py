@@ -875,9 +875,10 @@ class _Recorder:
         self.run = run
         if problem := unwritable(run.out_dir):
             raise OutputError(f"--out-dir {run.out_dir}: {problem}", before_work=True)
-        # The highest folder this run makes: gone again if the run stops before writing (a model that cannot load).
-        out = run.out_dir.resolve()  # "new/../old" makes no folder
-        self.made = next((folder for folder in reversed([out, *out.parents]) if not folder.exists()), None)
+        # The folders this run makes, deepest first: gone again if the run stops before writing (a model
+        # that cannot load). Resolved: "new/../old" names an existing folder.
+        out = run.out_dir.resolve()
+        self.made = [folder for folder in [out, *out.parents] if not folder.exists()]
         try:
             run.out_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:  # permissions pass, the file system refuses (/sys, a read-only mount)
@@ -1076,20 +1077,17 @@ class _Recorder:
         self.bar.close()
         self.log.close(pending=self.by_source)
         self.sources.close()
-        out = self.run.out_dir.resolve()
         try:  # while the folder is locked: no other run has begun in it
-            empty = self.made is not None and all(entry.name == LOCK_FILE for entry in out.iterdir())
+            empty = bool(self.made) and all(entry.name == LOCK_FILE for entry in self.made[0].iterdir())
             if empty:
-                (out / LOCK_FILE).unlink()
+                (self.made[0] / LOCK_FILE).unlink(missing_ok=True)  # none where nothing locks (Windows)
         except OSError:  # the folder gone or unreadable meanwhile: the run's own error is the one to tell
             empty = False
         self.lock.release()
-        for folder in [out, *out.parents] if empty else []:
+        for folder in self.made if empty else []:
             try:
                 folder.rmdir()
             except OSError:  # another's file meanwhile: kept
-                return
-            if folder == self.made:
                 return
 
     def _failed(self, source: str, reason: str) -> None:

@@ -168,6 +168,9 @@ class ModelPair:
     draft: WhisperModel | None
     draft_has_own_encoder: bool = False
     _engines: dict = field(default_factory=dict, repr=False, compare=False)
+    # A Transcriber.segments() decoding thread over these models left unread, and what stops it:
+    # every Transcriber over them (one engine's captured steps) decodes one recording at a time.
+    _following: tuple | None = field(default=None, repr=False, compare=False)
 
     def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
                compile: bool = False, lengths_attention: bool | str = False) -> SpeculativeDecoder:

@@ -5,6 +5,7 @@ window's start depends on where the previous one's last segment ended."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import math
 import numbers
@@ -243,6 +244,17 @@ class Cancelled(Exception):
     """A transcription stopped by Progress.cancel()."""
 
 
+_DECODING: set[Callable[[], None]] = set()  # what stops each segments() decoding thread still running
+
+
+@atexit.register
+def _stop_decoding() -> None:
+    """At exit, segments() iterators left unread: their threads stopped and waited for (a thread
+    cut off inside torch as the interpreter ends aborted the process)."""
+    for stop in list(_DECODING):
+        stop()
+
+
 class _Following(Iterator[Segment]):
     """Transcriber.segments' iterator: the segments of each report a decoding thread puts in
     `events` (Progress after each window, then the Transcript, or an error), as they come.
@@ -415,8 +427,6 @@ class Transcriber:
         self.options = options
         self.batch_size = batch_size
         self.scheduler = scheduler
-        # Without a scheduler: the decoding thread of a segments() generator still unread, and what stops it.
-        self._following: tuple[threading.Thread, Callable[[], None]] | None = None
         target = models.target
         self.vocab = target.vocab
         # One engine per model pair and configuration: its batch states, CUDA graphs and draft
@@ -479,22 +489,24 @@ class Transcriber:
         raise Cancelled(item.name)
 
     def _interrupt(self) -> None:
-        """Without a scheduler a Transcriber decodes one recording at a time: a segments()
-        generator left unread (a loop left with break keeps it) is stopped before the next
-        call decodes (its next segment then raises Cancelled)."""
-        following = self._following
+        """Without a scheduler the models decode one recording at a time, whichever Transcriber
+        asks: a segments() iterator over them left unread (a loop left with break keeps it)
+        is stopped before the next call decodes (it then yields what was decoded, and raises
+        Cancelled)."""
+        following = self.models._following
         if following is not None and following[0] is not threading.current_thread():
             following[1]()
 
     def segments(self, audio: Audio, name: str | None = None,
                  sample_rate: int = SAMPLE_RATE) -> tuple[Iterator[Segment], TranscriptionInfo]:
         """faster-whisper's transcribe: an iterator of the segments, each window's as it ends,
-        and the transcription's info, returned once the first window is decoded (its language
-        known; its figures complete once the segments are). transcribe's audio; the decoding
-        runs in a thread of its own, and closing the iterator (close(), or dropping it) stops
-        it. An error in decoding is raised by the iterator. A Transcriber without a scheduler
-        decodes one recording at a time: its next call stops an iterator left unread (a loop
-        left with break keeps it), whose next segment then raises Cancelled."""
+        and the transcription's info, returned once the first window's language is known
+        (its figures complete once the segments are). transcribe's audio; the decoding runs
+        in a thread of its own, and closing the iterator (close(), or dropping it) stops it.
+        An error in decoding is raised by the iterator. Without a scheduler the models decode
+        one recording at a time: the next call of any Transcriber over them stops an iterator
+        left unread (a loop left with break keeps it), which then yields what was decoded
+        and raises Cancelled."""
         item = self._at_model_rate(audio, name, sample_rate)
         if item.progress is not None:
             raise ValueError(f"{item.name}: segments() follows the transcription itself: give no Progress")
@@ -504,28 +516,38 @@ class Transcriber:
         def decode() -> None:
             try:
                 events.put(self.transcribe(item))
-            except BaseException as error:  # Cancelled too, where the generator was closed
+            except BaseException as error:  # Cancelled too, where the iterator was closed
                 events.put(error)
+            finally:  # nothing left to stop: the recording (its samples) is let go
+                _DECODING.discard(stop)
+                if (following := self.models._following) is not None and following[0] is thread:
+                    self.models._following = None
 
         def stop() -> None:  # at the next round
             item.progress.cancel()  # a no-op once done
-            thread.join()
-            if self._following is not None and self._following[0] is thread:
-                self._following = None
+            if thread is not threading.current_thread():
+                thread.join()
 
         self._interrupt()
         thread = threading.Thread(target=decode, name=f"asr segments {item.name}", daemon=True)
         if self.scheduler is None:
-            self._following = (thread, stop)
+            self.models._following = (thread, stop)
+        _DECODING.add(stop)
         thread.start()
-        first = events.get()
+        try:
+            first = events.get()
+        except BaseException:  # Ctrl-C: a decoding thread cut off inside torch at exit aborted the process
+            stop()
+            raise
         if isinstance(first, BaseException):
+            stop()
             raise first
 
         segments = _Following(first, events, stop)
-        # Dropped unread, or the program ending with it unread: the decoding stops too (a thread
-        # cut off inside torch at exit aborted the process).
-        weakref.finalize(segments, stop)
+        # Dropped unread: the decoding stops too. Only cancelled here, not waited for: the
+        # collector may run this in any thread, a Scheduler's worker too, which the decoding
+        # waits for. The program ending with it unread: _stop_decoding waits.
+        weakref.finalize(segments, item.progress.cancel)
         return segments, first.info
 
     def _at_model_rate(self, audio: Audio, name: str | None, sample_rate: int) -> AudioInput:

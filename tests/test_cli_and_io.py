@@ -960,6 +960,12 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
     (tmp_path / "there").mkdir()
     assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path / "there")]) == 2
     assert (tmp_path / "there").is_dir()
+    from asr import batch
+
+    monkeypatch.setattr(batch, "fcntl", None)  # no lock file where nothing locks (Windows): they went all the same
+    assert main(["transcribe", str(SAMPLES), "--target", str(tmp_path), "--out-dir", str(tmp_path / "new" / "out")]) == 2
+    assert not (tmp_path / "new").exists()
+    monkeypatch.undo()
     # A mistyped path: said before anything is written (errors.jsonl and the lock were left in --out-dir).
     assert main(["transcribe", str(tmp_path / "nothing"), "--out-dir", str(tmp_path / "out")]) == 2
     assert f"asr: {tmp_path / 'nothing'}: no such file or folder" in capsys.readouterr().err

@@ -455,8 +455,16 @@ def test_segments_come_from_a_generator_as_each_window_ends_beside_the_info(pair
     with pytest.raises(Cancelled):
         list(segments)
     segments, _ = transcriber.segments(sonnet)
-    del segments  # dropped unread
+    del segments  # dropped unread: cancelled (not waited for: the collector may run in any thread)
+    deadline = time.monotonic() + 60
+    while following() and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not following()
+    # Another Transcriber over the same models (one engine): its call stops the first's iterator too.
+    segments, _ = transcriber.segments(sonnet)
+    next(segments)
+    Transcriber(pair, TranscribeOptions(temperatures=(0.0,))).transcribe(SAMPLES / "jfk.flac")
+    assert not following() and pytest.raises(Cancelled, list, segments)
     with pytest.raises(Exception, match="nothing.flac"):
         transcriber.segments(SAMPLES / "nothing.flac")
     with pytest.raises(ValueError, match="segments\\(\\) follows the transcription itself: give no Progress"):
