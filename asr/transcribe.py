@@ -469,6 +469,7 @@ class Transcriber:
         first use mid-decode (SpeculativeDecoder.warm_up); nothing on a CPU. For long-lived
         processes (the web page, a stream, `asr evaluate` before its timed runs), and only
         while nothing decodes on the engine (a scheduler's worker idle)."""
+        self._interrupt()  # a segments() iterator left unread decodes on this engine
         models = self.models
         own = self.speculative and models.draft_has_own_encoder
         rows = rows or (self.scheduler.rows if self.scheduler is not None else self.batch_size)
