@@ -119,12 +119,12 @@ class LiveSession:
         return end - self._started
 
     def waiting_seconds(self) -> float:
-        """Audio received that no decode has read yet: it grows where decoding is slower
-        than speech (chunks Gradio dropped are not counted: recorded_seconds)."""
+        """Audio received that no decode has read yet, a backlog behind the stream's full
+        buffer included: it grows where decoding is slower than speech (chunks Gradio
+        dropped are not counted: recorded_seconds)."""
         with self._wake:
             pending = self._pending_seconds
-        decoded = self.updates[-1].audio_seconds if self.updates else 0.0
-        return pending + self._streamer.audio_seconds - decoded
+        return pending + self._streamer.undecoded_seconds
 
     @property
     def last(self) -> StreamUpdate | None:
@@ -148,7 +148,9 @@ class LiveSession:
         retried = False
         while True:
             with self._wake:
-                while not self._stopping and self._pending_seconds < MIN_STEP_SECONDS:
+                # A backlog behind the stream's full buffer is decoded without waiting for more audio.
+                while (not self._stopping and self._pending_seconds < MIN_STEP_SECONDS
+                       and self._streamer.undecoded_seconds < MIN_STEP_SECONDS):
                     if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
                         self._stopping, self._stopped, self.idle = True, self._fed, IDLE_SECONDS
                     else:

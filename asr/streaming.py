@@ -234,6 +234,12 @@ class StreamingTranscriber:
         return self._received / SAMPLE_RATE
 
     @property
+    def undecoded_seconds(self) -> float:
+        """Audio received that no decode has heard yet: what came since the last decode, and a
+        backlog waiting behind a full buffer (decoded a window a call)."""
+        return (self._received - self._decoded_until) / SAMPLE_RATE
+
+    @property
     def committed_text(self) -> str:
         return "".join(w.text for w in self._committed).strip()
 
@@ -287,7 +293,8 @@ class StreamingTranscriber:
         ends here: more audio needs a new StreamingTranscriber (a second finish() is empty)."""
         if self._resampler is not None:  # its held-back last samples
             self._take(self._resampler.resample_chunk(np.zeros(0, np.float32), last=True))
-            self._resampler = None
+            # Flushed: where the decode below raises and the caller goes on, its next chunk starts a resampler anew.
+            self._rate, self._resampler = SAMPLE_RATE, None
         update = self._update(final=True)
         self._finished = True
         return update
@@ -989,7 +996,7 @@ def feed_recording(
             if clock is not None:
                 time.sleep(arrival - now)
             now = arrival
-        arrived = max(fed + 1, sum(1 for end in ends if end / SAMPLE_RATE <= now))
+        arrived = max(fed + 1, bisect.bisect_right(ends, now, key=lambda end: end / SAMPLE_RATE))  # ends ascend
         stream.insert_audio(samples[ends[fed - 1] if fed else 0 : ends[arrived - 1]])
         fed = arrived
         update = stream.process()

@@ -565,6 +565,31 @@ def test_a_live_session_on_a_server_too_slow_for_it_says_how_far_behind_it_is(en
     assert live_status(True, 11.0, 0.0, 900) == "finished"
 
 
+def test_a_live_session_counts_a_backlog_as_waiting_and_decodes_it_without_more_audio(engine: Engine) -> None:
+    """50 s of speech arrive while another request holds the models: the first decode hears
+    30 s of it, the page counts the 20 s behind the full buffer as waiting (it said 0 s and
+    "recording"), and the worker decodes that backlog without waiting for more audio."""
+    sonnet = load_audio(SONNET)[: 50 * SAMPLE_RATE]
+    live = LiveSession(engine, Settings(language="en"))
+    try:
+        with engine.lock:
+            with live._wake:  # the worker takes all 50 s at once
+                for i in range(0, len(sonnet), SAMPLE_RATE // 2):
+                    live.feed(SAMPLE_RATE, sonnet[i : i + SAMPLE_RATE // 2])
+            time.sleep(0.3)  # the worker takes the chunks and waits for the models
+        deadline = time.monotonic() + 120
+        while not live.updates and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert live.updates[0].buffer_seconds == 30.0 and live.waiting_seconds() > 15, live.waiting_seconds()
+        assert "behind" in live_status(False, 50.0, live.waiting_seconds(), 900)
+        while live.waiting_seconds() >= 1 and time.monotonic() < deadline:  # no more audio comes
+            time.sleep(0.05)
+        # decoded at once, not at the final decode 30 s without a chunk brings
+        assert live.waiting_seconds() < 1 and len(live.updates) >= 2 and not live.last.final and live.error is None
+    finally:
+        live.cancel()
+
+
 def microphone_handlers(engine: Engine, downloads: Path) -> dict[str, Callable]:
     """The page's microphone handlers, called as Gradio calls them (by name: on_start, on_chunk, ...)."""
     return {dependency.fn.__name__: dependency.fn for dependency in build(engine, downloads).fns.values()}

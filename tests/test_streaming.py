@@ -6,8 +6,10 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import time
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -572,6 +574,50 @@ def test_a_decode_that_raises_is_done_again_at_the_next_call(transcriber):
     with pytest.raises(RuntimeError, match="out of memory"):
         stream.process()
     assert "fellow" in stream.process().tentative_text.lower()
+
+
+def test_chunks_at_another_rate_after_a_finish_that_raised_are_resampled(transcriber):
+    """finish() flushed the resampler and dropped it, then its decode raised: the stream stays
+    open (a caller tries again), and its next 48 kHz chunks were taken as 16 kHz ones
+    (23 s of audio for 11, the end of JFK lost)."""
+    samples = soxr.resample(load_audio(JFK), SAMPLE_RATE, 48_000)
+    stream = StreamingTranscriber(transcriber)
+    transcribe, failed = stream._transcribe, []
+
+    def once(*args):
+        if not failed:
+            failed.append(1)
+            raise MemoryError
+        return transcribe(*args)
+
+    stream._transcribe = once
+    stream.insert_audio(samples[: 5 * 48_000], 48_000)
+    with pytest.raises(MemoryError):
+        stream.finish()
+    stream.insert_audio(samples[5 * 48_000 :], 48_000)
+    final = stream.finish()
+    assert abs(stream.audio_seconds - len(samples) / 48_000) < 0.01, stream.audio_seconds
+    assert "your country" in final.committed_text.lower()
+
+
+def test_feeding_a_long_recording_in_small_chunks_takes_time_in_proportion(transcriber):
+    """feed_recording counted the chunks that had arrived over all of them at every call: an
+    hour in 20 ms chunks took about 20 minutes beside the decoding. A stand-in stream whose
+    calls take no time: 8 minutes of 20 ms chunks is fed in well under a second (it took 20 s)."""
+    class Instant:
+        def insert_audio(self, samples):
+            self.received = getattr(self, "received", 0) + len(samples)
+
+        def process(self):
+            return SimpleNamespace(now=self.received / SAMPLE_RATE)
+
+        def finish(self):
+            return None
+
+    stream, started = Instant(), time.perf_counter()
+    updates = list(feed_recording(stream, np.zeros(8 * 60 * SAMPLE_RATE, np.float32), 0.02))
+    assert len(updates) == 24_001 and stream.received == 8 * 60 * SAMPLE_RATE
+    assert time.perf_counter() - started < 2.0
 
 
 def test_chunks_at_a_microphones_own_rate_are_resampled_as_they_come(transcriber):
