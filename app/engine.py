@@ -30,8 +30,8 @@ class Settings:
     vad_filter: bool = False  # uploads: silences cut out before decoding (TranscribeOptions.vad_filter)
 
     def options(self, engine_options: dict) -> TranscribeOptions:
-        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile, lengths_attention).
-        ValueError, worded for the page, for a prompt that is not text."""
+        """engine_options: how the engine runs (TranscribeOptions' cuda_graphs, compile, lengths_attention,
+        fused_layers). ValueError, worded for the page, for a prompt that is not text."""
         try:  # the browser sends text; an API client may send a lone surrogate
             self.prompt.encode("utf-8")
         except UnicodeEncodeError:
@@ -54,7 +54,7 @@ class Engine:
     models: ModelPair
     description: str  # what the page says it runs, e.g. the target and draft names
     # How the engine runs, as TranscribeOptions' fields: cuda_graphs (on a GPU, the decoder's
-    # steps run as CUDA graphs, the default), compile, lengths_attention
+    # steps run as CUDA graphs, the default), compile, lengths_attention, fused_layers
     engine_options: dict = field(default_factory=dict)
     # Every visitor's uploads and live windows decode together in the scheduler's batches;
     # None: requests take turns on the models, one at a time (the lock).

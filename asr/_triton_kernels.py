@@ -1,4 +1,4 @@
-"""The Triton kernels of asr/triton_attention.py (imported only where Triton runs)."""
+"""The Triton kernels of asr/triton_ops.py (imported only where Triton runs)."""
 
 import triton
 import triton.language as tl
@@ -93,3 +93,51 @@ def combine(PARTIAL, MAXIMA, SUMS, OUT, so_n, so_q, so_h, heads, queries,
     out = tl.sum(partial * weights[:, :, None], 0) / tl.where(total > 0, total, 1.0)[:, None]
     tl.store(OUT + row * so_n + head * so_h + q_index[:, None] * so_q + d_index[None, :],
              out.to(OUT.dtype.element_ty), mask=(q_index < queries)[:, None])
+
+
+@triton.jit
+def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, rows, cols, depth, sx, sw, sr, sy, eps,
+           HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Y = f(X) @ W.T (+ BIAS) (then GELU) (+ RESIDUAL) for BLOCK_M rows and BLOCK_N columns
+    (program ids: block of columns, block of rows), accumulated in float32 over blocks of
+    BLOCK_K; f: the layer norm of each row (NORM, its statistics in float32, the normalised
+    row rounded to W's dtype as a norm's output would be) or nothing. A row's result depends
+    on its own values only, not on how many rows the call has."""
+    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    m_in = m < rows
+    n_in = n < cols
+    x_rows = X + m.to(tl.int64)[:, None] * sx
+    if NORM:  # one pass: sum and sum of squares
+        total = tl.zeros([BLOCK_M], tl.float32)
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, depth, BLOCK_K):
+            x = tl.load(x_rows + (start + k)[None, :], mask=m_in[:, None] & (start + k < depth)[None, :],
+                        other=0.0).to(tl.float32)
+            total += tl.sum(x, 1)
+            squares += tl.sum(x * x, 1)
+        mean = total / depth
+        rstd = tl.rsqrt(tl.maximum(squares / depth - mean * mean, 0.0) + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    w_cols = W + n.to(tl.int64)[None, :] * sw
+    for start in range(0, depth, BLOCK_K):
+        kk = start + k
+        k_in = kk < depth
+        x = tl.load(x_rows + kk[None, :], mask=m_in[:, None] & k_in[None, :], other=0.0)
+        if NORM:
+            gain = tl.load(NORM_W + kk, mask=k_in, other=0.0).to(tl.float32)
+            shift = tl.load(NORM_B + kk, mask=k_in, other=0.0).to(tl.float32)
+            x = ((x.to(tl.float32) - mean[:, None]) * rstd[:, None] * gain[None, :] + shift[None, :])
+            x = x.to(W.dtype.element_ty)
+        w = tl.load(w_cols + kk[:, None], mask=k_in[:, None] & n_in[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+        acc = tl.dot(x, w, acc)
+    if HAS_BIAS:
+        acc += tl.load(BIAS + n, mask=n_in, other=0.0).to(tl.float32)[None, :]
+    if GELU:  # the exact GELU, as Whisper's
+        acc = 0.5 * acc * (1.0 + tl.erf(acc * 0.7071067811865476))
+    out = m_in[:, None] & n_in[None, :]
+    if HAS_RESIDUAL:
+        acc += tl.load(RESIDUAL + m.to(tl.int64)[:, None] * sr + n[None, :], mask=out, other=0.0).to(tl.float32)
+    tl.store(Y + m.to(tl.int64)[:, None] * sy + n[None, :], acc.to(Y.dtype.element_ty), mask=out)

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from asr import vad
+from asr import triton_ops, vad
 from asr.decoder import LENGTHS_KERNELS, lengths_attention_unavailable
 from asr.batch import (
     DEFAULT_BATCH_SIZE, FolderRun, OutputError, PipelineSpec, RayOptions, transcribe_folder, transcribe_folder_on_ray,
@@ -279,11 +279,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths-kernel", choices=LENGTHS_KERNELS,
                         help="--lengths-attention by this kernel: flash-attention's for rows of their own lengths (flash, "
                              "the default), or ours in Triton (triton: not yet run on a GPU); implies --lengths-attention")
+    parser.add_argument("--fused-layers", action="store_true",
+                        help="on a GPU in float16 or bfloat16, each linear map of the decoder's steps runs with the layer "
+                             "norm before it and the GELU or residual add after it in one Triton kernel of ours (not yet "
+                             "run on a GPU); with --lengths-kernel triton, target-only computes one position a pass")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    """The TranscribeOptions that say how the engine runs (graphs, compiled steps, attention by lengths)."""
-    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile, lengths_attention=lengths_of(args))
+    """The TranscribeOptions that say how the engine runs (graphs, compiled steps, attention by lengths, fused layers)."""
+    return dict(cuda_graphs=not args.no_cuda_graphs, compile=args.compile, lengths_attention=lengths_of(args),
+                fused_layers=args.fused_layers)
 
 
 def lengths_of(args: argparse.Namespace) -> str | None:
@@ -605,6 +610,10 @@ def main(argv: list[str] | None = None) -> int:
         device, dtype, _ = device_and_dtypes(args)
         if reason := lengths_attention_unavailable(torch.device(device), dtype, kernel=kernel):
             problem = f"--lengths-attention cannot run here: {reason}"
+    if not problem and getattr(args, "fused_layers", False) and not remote:
+        device, dtype, _ = device_and_dtypes(args)
+        if reason := triton_ops.unavailable(torch.device(device), dtype):
+            problem = f"--fused-layers cannot run here: {reason}"
     if problem:
         print(f"asr: {problem}", file=sys.stderr)
         return 2

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from asr import triton_attention
+from asr import triton_ops
 
 
 def attention_without_cudnn(device: torch.device, where: bool = True) -> ContextManager:
@@ -36,7 +36,7 @@ def attention_without_cudnn(device: torch.device, where: bool = True) -> Context
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
-LENGTHS_KERNELS = ("flash", "triton")  # attention by row lengths: flash-attention's kernel, or ours (asr/triton_attention.py)
+LENGTHS_KERNELS = ("flash", "triton")  # attention by row lengths: flash-attention's kernel, or ours (asr/triton_ops.py)
 
 
 def lengths_kernel(choice: bool | str | None) -> str | None:
@@ -54,9 +54,9 @@ def lengths_attention_unavailable(device: torch.device, dtype: torch.dtype, head
     """Why attention by row lengths (ByLengths) in this kernel cannot run here, or None.
     flash-attention's kernel wants an NVIDIA GPU from Ampere on, float16 or bfloat16, and
     heads of a multiple of 8 up to 256 wide (head_dim None: not asked, Whisper's are 64);
-    ours Triton's, as asr/triton_attention.unavailable says."""
+    ours Triton's, as asr/triton_ops.unavailable says."""
     if kernel == "triton":
-        return triton_attention.unavailable(device, dtype, 64 if head_dim is None else head_dim)
+        return triton_ops.unavailable(device, dtype, 64 if head_dim is None else head_dim)
     if device.type != "cuda":
         return f"it needs a CUDA device, not {device.type}"
     if torch.version.hip is not None:
@@ -82,7 +82,7 @@ class ByLengths:
     only the keys a row has, where masked attention reads the whole window. flash-attention's
     kernel for rows of their own lengths (on an H200 at large-v3's shapes, batch 1, 7.5 us
     and 4.2 for its combining kernel against cuDNN's 13 masked; docs/gpu-check-2026-11-30-h200.md),
-    or ours in Triton (asr/triton_attention.py). The cache [2, B, H, C, Dh] is read in
+    or ours in Triton (asr/triton_ops.py). The cache [2, B, H, C, Dh] is read in
     place; the queries [n, q, H * Dh] are the projection's own layout, and so is the output.
     The cross-attention goes by the same kernel (cross). Made once a pass, for every layer."""
 
@@ -107,8 +107,8 @@ class ByLengths:
         n, q, width = query.shape
         heads, head_dim = kv.shape[2], kv.shape[4]
         if self.kernel == "triton":
-            return triton_attention.decode_attention(query.view(n, q, heads, head_dim), kv[0], kv[1], self.used,
-                                                     True).view(n, q, width)
+            return triton_ops.decode_attention(query.view(n, q, heads, head_dim), kv[0], kv[1], self.used,
+                                               True).view(n, q, width)
         # flash-attention's kernel: each row of the cache a sequence whose positions lie Dh apart and
         # heads C * Dh apart, the rows H * C positions apart.
         if not kv.is_contiguous():  # the strides below would read other entries
@@ -127,8 +127,8 @@ class ByLengths:
         n, q, width = query.shape
         heads, head_dim = keys.shape[1], keys.shape[3]
         if self.kernel == "triton":
-            return triton_attention.decode_attention(query.view(n, q, heads, head_dim), keys, values, None,
-                                                     False).view(n, q, width)
+            return triton_ops.decode_attention(query.view(n, q, heads, head_dim), keys, values, None,
+                                               False).view(n, q, width)
         out = F.scaled_dot_product_attention(query.view(n, q, heads, head_dim).transpose(1, 2), keys, values)
         return out.transpose(1, 2).reshape(n, q, width)
 
@@ -300,10 +300,19 @@ class DecoderRunner:
         with attention_without_cudnn(tokens.device):  # a new width nearly every window
             return self._pass(tokens, start, cache, None, None, None, (layers, scores)), scores
 
+    def fused_unavailable(self) -> str | None:
+        """Why this decoder's layers cannot run fused (forward's fused), or None: besides
+        Triton's needs (asr/triton_ops.unavailable), the kernel's GELU is the exact one."""
+        weight = self.decoder.embed_tokens.weight
+        if reason := triton_ops.unavailable(weight.device, weight.dtype):
+            return reason
+        activation = getattr(self.decoder.config, "activation_function", None)
+        return None if activation == "gelu" else f"the fused kernel computes GELU, not {activation}"
+
     @torch.no_grad()  # not inference_mode: a step compiled whole traces through this, and Dynamo cannot enter it
     def forward(
         self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
-        window: int | None = None, rows: Tensor | None = None, by_lengths: bool | str = False,
+        window: int | None = None, rows: Tensor | None = None, by_lengths: bool | str = False, fused: bool = False,
     ) -> Tensor:
         """tokens [n, q] placed at positions start[b] .. start[b]+q-1 of each row.
         Returns logits [n, m, V] at the query indices logits_at [n, m] (all q if None).
@@ -318,12 +327,14 @@ class DecoderRunner:
         take the last position's embedding. by_lengths: self-attention told each row's
         length instead of masked (ByLengths; CUDA only, lengths_attention_unavailable), for
         passes over all the cache's rows: True or "flash" by flash-attention's kernel,
-        "triton" by ours (lengths_kernel)."""
-        return self._pass(tokens, start, cache, logits_at, window, rows, by_lengths=by_lengths)
+        "triton" by ours (lengths_kernel). fused: each linear map with the layer norm before it
+        and the GELU or residual add after it in one kernel of ours (asr/triton_ops.fused_linear;
+        CUDA, fused_unavailable)."""
+        return self._pass(tokens, start, cache, logits_at, window, rows, by_lengths=by_lengths, fused=fused)
 
     def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
               rows: Tensor | None, scores: tuple[set[int], dict[int, Tensor]] | None = None,
-              by_lengths: bool | str = False) -> Tensor:
+              by_lengths: bool | str = False, fused: bool = False) -> Tensor:
         batch, q = tokens.shape
         positions = start[:, None] + torch.arange(q, device=tokens.device)  # [n, q]
         attended = cache.capacity if window is None else window
@@ -348,9 +359,21 @@ class DecoderRunner:
         embedded = F.embedding(positions.clamp(max=self.max_positions - 1), self.decoder.embed_positions.weight)
         x = self.decoder.embed_tokens(tokens) * self.embed_scale + embedded
         width = self.num_heads * self.head_dim
+
+        def normed(x: Tensor, norm: nn.LayerNorm, linear: Linear, activation: Callable | None = None) -> Tensor:
+            if fused:
+                return triton_ops.fused_linear(x, linear.weight, linear.bias, norm.weight, norm.bias, norm.eps,
+                                               activation is not None, None)
+            h = linear(norm(x))
+            return h if activation is None else activation(h)
+
+        def added(x: Tensor, out: Tensor, linear: Linear) -> Tensor:
+            if fused:
+                return triton_ops.fused_linear(out, linear.weight, linear.bias, None, None, 0.0, False, x)
+            return x + linear(out)
+
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
-            h = layer.self_attn_layer_norm(x)
-            qkv = project.qkv(h)
+            qkv = normed(x, layer.self_attn_layer_norm, project.qkv)
             query = qkv[..., :width]
             # K and V [2, n, q, H, Dh], written at (row, position) of the cache seen as
             # [2, B, capacity, H, Dh]: one operation, no copy of K and V beforehand
@@ -363,36 +386,41 @@ class DecoderRunner:
                 values = rows_of(cache.self_kv[i][1, :, :, :attended])
                 out = F.scaled_dot_product_attention(self._heads(query), keys, values, attn_mask=mask)
                 out = out.transpose(1, 2).reshape(batch, q, -1)
-            x = x + project.out(out)
+            x = added(x, out, project.out)
 
-            h = layer.encoder_attn_layer_norm(x)
+            cross_query = normed(x, layer.encoder_attn_layer_norm, project.cross_q)
             if lengths is not None:
-                out = lengths.cross(project.cross_q(h), cache.cross_k[i], cache.cross_v[i])
+                out = lengths.cross(cross_query, cache.cross_k[i], cache.cross_v[i])
             else:
-                cross_query = self._heads(project.cross_q(h))
+                cross_query = self._heads(cross_query)
                 if scores is not None and i in scores[0]:
                     keys = rows_of(cache.cross_k[i]).float().transpose(-1, -2)  # float32: fp16/bf16 blur near-ties
                     scores[1][i] = cross_query.float() @ keys * self.head_dim**-0.5
                 out = F.scaled_dot_product_attention(cross_query, rows_of(cache.cross_k[i]), rows_of(cache.cross_v[i]))
                 out = out.transpose(1, 2).reshape(batch, q, -1)
-            x = x + project.cross_out(out)
-
-            h = layer.final_layer_norm(x)
-            x = x + project.fc2(layer.activation_fn(project.fc1(h)))
+            x = added(x, out, project.cross_out)
+            x = added(x, normed(x, layer.final_layer_norm, project.fc1, layer.activation_fn), project.fc2)
 
         if logits_at is not None:
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self._project(self.decoder.layer_norm(x))
-
-    def _project(self, hidden: Tensor) -> Tensor:
-        logits = self._head(hidden)
+        logits = normed(x, self.decoder.layer_norm, self._head)
         if self.head_token_ids is None:
             return logits
         full = logits.new_full((*logits.shape[:-1], self.vocab_size), float("-inf"))
         return full.index_copy_(-1, self.head_token_ids, logits)
 
 
-Linear = Callable[[Tensor], Tensor]
+@dataclass(frozen=True, eq=False)
+class Linear:
+    """x @ weight.T + bias, by `run`; the weight and bias kept for a kernel that fuses the map
+    with what comes before and after it (asr/triton_ops.fused_linear)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    run: Callable[[Tensor], Tensor]
+
+    def __call__(self, x: Tensor) -> Tensor:
+        return self.run(x)
 
 
 def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
@@ -413,10 +441,10 @@ def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
 
             for rows in (1, 2):  # an unsupported build fails here, not mid-decode
                 run(weight.new_zeros(rows, weight.shape[1]))
-            return run
+            return Linear(weight, bias, run)
         except (RuntimeError, AttributeError):
             pass
-    return lambda x: F.linear(x, weight, bias)
+    return Linear(weight, bias, lambda x: F.linear(x, weight, bias))
 
 
 def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
@@ -442,7 +470,7 @@ def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
                 return torch.ops.quantized.linear_dynamic(flat, packed, True).view(*x.shape[:-1], -1)
 
             run(weight.new_zeros(2, weight.shape[1]))  # an unsupported build fails here, not mid-decode
-            return run
+            return Linear(weight, bias, run)
         except (RuntimeError, AttributeError):
             pass
     return fast_linear(weight, bias)

@@ -589,6 +589,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "cuda_graphs": options.transcribe.cuda_graphs and pair.target.device.type == "cuda",
         "compiled": options.transcribe.compile,
         "lengths_attention": lengths_kernel(options.transcribe.lengths_attention),  # None: masked
+        "fused_layers": options.transcribe.fused_layers,
         # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
         # (transformers is given those samples), timed from the whole recording.
         "vad": options.transcribe.vad_filter,
@@ -812,6 +813,7 @@ def render_markdown(report: dict, title: str) -> str:
         f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
         f"{', compiled steps' if env.get('compiled') else ''}{_lengths_label(env.get('lengths_attention'))}"
+        f"{', fused layers' if env.get('fused_layers') else ''}"
         f"{', silences cut (VAD)' if env.get('vad') else ''}, "
         f"batch {env['batch_size']}{peers}{_repeats(env.get('repeats', 1))}; {model}target `{env['target']}`, "
         f"draft `{env['draft']}`; torch {env['torch']}, transformers {env['transformers']}"

@@ -173,18 +173,21 @@ class ModelPair:
     _following: tuple | None = field(default=None, repr=False, compare=False)
 
     def engine(self, speculative: bool, max_draft_tokens: int = 8, cuda_graphs: bool = True,
-               compile: bool = False, lengths_attention: bool | str = False) -> SpeculativeDecoder:
+               compile: bool = False, lengths_attention: bool | str = False,
+               fused_layers: bool = False) -> SpeculativeDecoder:
         """The decoding engine over these models (target-only unless speculative), one per
         configuration: it keeps its batch states and CUDA graphs for every Transcriber.
         compile: its steps compiled whole by torch.compile (SpeculativeDecoder.compiled);
-        lengths_attention: SpeculativeDecoder's."""
-        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile, lengths_attention)
+        lengths_attention, fused_layers: SpeculativeDecoder's."""
+        key = (speculative and self.draft is not None, max_draft_tokens, cuda_graphs, compile, lengths_attention,
+               fused_layers)
         if key not in self._engines:
             draft = self.draft.runner if key[0] else None
             # setdefault: two threads creating the same engine at once end up sharing one
             self._engines.setdefault(key, SpeculativeDecoder(self.target.runner, draft, max_draft_tokens=max_draft_tokens,
                                                              cuda_graphs=cuda_graphs, compile="default" if compile else None,
-                                                             lengths_attention=lengths_attention))
+                                                             lengths_attention=lengths_attention,
+                                                             fused_layers=fused_layers))
         return self._engines[key]
 
 

@@ -79,8 +79,9 @@ class OracleDraft:
         return getattr(self.runner, name)
 
     def forward(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None = None,
-                window: int | None = None, rows: Tensor | None = None, by_lengths: bool | str = False) -> Tensor:
-        logits = self.runner.forward(tokens, start, cache, logits_at, window, rows, by_lengths)
+                window: int | None = None, rows: Tensor | None = None, by_lengths: bool | str = False,
+                fused: bool = False) -> Tensor:
+        logits = self.runner.forward(tokens, start, cache, logits_at, window, rows, by_lengths, fused)
         at = torch.arange(tokens.shape[1], device=tokens.device).expand(len(tokens), -1) if logits_at is None else logits_at
         predicted = (start[:, None] + at + 1).clamp(max=self.table.shape[1] - 1)
         table = self.table if rows is None else self.table.index_select(0, rows)

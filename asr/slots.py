@@ -368,9 +368,10 @@ class Slots:
         start = torch.zeros(tokens.shape[0], dtype=torch.long, device=tokens.device)
         at = pick(s.sot).clamp(max=width - 1)[:, None]
         with attention_without_cudnn(e.device):  # once a window, of up to 7 widths: cuDNN's plans would not pay
-            logits = e.target.forward(tokens, start, s.target, logits_at=at, window=width, rows=rows)
+            logits = e.target.forward(tokens, start, s.target, logits_at=at, window=width, rows=rows, fused=e.fused_layers)
             if s.draft is not None:
-                e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows)
+                e.draft.forward(tokens, start, s.draft, logits_at=start[:, None], window=width, rows=rows,
+                                fused=e.fused_layers)
         if self.no_speech_token is None:
             probs = torch.full_like(start, float("nan"), dtype=torch.float32)
         else:

@@ -46,11 +46,15 @@ class SpeculativeDecoder:
     ("default", "max-autotune-no-cudagraphs", ...) in which each step is compiled whole;
     lengths_attention: the draft's steps and the verification attend by row lengths
     (asr/decoder.py's ByLengths, CUDA in float16 or bfloat16), and not by cuDNN's kernel:
-    True or "flash" by flash-attention's kernel, "triton" by ours (asr/triton_attention.py)."""
+    True or "flash" by flash-attention's kernel, "triton" by ours (asr/triton_ops.py);
+    fused_layers: each linear map of the steps with the layer norm before it and the GELU or
+    residual add after it in one kernel of ours (CUDA, asr/triton_ops.fused_linear). With both
+    ours, a position's logits do not depend on how many positions a pass computes, and a
+    verification computes k + 1 positions in fixed shapes too (target-only one)."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
                  fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None,
-                 lengths_attention: bool | str = False):
+                 lengths_attention: bool | str = False, fused_layers: bool = False):
         if draft is not None and draft.vocab_size != target.vocab_size:
             raise ValueError(f"the draft's vocabulary ({draft.vocab_size}) differs from the target's ({target.vocab_size})")
         kernel = lengths_kernel(lengths_attention)
@@ -59,7 +63,12 @@ class SpeculativeDecoder:
                 weight = runner.decoder.embed_tokens.weight
                 if reason := lengths_attention_unavailable(weight.device, weight.dtype, runner.head_dim, kernel):
                     raise ValueError(f"attention by row lengths cannot run here: {reason}")
+        if fused_layers:
+            for runner in filter(None, (target, draft)):
+                if reason := runner.fused_unavailable():
+                    raise ValueError(f"fused layers cannot run here: {reason}")
         self.lengths_attention = kernel  # None: masked
+        self.fused_layers = bool(fused_layers)
         self.target, self.draft = target, draft
         # Layers whose cross-attention K/V the draft can take from the target's cache.
         self.shared_cross = draft.cross_layers_shared_with(target) if draft is not None else None
@@ -75,7 +84,9 @@ class SpeculativeDecoder:
         # In fixed shapes every verification computes max_draft_tokens + 1 positions, whatever
         # k is: one graph serves every k, and a position's logits never depend on how many
         # the pass computes (so on a GPU, too, speculative output is the target-only output).
-        self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
+        # Our kernels compute a position alike in passes of any width: there k + 1, a graph each.
+        invariant = self.fused_layers and kernel == "triton"
+        self.verify_width = max_draft_tokens + 1 if self.fixed_shapes and not invariant else None
         self.states = States(self)
         self._draft_lengths: dict[int | None, DraftLength] = {}
         self.compiled = CompiledSteps(compile)  # each step as the engine runs it: compiled whole, or as it is
@@ -209,7 +220,8 @@ class Batch(Slots):
                     for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}):
                         s.step.zero_()
                         self._run_draft_step(width, sample, [], 0)
-                self._run_verify(e.verify_width, sample, [])
+                for width in [e.verify_width] if e.verify_width else range(1, e.max_draft_tokens + 2):
+                    self._run_verify(width, sample, [])
 
     def _window(self, rows: list[Row], extra: int) -> int | None:
         """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""
@@ -258,7 +270,7 @@ class Batch(Slots):
         feed = s.tokens.gather(1, start[:, None] + torch.arange(width, device=e.device))
         with attention_without_cudnn(e.device):
             logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window,
-                                     by_lengths=e.lengths_attention)[:, 0]
+                                     by_lengths=e.lengths_attention, fused=e.fused_layers)[:, 0]
         self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
         # Sampling, with the noise the target verifies this position with: where the two agree, the same token.
         proposal = sampling.choose(logits, s.temperature, s.seed, position) if sample else logits.argmax(-1)
@@ -288,7 +300,7 @@ class Batch(Slots):
         # against cuDNN's 20 at 9 queries over 1,500 frames on an H100, docs/gpu-check-2026-11-28.md).
         with attention_without_cudnn(e.device, width != e.verify_width or e.lengths_attention is not None):
             logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window,
-                                      by_lengths=e.lengths_attention)
+                                      by_lengths=e.lengths_attention, fused=e.fused_layers)
         n, _, vocab = logits.shape
         rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
         proposals = s.tokens.gather(1, positions[:, :k])

@@ -98,6 +98,7 @@ class TranscribeOptions:
     cuda_graphs: bool = True  # on CUDA, the engine's steps run as CUDA graphs (asr/cudagraphs.py)
     compile: bool = False  # the engine's steps compiled whole by torch.compile (SpeculativeDecoder.compiled)
     lengths_attention: bool | str = False  # on CUDA, attention by row lengths: "flash" (or True) or "triton" (SpeculativeDecoder's)
+    fused_layers: bool = False  # on CUDA, linear maps fused with norms and residual adds in our kernels (SpeculativeDecoder's)
 
     def __post_init__(self) -> None:
         # As faster-whisper takes them: one temperature as a number, no prompt as None.
@@ -141,7 +142,7 @@ class TranscribeOptions:
             raise ValueError(f"initial_prompt is not UTF-8 text: {self.initial_prompt!r}") from None
         # Flags as flags: "false" is a true value, and was taken for one (speculative="false" drafted).
         for name in ("condition_on_previous_text", "without_timestamps", "word_timestamps", "retry_greedy_copies",
-                     "vad_filter", "speculative", "cuda_graphs", "compile"):
+                     "vad_filter", "speculative", "cuda_graphs", "compile", "fused_layers"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -436,7 +437,7 @@ class Transcriber:
         # hint's proposals a round are not held to k).
         maximum = max(options.max_draft_tokens, options.num_draft_tokens or 0)
         self.engine = models.engine(self.speculative, maximum, options.cuda_graphs, options.compile,
-                                    options.lengths_attention)
+                                    options.lengths_attention, options.fused_layers)
         self._draft_length = self.engine.draft_length(options.num_draft_tokens)
         if options.task not in ("transcribe", "translate"):
             raise ValueError(f"task must be transcribe or translate, not {options.task!r}")

@@ -1,4 +1,7 @@
-"""Attention for the decoder's steps on a GPU, in our own Triton kernel: a few queries per row
+"""The decoder's steps on a GPU in our own Triton kernels: attention, and linear maps fused with
+the layer norm before them and the GELU or residual add after them.
+
+Attention (decode_attention): a few queries per row
 (a verification's 9, a draft step's 1) over keys read in place, each row told how many it
 has (the self-attention cache's positions up to the row's length) or all of them (the
 encoder's 1,500 frames), split over the keys so that one row's heads fill more of the GPU
@@ -12,6 +15,16 @@ on how many queries the call computes (each block of 16 queries is a program of 
 nor on the other rows' keys; how its keys are split depends on the batch's size, as with
 flash's kernel. Speculative decoding keeps its exactness as with PyTorch's kernels: a
 verification computes its fixed width whatever k is, in batches of the same size.
+
+Linear maps (fused_linear): a decoder step's few rows (1 to 16 a row of the batch times the
+positions it computes) through a weight read once, in blocks of 16 rows and BLOCK_N columns, with
+the layer norm before it (a decoder layer's three, and the final one before the output head)
+computed in the same kernel, and the bias, GELU and residual add after it: one kernel where
+PyTorch runs two to four (on an H200, large-v3's layer norm took 4.1 us, the residual add 1.4,
+the matrix products 4.3-6.6 at 9 rows: docs/gpu-check-2026-11-30-h200.md). Like the attention,
+a row's result never depends on how many rows the call has, so with both a position's logits do
+not depend on how many positions a pass computes: target-only decoding can compute one a pass
+and still give the speculative tokens to the bit (asr/speculative.py).
 
 Triton comes with PyTorch's CUDA builds; `available()` says whether it can run here.
 `TRITON_INTERPRET=1` runs the kernels on a CPU (tests/test_gpu_paths.py, where Triton is
@@ -31,8 +44,8 @@ SPLIT_KEYS = 128  # at least this many keys a split (a program) reads, where the
 FILLED = 264  # programs that keep an H200's 132 SMs busy twice over: no split beyond that
 
 
-def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the kernels cannot run here, or None."""
+def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> str | None:
+    """Why the kernels cannot run here, or None (head_dim None: not asked, for the linear maps)."""
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     if device.type != "cuda" and not interpreted:
         return f"it needs a CUDA device, not {device.type}"
@@ -45,12 +58,12 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int) -> str 
         return f"it needs a GPU of compute capability 8.0 or later, not {capability[0]}.{capability[1]}"
     if dtype not in (torch.float16, torch.bfloat16) and not interpreted:
         return f"it computes in float16 or bfloat16, not {str(dtype).removeprefix('torch.')}"
-    if head_dim not in (16, 32, 64, 128, 256):
+    if head_dim is not None and head_dim not in (16, 32, 64, 128, 256):
         return f"it takes heads 16, 32, 64, 128 or 256 wide, not {head_dim}"
     return None
 
 
-def available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+def available(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
     return unavailable(device, dtype, head_dim) is None
 
 
@@ -106,3 +119,56 @@ def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, cau
     kernels.combine[(n * heads, blocks)](partial, maxima, sums, out, *out.stride()[:3], heads, q,
                                          SPLITS=splits, QUERIES=BLOCK_QUERIES, HEAD_DIM=head_dim)
     return out
+
+
+LINEAR_ROWS = 16  # rows a program computes (the matrix unit's smallest block)
+LINEAR_DEPTH = 128  # the inner dimension's block
+
+
+def linear_columns(cols: int) -> int:
+    """Columns a program computes: 16 to 128, the fewest for which no more than FILLED
+    programs cover `cols`. Fixed by the weight's shape, never by the rows, so that a row's
+    sums run in one order whatever the call's rows."""
+    block = 16
+    while block < 128 and -(-cols // block) > FILLED:
+        block *= 2
+    return block
+
+
+@torch.library.custom_op("asr::fused_linear", mutates_args=())
+def fused_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
+                 norm_bias: Tensor | None, eps: float, gelu: bool, residual: Tensor | None) -> Tensor:
+    """layer_norm(x) @ weight.T + bias, then GELU, plus residual: x [..., depth] (the last
+    stride 1), weight [cols, depth] contiguous, bias [cols] or None; norm_weight and norm_bias
+    [depth] (a LayerNorm's, eps its epsilon) or None: no norm; residual [..., cols] or None.
+    Returns [..., cols] in x's dtype, contiguous. One operator to torch.compile."""
+    if x.stride(-1) != 1 or not weight.is_contiguous() or (residual is not None and residual.stride(-1) != 1):
+        raise ValueError("fused_linear reads rows whose last dimension is contiguous and a contiguous weight")
+    if (norm_weight is None) != (norm_bias is None):
+        raise ValueError("fused_linear's layer norm takes a weight and a bias")
+    return launch_linear(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual)
+
+
+@fused_linear.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None, norm_bias: Tensor | None,
+      eps: float, gelu: bool, residual: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
+                  norm_bias: Tensor | None, eps: float, gelu: bool, residual: Tensor | None) -> Tensor:
+    """fused_linear's kernel (tests put a plain-PyTorch stand-in here)."""
+    from asr import _triton_kernels as kernels
+
+    cols, depth = weight.shape
+    flat = x.reshape(-1, depth)  # a view where the rows lie evenly apart (a projection's slice does)
+    rows = flat.shape[0]
+    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    added = out if residual is None else residual.reshape(rows, cols)
+    block = linear_columns(cols)
+    kernels.linear[(-(-cols // block), -(-rows // LINEAR_ROWS))](
+        flat, weight, out if bias is None else bias, out if norm_weight is None else norm_weight,
+        out if norm_bias is None else norm_bias, added, out, rows, cols, depth, flat.stride(0), weight.stride(0),
+        added.stride(0), out.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm_weight is not None, GELU=gelu,
+        HAS_RESIDUAL=residual is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=block, BLOCK_K=LINEAR_DEPTH)
+    return out.view(*x.shape[:-1], cols)

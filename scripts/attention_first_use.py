@@ -19,7 +19,7 @@ a mask (flash's and the memory-efficient kernel's variable-length forms, causal 
 bottom right), over a cache laid out position-major ([rows x positions, heads, 64]), with
 64 and with all 464 positions in use: they need no mask and skip the positions past a row's
 length, where a masked kernel reads all 464. Their outputs are checked against masked
-attention (the largest difference is printed). Ours in Triton (asr/triton_attention.py,
+attention (the largest difference is printed). Ours in Triton (asr/triton_ops.py,
 `--lengths-attention triton`) is timed both ways: over every key, and by row lengths over
 the cache as the engine keeps it ([rows, heads, positions, 64], in place).
 
@@ -37,9 +37,9 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from asr.decoder import attention_without_cudnn
-from asr.triton_attention import decode_attention
+from asr.triton_ops import decode_attention
 
-OURS = "ours (Triton)"  # asr/triton_attention.py's kernels
+OURS = "ours (Triton)"  # asr/triton_ops.py's kernels
 
 
 def main() -> None:

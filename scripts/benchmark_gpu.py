@@ -32,7 +32,13 @@ verification attending by row lengths (SpeculativeDecoder's lengths_attention: f
 kernel told each row's length, no mask, no cuDNN), side by side with the masked ones (CUDA,
 float16 or bfloat16); with --compile as well, each mode's compiled rows by row lengths too.
 `--lengths-attention flash,triton` gives a set of rows per kernel: flash-attention's, and
-ours in Triton (asr/triton_attention.py).
+ours in Triton (asr/triton_ops.py).
+
+--fused-layers adds rows whose steps run each linear map with the layer norm before it and the
+GELU or residual add after it in one Triton kernel of ours (SpeculativeDecoder's fused_layers,
+asr/triton_ops.fused_linear; CUDA): with masked attention, and with each --lengths-attention
+kernel (with --compile, each mode's compiled steps around them too). With our attention too
+(triton), target-only computes one position a pass.
 
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time), and writes
@@ -84,6 +90,7 @@ from asr.oracle import OracleDraft, acceptance_from_tokens_per_pass, oracle_prop
 from asr.rules import DecodingRules  # noqa: E402
 from asr.slots import DecodeStats, Sequence  # noqa: E402
 from asr.speculative import SpeculativeDecoder  # noqa: E402
+from asr import triton_ops  # noqa: E402
 from transformers_reference import transformers_generate  # noqa: E402  (beside this script)
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
@@ -100,6 +107,7 @@ TARGET_ONLY = "ours target-only"  # the product's default: CUDA graphs on a GPU;
 ONE_POSITION = "ours target-only, 1 position per pass"
 COMPILED = "compiled"  # --compile: the steps compiled by torch.compile inside the graphs
 BY_LENGTHS = "attention by row lengths"  # --lengths-attention
+FUSED = "fused layers"  # --fused-layers
 # Where --readme writes the table in a README.
 README_BEGIN, README_END = "<!-- benchmark_gpu.py --readme: begin -->", "<!-- benchmark_gpu.py --readme: end -->"
 
@@ -193,6 +201,9 @@ def main() -> None:
     parser.add_argument("--lengths-attention", nargs="?", const="flash", metavar="KERNELS",
                         help="add rows whose steps attend by row lengths (SpeculativeDecoder's lengths_attention; CUDA), "
                              "a set per kernel in KERNELS (comma-separated, of flash and triton; default: flash)")
+    parser.add_argument("--fused-layers", action="store_true",
+                        help="add rows whose linear maps run fused with norms, GELU and residual adds in our Triton "
+                             "kernel (SpeculativeDecoder's fused_layers; CUDA), masked and by each --lengths-attention kernel")
     parser.add_argument("--real-target", default="packaged:whisper-base")
     parser.add_argument("--real-draft", default="bundled:whisper-base-2l")
     parser.add_argument("--dev", type=Path, default=DEV, help="folder of manifest.tsv (section 2)")
@@ -238,6 +249,8 @@ def main() -> None:
             parser.error(f"--lengths-attention: kernels are {', '.join(LENGTHS_KERNELS)}, not {kernel!r}")
         if reason := lengths_attention_unavailable(device, dtype, kernel=kernel):
             parser.error(f"--lengths-attention cannot run here: {reason}")
+    if args.fused_layers and (reason := triton_ops.unavailable(device, dtype)):
+        parser.error(f"--fused-layers cannot run here: {reason}")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     graphs = device.type == "cuda"
     bandwidth = measure_bandwidth(device) if args.measure_bandwidth else args.bandwidth_gbs * 1e9
@@ -318,23 +331,28 @@ def engines(args: argparse.Namespace, device: torch.device) -> Callable[..., Spe
     fixed = device.type == "cuda" or args.fixed_shapes
 
     def build(target: DecoderRunner, draft=None, graphs: bool = True, max_draft_tokens: int = 8,
-              compile: str | None = None, lengths: str | None = None) -> SpeculativeDecoder:
+              compile: str | None = None, lengths: str | None = None, fused: bool = False) -> SpeculativeDecoder:
         if draft is not None:  # room for the rows' fixed k
             max_draft_tokens = max(args.num_draft_tokens, max_draft_tokens)
-        return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens,
-                                  fixed_shapes=fixed, cuda_graphs=graphs, compile=compile, lengths_attention=lengths)
+        return SpeculativeDecoder(target, draft, max_draft_tokens=max_draft_tokens, fixed_shapes=fixed,
+                                  cuda_graphs=graphs, compile=compile, lengths_attention=lengths, fused_layers=fused)
     return build
 
 
 def variants(args: argparse.Namespace) -> list[tuple[str, dict]]:
     """The engine's variants beside its default, each a set of rows: a label's suffix, and the
     engine's options (compiled steps per --compile mode; attention by lengths; with both, each
-    mode's compiled steps by lengths too)."""
+    mode's compiled steps by lengths too; fused layers, masked and by each kernel, compiled too)."""
     found = [(f", {compiled(mode)}", dict(compile=mode)) for mode in compile_modes(args)]
+    found += [(f", {FUSED}", dict(fused=True))] if args.fused_layers else []
     for kernel in lengths_kernels(args):
         label = BY_LENGTHS + (" (ours, Triton)" if kernel == "triton" else "")
         found += [(f", {label}", dict(lengths=kernel))]
         found += [(f", {compiled(mode)}, {label}", dict(compile=mode, lengths=kernel)) for mode in compile_modes(args)]
+        if args.fused_layers:
+            found += [(f", {label}, {FUSED}", dict(lengths=kernel, fused=True))]
+            found += [(f", {compiled(mode)}, {label}, {FUSED}", dict(compile=mode, lengths=kernel, fused=True))
+                      for mode in compile_modes(args)]
     return found
 
 
@@ -394,12 +412,15 @@ def random_section(args: argparse.Namespace, device: torch.device, dtype: torch.
         ]
         for suffix, options in variants(args):
             methods.append((f"{TARGET_ONLY}{suffix}", ours(engine(target_runner, **options)), None))
-        reference = ours(target_only)().tokens  # the oracle's right answers
+        # The oracle's right answers: the target-only tokens, fused layers' own (their kernels round otherwise).
+        reference = ours(target_only)().tokens
+        references = {suffix: ours(engine(target_runner, **options))().tokens if options.get("fused") else reference
+                      for suffix, options in [("", {})] + variants(args)}
         for alpha in [float(a) for a in args.acceptance.split(",")]:
-            proposals = oracle_proposals(reference, alpha, geometry.vocab, seed=args.seed)
             slots = target_only.states.rows_for(batch)
-            table = oracle_table(proposals, [len(prompt)] * batch, slots, target_only.capacity, device)
             for suffix, options in [("", {})] + variants(args):
+                proposals = oracle_proposals(references[suffix], alpha, geometry.vocab, seed=args.seed)
+                table = oracle_table(proposals, [len(prompt)] * batch, slots, target_only.capacity, device)
                 oracle = engine(target_runner, OracleDraft(draft_runner, table), **options)
                 methods.append((f"ours speculative{suffix}, oracle alpha={alpha:g}",
                                 ours(oracle, draft_length=DraftLength(fixed=k)), alpha))
@@ -488,7 +509,7 @@ def measure(section: str, batch: int, methods: list[Method], args: argparse.Name
             try:
                 results[name] = run()
             except Exception as error:  # noqa: BLE001
-                if BY_LENGTHS not in name:
+                if BY_LENGTHS not in name and FUSED not in name:
                     raise
                 # Not yet run on a GPU when written: where its kernel refuses, its rows go, not the run.
                 methods = [method for method in methods if method[0] != name]

@@ -52,18 +52,20 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # GPU (float16 only: the verification's fixed shapes keep bfloat16's tokens as float16's,
 # identical on 17/17 on 2026-11-26 and 2026-11-30), 292 s on an H100 on 2026-11-28, 280 s on an H200
 # (evaluate 39, tests 138, transcribe 75, stream 28); then the benchmark at batch 1 (222 s on
-# the H200 on 2026-11-30 with the rows by flash's kernel) with rows attending by row lengths in
-# flash-attention's kernel (12 % less time per token at large-v3 geometry there) and in ours
-# (asr/triton_attention.py, never yet run on a GPU). With time to spare: the steps compiled, by
+# the H200 on 2026-11-30 with the rows by flash's kernel, 12 % less time per token at large-v3
+# geometry than masked; measured, so left out here) with rows attending by row lengths in ours
+# (asr/triton_ops.py, never yet run on a GPU), and with our fused linear kernel (never run either:
+# masked, and with our attention, where target-only computes one position a pass). With time to
+# spare: the dev set with our kernels throughout (identity at one position a pass); the steps compiled, by
 # our kernel too; batch 16 (by row lengths never measured there); the dev set by row lengths;
 # bfloat16 (0.89x end to end on 2026-11-30); the rest; max-autotune last (Inductor's own matrix
 # products were no faster than cuBLAS's at these shapes in a scratch timing on an H200).
 DEVICE_SECONDS = 900
 START_SECONDS = 90  # what a machine's start takes of it, about
 WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 340)
-AFTER = (("benchmark --batch-sizes 1 --acceptance 0.8 --repeats 1 --lengths-attention", 260),)
+AFTER = (("benchmark --batch-sizes 1 --acceptance 0.8 --repeats 1 --lengths-attention triton --fused-layers", 260),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("compile --batch-sizes 1 --repeats 1 --lengths-attention triton", 400),
+SPARE = (("fused-evaluate --dtypes float16", 120), ("compile --batch-sizes 1 --repeats 1 --lengths-attention triton --fused-layers", 400),
          ("benchmark --batch-sizes 16 --acceptance 0.8 --repeats 1 --lengths-attention", 320),
          ("lengths-evaluate --dtypes float16", 120), ("evaluate --dtypes bfloat16", 120), ("compile-evaluate", 240),
          ("attention", 90), ("benchmark --repeats 2 --lengths-attention", 540),

@@ -7,7 +7,9 @@ benchmark with the engine's steps compiled (torch.compile, `compile`), the dev s
 `asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
 max-autotune (`autotune`). --lengths-attention adds rows attending by row lengths to every
 benchmark part, in flash-attention's kernel and in ours (Triton); `lengths-evaluate` runs
-the dev set through `asr evaluate --lengths-kernel KERNEL` in each.
+the dev set through `asr evaluate --lengths-kernel KERNEL` in each. --fused-layers adds rows
+whose linear maps run fused in our Triton kernel; `fused-evaluate` runs the dev set with our
+kernels throughout (`--fused-layers --lengths-kernel triton`: target-only one position a pass).
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -36,8 +38,9 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "av", "jiwer", "whisper_normalizer")  # av: the MP3s
-LENGTHS_KERNELS = "flash,triton"  # attention by row lengths: flash-attention's kernel, ours (asr/triton_attention.py)
-PARTS = "tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate"
+LENGTHS_KERNELS = "flash,triton"  # attention by row lengths: flash-attention's kernel, ours (asr/triton_ops.py)
+PARTS = ("tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate,"
+         "fused-evaluate")
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
 
@@ -52,6 +55,9 @@ def main() -> None:
     parser.add_argument("--lengths-attention", nargs="?", const=LENGTHS_KERNELS, metavar="KERNELS",
                         help="the benchmark parts add rows attending by row lengths in these kernels (benchmark_gpu.py "
                              f"--lengths-attention; default {LENGTHS_KERNELS}), as lengths-evaluate runs the dev set in")
+    parser.add_argument("--fused-layers", action="store_true",
+                        help="the benchmark parts add rows whose linear maps run fused in our Triton kernel "
+                             "(benchmark_gpu.py --fused-layers)")
     parser.add_argument("--only", default=PARTS, help=f"comma-separated parts to run, in this order, from {PARTS} (default: all)")
     args = parser.parse_args()
     only = list(dict.fromkeys(part.strip() for part in args.only.split(",") if part.strip()))
@@ -75,6 +81,10 @@ def main() -> None:
         "lengths-evaluate": [(f"lengths evaluate {dtype}" + ("" if kernel == "flash" else f", {kernel}"),
                               lambda dtype=dtype, kernel=kernel: evaluate(args, env, dtype, real, lengths=kernel))
                              for dtype in args.dtypes.split(",") for kernel in (args.lengths_attention or LENGTHS_KERNELS).split(",")],
+        # Our kernels throughout: target-only computes one position a pass (asr evaluate --fused-layers --lengths-kernel triton).
+        "fused-evaluate": [(f"fused evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real, lengths="triton",
+                                                                                     fused=True))
+                           for dtype in args.dtypes.split(",")],
     }
     unknown = [name for name in only if name not in parts]
     if unknown:
@@ -183,6 +193,7 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
                sizes, "--acceptance", acceptance, "--repeats", str(args.repeats), "--dev", str(args.dev),
                "--out", str(folder)] + (["--no-real"] if real or compile else []) + (["--compile", compile] if compile else [])
     command += ["--lengths-attention", args.lengths_attention] if args.lengths_attention else []
+    command += ["--fused-layers"] if args.fused_layers else []
     code, _ = run(command, env, args.out / f"{folder.name}.log")
     table = (folder / "benchmark_gpu.md").read_text() if code == 0 else ""
     kernels = folder / "benchmark_gpu_kernels.md"
@@ -192,17 +203,19 @@ def benchmark(args: argparse.Namespace, env: dict, real: str | None, compile: st
 
 
 def evaluate(args: argparse.Namespace, env: dict, dtype: str, real: str | None, compile: bool = False,
-             lengths: str | None = None) -> dict:
+             lengths: str | None = None, fused: bool = False) -> dict:
     """The dev set through `asr evaluate`, English and multilingual; compile: with --compile;
-    lengths: by row lengths in this kernel (asr evaluate --lengths-kernel: flash, triton)."""
+    lengths: by row lengths in this kernel (asr evaluate --lengths-kernel: flash, triton); fused:
+    --fused-layers."""
     if real:
         return {"skipped": real}
     results = {}
     ok = True
     options = (["--compile"] if compile else []) + (["--lengths-kernel", lengths] if lengths else [])
+    options += ["--fused-layers"] if fused else []
     for manifest in ("manifest.tsv", "manifest_multilingual.tsv"):
         variant = "".join(f"-{name}" for name, on in (("compiled", compile), ("lengths", lengths),
-                                                      ("triton", lengths == "triton")) if on)
+                                                      ("triton", lengths == "triton"), ("fused", fused)) if on)
         folder = args.out / f"evaluate-{dtype}{variant}-{manifest.removesuffix('.tsv')}"
         command = [sys.executable, "-m", "asr.cli", "evaluate", str(args.dev / manifest), "--dtype", dtype,
                    "--batch-size", "8", "--repeats", "5", "--out", str(folder)] + options

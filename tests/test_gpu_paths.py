@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from asr import decoder as asr_decoder, slots, speculative, triton_attention
+from asr import decoder as asr_decoder, slots, speculative, triton_ops
 from asr.cudagraphs import StepGraphs
 from asr.decoder import attention_without_cudnn
 from asr.draft_length import DraftLength
@@ -123,7 +123,7 @@ def lengths_on_cpu(monkeypatch):
 
 
 def decode_attention_on_cpu(query, keys, values, used, causal):
-    """asr/triton_attention.decode_attention's kernels as its documentation defines them, in
+    """asr/triton_ops.decode_attention's kernels as its documentation defines them, in
     plain PyTorch: row b's queries [q, H, Dh] over its first used[b] keys (all without used),
     query i seeing the keys up to used - q + i when causal; in float32, returned in the
     query's dtype (float64 in float64), [n, q, H, Dh] contiguous."""
@@ -146,13 +146,105 @@ def decode_attention_on_cpu(query, keys, values, used, causal):
 @pytest.fixture
 def triton_on_cpu(monkeypatch):
     """Attention by row lengths in our Triton kernel made to run on a CPU: the operator
-    asr/triton_attention.decode_attention (opaque to torch.compile) runs decode_attention_on_cpu;
+    asr/triton_ops.decode_attention (opaque to torch.compile) runs decode_attention_on_cpu;
     records the rows, queries and whether causal of each call."""
     calls = []
-    monkeypatch.setattr(triton_attention, "launch", lambda q, k, v, used, causal: calls.append(
+    monkeypatch.setattr(triton_ops, "launch", lambda q, k, v, used, causal: calls.append(
         (q.shape[0], q.shape[1], causal)) or decode_attention_on_cpu(q, k, v, used, causal))
     monkeypatch.setattr(speculative, "lengths_attention_unavailable", lambda *_: None)
     return calls
+
+
+def fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual):
+    """asr/triton_ops.fused_linear's kernel as its documentation defines it, in plain PyTorch:
+    the layer norm of x's rows (rounded to x's dtype, as a norm's output), the linear map, GELU,
+    the residual; in float32 (float64 in float64), returned in x's dtype, contiguous."""
+    exact = torch.promote_types(x.dtype, torch.float32)
+    assert x.stride(-1) == 1 and weight.is_contiguous() and (residual is None or residual.shape[-1] == weight.shape[0])
+    h = x if norm_weight is None else torch.nn.functional.layer_norm(
+        x.to(exact), x.shape[-1:], norm_weight.to(exact), norm_bias.to(exact), eps).to(x.dtype)
+    y = torch.nn.functional.linear(h.to(exact), weight.to(exact), None if bias is None else bias.to(exact))
+    y = torch.nn.functional.gelu(y) if gelu else y
+    return (y if residual is None else y + residual.to(exact)).to(x.dtype).contiguous()
+
+
+@pytest.fixture
+def fused_on_cpu(monkeypatch):
+    """Fused layers made to run on a CPU: the operator asr/triton_ops.fused_linear (opaque to
+    torch.compile) runs fused_linear_on_cpu; records of each call its rows, columns, and
+    whether it normed, applied GELU and added a residual."""
+    calls = []
+
+    def launch(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual):
+        calls.append((x.numel() // x.shape[-1], weight.shape[0], norm_weight is not None, gelu, residual is not None))
+        return fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual)
+
+    monkeypatch.setattr(triton_ops, "launch_linear", launch)
+    monkeypatch.setattr(triton_ops, "unavailable", lambda *_: None)
+    return calls
+
+
+def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, triton_on_cpu, tmp_path, capsys):
+    """--fused-layers: each linear map with the norm before it and the GELU or residual add after
+    it in one call of asr/triton_ops.fused_linear (its plain-PyTorch stand-in here), 6 a layer
+    and the output head, gives the unfused logits, and the engine their tokens, target-only and
+    speculative, fixed and fitted, compiled too (no graph broken). With our attention as well,
+    a verification computes k + 1 positions in fixed shapes (target-only one), and still gives
+    those tokens. Without the stand-ins, a CPU refuses them."""
+    from torch._dynamo.utils import counters
+
+    target, encoded, draft = pair[0], pair[1][:3], pair[2]
+    run = runner(target)
+    prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * 3)
+    outputs = []
+    for fused in (False, True):
+        cache = run.new_cache(encoded, capacity=24)
+        run.forward(prompt, torch.tensor([0, 0, 0]), cache, fused=fused)
+        tokens, start = torch.tensor([[11, 12, 13], [21, 22, 23], [31, 32, 33]]), torch.tensor([4, 6, 2])
+        fused_on_cpu.clear()
+        outputs.append(run.forward(tokens, start, cache, window=10, fused=fused))
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-10)
+    width, ffn = run.num_heads * run.head_dim, run.layers[0].fc1.out_features
+    layer = [(9, 3 * width, True, False, False), (9, width, False, False, True), (9, width, True, False, False),
+             (9, width, False, False, True), (9, ffn, True, True, False), (9, width, False, False, True)]
+    assert fused_on_cpu == layer * len(run.layers) + [(9, run.vocab_size, True, False, False)]
+
+    encoded = pair[1]
+    rules, prompt = rules_for(True), prompt_for(True)
+    options = dict(max_new_tokens=MAX_NEW, no_speech_token=50362)
+    masked = engine(target, fixed=False).decode(encoded, [prompt] * BATCH, rules, **options)
+    for fixed, k, lengths, compile in ((True, 0, None, None), (True, 3, None, None), (False, 3, None, None),
+                                       (True, 0, "triton", None), (True, 3, "triton", None), (True, 3, "triton", "default")):
+        fused_on_cpu.clear()
+        triton_on_cpu.clear()
+        breaks = sum(counters["graph_break"].values())
+        ours = engine(target, draft, fixed=fixed, lengths_attention=lengths, fused_layers=True, compile=compile)
+        assert_same(ours.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options), masked)
+        assert fused_on_cpu and sum(counters["graph_break"].values()) == breaks
+        invariant = lengths == "triton"
+        assert (ours.verify_width is None) == (invariant or not fixed), (fixed, k, lengths)
+        if invariant:  # the verification's queries: k + 1 (the draft's catch-ups are no wider)
+            assert max(q for _, q, _ in triton_on_cpu) == k + 1, (k, sorted({q for _, q, _ in triton_on_cpu}))
+
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setattr(triton_ops, "unavailable", lambda *_: "it needs a CUDA device, not cpu")
+    try:
+        with pytest.raises(ValueError, match="fused layers cannot run here: it needs a CUDA device"):
+            engine(target, draft, fused_layers=True)
+    finally:
+        monkeypatch.undo()
+
+
+def test_fused_layers_are_refused_where_triton_cannot_run(tmp_path, capsys):
+    """--fused-layers on a CPU: the commands say why before any model loads."""
+    from asr.cli import main
+
+    capsys.readouterr()
+    assert main(["transcribe", "--fused-layers", str(REPO / "samples" / "jfk.flac"), "--out-dir", str(tmp_path)]) == 2
+    assert "asr: --fused-layers cannot run here: it needs a CUDA device" in capsys.readouterr().err
+    refused = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_gpu.py"), "--device", "cpu", "--geometry",
+                              "tiny", "--fused-layers"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "--fused-layers cannot run here: it needs a CUDA device" in refused.stderr
 
 
 @torch.inference_mode()
@@ -227,7 +319,7 @@ FLASH_VARLEN_CALLS: list[int] = []  # rows of each call of flash_varlen_op
 
 def test_attention_by_row_lengths_in_our_kernel_gives_the_masked_logits_and_tokens(pair, triton_on_cpu):
     """--lengths-attention triton: the self-attention over the cache in place and the
-    cross-attention over the frames by asr/triton_attention.decode_attention (its plain-PyTorch
+    cross-attention over the frames by asr/triton_ops.decode_attention (its plain-PyTorch
     stand-in here) give masked attention's logits, and the engine its tokens, target-only and
     speculative, in fixed and fitted shapes, with the steps compiled too (no graph broken)."""
     from torch._dynamo.utils import counters
@@ -262,7 +354,7 @@ def test_attention_by_row_lengths_in_our_kernel_gives_the_masked_logits_and_toke
 
 
 def test_our_attention_kernels_give_the_attention_of_their_definition(tmp_path):
-    """asr/triton_attention.py's Triton kernels themselves, run by Triton's interpreter on a
+    """asr/triton_ops.py's Triton kernels themselves, run by Triton's interpreter on a
     CPU (where Triton is installed; a GPU runs them in test_attention_by_row_lengths_on_cuda):
     against decode_attention_on_cpu, causal over rows of their own lengths and over all keys,
     one split and several (combined), one block of queries and several (a draft's catch-up of
@@ -274,7 +366,7 @@ def test_our_attention_kernels_give_the_attention_of_their_definition(tmp_path):
     script.write_text(f"""
 import sys, torch
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-from asr.triton_attention import decode_attention, splits_for
+from asr.triton_ops import decode_attention, splits_for
 from test_gpu_paths import decode_attention_on_cpu
 torch.manual_seed(0)
 for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
@@ -294,6 +386,45 @@ for dtype, tolerance in ((torch.float32, 1e-5), (torch.float16, 2e-3)):
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
     assert {line.split("splits ")[1] for line in done.stdout.splitlines()} >= {"1", "2", "8"}
+
+
+def test_our_fused_linear_kernel_gives_its_definition(tmp_path):
+    """asr/triton_ops.py's fused linear kernel itself, run by Triton's interpreter on a CPU
+    (where Triton is installed; test_fused_layers_on_cuda runs it on a GPU): against
+    fused_linear_on_cpu with and without the norm, bias, GELU and residual, in one block of
+    rows and several, columns and depths not a multiple of the blocks, float32 and float16;
+    a row alone gives what it gives among others, to the bit (here at a block's first row: the
+    interpreter's numpy sums rows 8 to 15 of a block otherwise; the GPU test takes any row)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with PyTorch's CUDA builds)")
+    script = tmp_path / "check_fused_linear.py"
+    script.write_text(f"""
+import sys, torch
+sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
+from asr.triton_ops import fused_linear, linear_columns
+from test_gpu_paths import fused_linear_on_cpu
+torch.manual_seed(0)
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+    for rows, depth, cols, norm, gelu, residual, bias in [(1, 64, 48, True, True, True, True), (9, 384, 1152, True, False, False, True),
+                                                          (20, 200, 300, False, False, True, True), (3, 256, 100, True, False, False, False),
+                                                          (33, 128, 4500, True, True, False, True)]:
+        x = (torch.randn(rows, depth) * 3 + 1).to(dtype)
+        weight = (torch.randn(cols, depth) / depth ** 0.5).to(dtype)
+        args = (x, weight, torch.randn(cols).to(dtype) if bias else None,
+                (torch.rand(depth) + 0.5).to(dtype) if norm else None, torch.randn(depth).to(dtype) if norm else None,
+                1e-5, gelu, torch.randn(rows, cols).to(dtype) if residual else None)
+        got = fused_linear(*args)
+        assert got.dtype == dtype and got.shape == (rows, cols) and got.is_contiguous()
+        torch.testing.assert_close(got.float(), fused_linear_on_cpu(*args).float(), rtol=tolerance, atol=tolerance)
+        for row in range(0, rows, 16):  # at a block's first row (the interpreter's numpy sums by position in a block)
+            alone = fused_linear(x[row : row + 1], *args[1:7], None if args[7] is None else args[7][row : row + 1])
+            assert torch.equal(alone[0], got[row]), f"row {{row}} alone"
+        print(dtype, rows, depth, cols, "columns a program", linear_columns(cols))
+""")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert {line.split("program ")[1] for line in done.stdout.splitlines()} == {"16", "32"}
 
 
 @torch.library.custom_op("asr_tests::flash_varlen", mutates_args=())
@@ -1056,7 +1187,7 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
 @torch.inference_mode()
 def test_attention_by_row_lengths_on_cuda(kernel: str):
     """On a GPU (heads of 64, as Whisper's): flash-attention's kernel by row lengths, and ours
-    (asr/triton_attention.py), give masked attention's logits to bfloat16's and float16's
+    (asr/triton_ops.py), give masked attention's logits to bfloat16's and float16's
     rounding, for rows at different positions; in float16,
     with the steps by row lengths captured as CUDA graphs, speculative tokens equal target-only
     ones (the same kernels at the same verification width), also with the steps compiled, and
@@ -1100,6 +1231,69 @@ def test_attention_by_row_lengths_on_cuda(kernel: str):
     assert all(run == runs[0] for run in runs), "k = 0, 4, 8, then 0 again (captured by then)"
     assert compiled.graphs.counts.captures > 0 and compiled.graphs.counts.failed == 0
     assert sum(counters["graph_break"].values()) == breaks
+
+
+@cuda
+@torch.inference_mode()
+def test_fused_layers_on_cuda():
+    """On a GPU: our fused linear kernel (asr/triton_ops.py) at large-v3's shapes gives
+    fused_linear_on_cpu's result to float16's and bfloat16's rounding, and a row alone, or
+    the first rows, what they get among 144 rows, to the bit, at any row of a block; a tiny
+    target's fused logits are the unfused ones to that rounding; and with our attention too,
+    target-only decoding (one position a pass) gives the speculative tokens at every k,
+    captured as CUDA graphs, compiled too, with no capture failed."""
+    from test_exactness import windows
+
+    torch.manual_seed(0)
+    maps = [(1280, 3840, True, False, False, True), (1280, 1280, False, False, True, True),
+            (1280, 5120, True, True, False, True), (5120, 1280, False, False, True, True),
+            (1280, 51866, True, False, False, False)]  # qkv, out + residual, fc1 + GELU, fc2 + residual, head
+    for dtype, tolerance in ((torch.float16, 2e-2), (torch.bfloat16, 1e-1)):
+        for depth, cols, norm, gelu, residual, bias in maps:
+            x = torch.randn(144, depth, device="cuda", dtype=dtype)
+            vector = lambda size: torch.randn(size, device="cuda", dtype=dtype)  # noqa: E731
+            args = (torch.randn(cols, depth, device="cuda", dtype=dtype) / depth**0.5, vector(cols) if bias else None,
+                    vector(depth).abs() + 0.5 if norm else None, vector(depth) if norm else None, 1e-5, gelu)
+            added = torch.randn(144, cols, device="cuda", dtype=dtype) if residual else None
+            full = triton_ops.fused_linear(x, *args, added)
+            torch.testing.assert_close(full.float(), fused_linear_on_cpu(x, *args, added).float(),
+                                       rtol=tolerance, atol=tolerance)
+            for rows in (1, 9, 16):
+                assert torch.equal(triton_ops.fused_linear(x[:rows], *args, None if added is None else added[:rows]),
+                                   full[:rows]), (dtype, depth, cols, rows)
+            for row in (5, 8, 15, 100):
+                alone = triton_ops.fused_linear(x[row : row + 1], *args, None if added is None else added[row : row + 1])
+                assert torch.equal(alone[0], full[row]), (dtype, depth, cols, row)
+
+    tiny = tiny_target(0, d_model=256)
+    for dtype, tolerance in ((torch.bfloat16, 1e-1), (torch.float16, 2e-2)):  # float16 last: used below
+        target = copy.deepcopy(tiny).to(dtype).cuda()
+        encoded = target.model.encoder(windows(0).to(dtype).cuda()).last_hidden_state
+        run = runner(target)
+        prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
+        outputs = []
+        for fused in (False, True):
+            cache = run.new_cache(encoded, capacity=32)
+            run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, fused=fused)
+            tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
+            outputs.append(run.forward(tokens, torch.tensor([4, 6, 2, 5], device="cuda"), cache, fused=fused))
+        torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=tolerance, atol=tolerance)
+    draft = decoder_only_draft(tiny, noise=0.1, seed=0).half().cuda()
+
+    rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
+                          begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
+    prompts = [prompt_for(True)] * BATCH
+    for compile in (None, "default"):
+        ours = dict(lengths_attention="triton", fused_layers=True, compile=compile)
+        target_only = SpeculativeDecoder(runner(target), **ours)
+        assert target_only.verify_width is None
+        expected = [s.tokens for s in target_only.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW)]
+        graphed = SpeculativeDecoder(runner(target), runner(draft), **ours)
+        for k in (1, 4, 8, 4):
+            result = graphed.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW, draft_length=DraftLength(fixed=k))
+            assert [s.tokens for s in result] == expected, f"k={k}, compile={compile}"
+        for engine_ in (target_only, graphed):
+            assert engine_.graphs.counts.captures > 0 and engine_.graphs.counts.failed == 0
 
 
 @cuda
