@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -122,17 +123,27 @@ def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, cau
 
 
 LINEAR_ROWS = 16  # rows a program computes (the matrix unit's smallest block)
-LINEAR_DEPTH = 128  # the inner dimension's block
 
 
-def linear_columns(cols: int) -> int:
-    """Columns a program computes: 16 to 128, the fewest for which no more than FILLED
-    programs cover `cols`. Fixed by the weight's shape, never by the rows, so that a row's
-    sums run in one order whatever the call's rows."""
+@dataclass(frozen=True)
+class LinearConfig:
+    """How fused_linear's kernel covers a weight: the columns and the depth of a program's
+    blocks, and Triton's warps a program and pipeline stages (scripts/linear_speed.py times others)."""
+
+    columns: int
+    depth: int = 128
+    warps: int = 4
+    stages: int = 3
+
+
+def linear_config(cols: int) -> LinearConfig:
+    """The kernel's blocks for a weight of `cols` columns: 16 to 128 columns a program, the
+    fewest for which no more than FILLED programs cover them. Fixed by the weight's shape,
+    never by the rows, so that a row's sums run in one order whatever the call's rows."""
     block = 16
     while block < 128 and -(-cols // block) > FILLED:
         block *= 2
-    return block
+    return LinearConfig(block)
 
 
 @torch.library.custom_op("asr::fused_linear", mutates_args=())
@@ -156,19 +167,21 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None
 
 
 def launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
-                  norm_bias: Tensor | None, eps: float, gelu: bool, residual: Tensor | None) -> Tensor:
-    """fused_linear's kernel (tests put a plain-PyTorch stand-in here)."""
+                  norm_bias: Tensor | None, eps: float, gelu: bool, residual: Tensor | None,
+                  config: LinearConfig | None = None) -> Tensor:
+    """fused_linear's kernel (tests put a plain-PyTorch stand-in here); config: linear_config's by default."""
     from asr import _triton_kernels as kernels
 
     cols, depth = weight.shape
+    config = config or linear_config(cols)
     flat = x.reshape(-1, depth)  # a view where the rows lie evenly apart (a projection's slice does)
     rows = flat.shape[0]
     out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
     added = out if residual is None else residual.reshape(rows, cols)
-    block = linear_columns(cols)
-    kernels.linear[(-(-cols // block), -(-rows // LINEAR_ROWS))](
+    kernels.linear[(-(-cols // config.columns), -(-rows // LINEAR_ROWS))](
         flat, weight, out if bias is None else bias, out if norm_weight is None else norm_weight,
         out if norm_bias is None else norm_bias, added, out, rows, cols, depth, flat.stride(0), weight.stride(0),
         added.stride(0), out.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm_weight is not None, GELU=gelu,
-        HAS_RESIDUAL=residual is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=block, BLOCK_K=LINEAR_DEPTH)
+        HAS_RESIDUAL=residual is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=config.columns, BLOCK_K=config.depth,
+        num_warps=config.warps, num_stages=config.stages)
     return out.view(*x.shape[:-1], cols)

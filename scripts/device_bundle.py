@@ -56,7 +56,8 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # geometry than masked; measured, so left out here) with rows attending by row lengths in ours
 # (asr/triton_ops.py, never yet run on a GPU), and with our fused linear kernel (never run either:
 # masked, and with our attention, where target-only computes one position a pass). With time to
-# spare: the dev set with our kernels throughout (identity at one position a pass); the steps compiled, by
+# spare: our fused linear kernel's configurations timed against PyTorch's kernels (`linear`); the dev
+# set with our kernels throughout (identity at one position a pass); the steps compiled, by
 # our kernel too; batch 16 (by row lengths never measured there); the dev set by row lengths;
 # bfloat16 (0.89x end to end on 2026-11-30); the rest; max-autotune last (Inductor's own matrix
 # products were no faster than cuBLAS's at these shapes in a scratch timing on an H200).
@@ -65,7 +66,7 @@ START_SECONDS = 90  # what a machine's start takes of it, about
 WITH_WEIGHTS = ("evaluate,tests,transcribe,stream --dtypes float16", 340)
 AFTER = (("benchmark --batch-sizes 1 --acceptance 0.8 --repeats 1 --lengths-attention triton --fused-layers", 260),)
 # With device time to spare (another session's, say): the rest of the check.
-SPARE = (("fused-evaluate --dtypes float16", 120), ("compile --batch-sizes 1 --repeats 1 --lengths-attention triton --fused-layers", 400),
+SPARE = (("linear", 120), ("fused-evaluate --dtypes float16", 120), ("compile --batch-sizes 1 --repeats 1 --lengths-attention triton --fused-layers", 400),
          ("benchmark --batch-sizes 16 --acceptance 0.8 --repeats 1 --lengths-attention", 320),
          ("lengths-evaluate --dtypes float16", 120), ("evaluate --dtypes bfloat16", 120), ("compile-evaluate", 240),
          ("attention", 90), ("benchmark --repeats 2 --lengths-attention", 540),
@@ -189,7 +190,8 @@ def calls(chunks: int) -> str:
              "call's timeout_s plus 60, lower CHECK_SECONDS by the difference (a machine that runs out of time "
              "returns nothing). Where the tests part reports test_attention_by_row_lengths_on_cuda failed "
              "(a kernel fault ends the whole process, and the benchmark's other rows with it) for one kernel, "
-             "name the other after --lengths-attention (flash or triton) in the later calls; for both, drop it.", "", "With device time to spare, in this order:", "",
+             "name the other after --lengths-attention (flash or triton) in the later calls; for both, drop it; "
+             "where test_fused_layers_on_cuda failed, drop --fused-layers.", "", "With device time to spare, in this order:", "",
              *(line("-", [], parts, seconds)[0] for parts, seconds in SPARE), "",
              "Each call returns the report so far as check.tgz (gpu_check.md inside), also when gpu_check.py "
              "runs out of its CHECK_SECONDS. Give the machine back after the last. Then, here, the README's GPU "

@@ -1,7 +1,7 @@
-"""The GPU check, in one command: the tests that need a GPU, the cost of attention's first calls, the
-large-v3-geometry benchmark, and (where the packaged weights, the audio extras and the dev
-set are installed) the dev set through
-`asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
+"""The GPU check, in one command: the tests that need a GPU, the cost of attention's first calls,
+our fused linear kernel against PyTorch's (`linear`), the large-v3-geometry benchmark, and
+(where the packaged weights, the audio extras and the dev set are installed) the dev set
+through `asr evaluate` and `asr transcribe` with and without the draft, and the streaming benchmark
 (hinted rounds, captured like the draft's), all written to one report; then the same
 benchmark with the engine's steps compiled (torch.compile, `compile`), the dev set through
 `asr evaluate --compile` (`compile-evaluate`), and the benchmark with the steps compiled in
@@ -39,7 +39,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEV = REPO.parent / "shared" / "eval" / "dev"
 AUDIO_EXTRAS = ("soundfile", "soxr", "av", "jiwer", "whisper_normalizer")  # av: the MP3s
 LENGTHS_KERNELS = "flash,triton"  # attention by row lengths: flash-attention's kernel, ours (asr/triton_ops.py)
-PARTS = ("tests,attention,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate,"
+PARTS = ("tests,attention,linear,benchmark,evaluate,transcribe,stream,compile,compile-evaluate,autotune,lengths-evaluate,"
          "fused-evaluate")
 SUMMARY = re.compile(r"(\d+) transcribed, (\d+) failed, (\d+) skipped.*? in ([\d.]+) s, RTFx ([\d.]+)")
 
@@ -68,6 +68,7 @@ def main() -> None:
     parts: dict[str, list[tuple[str, Callable[[], dict]]]] = {
         "tests": [("tests", lambda: tests(args.out, {**env, "ASR_DEV_SET": str(args.dev)}))],
         "attention": [("attention", lambda: attention(args.out, env))],
+        "linear": [("linear", lambda: linear(args.out, env))],
         "benchmark": [(f"benchmark, batch {batch_sizes(args)}", lambda: benchmark(args, env, real))],
         "evaluate": [(f"evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real))
                      for dtype in args.dtypes.split(",")],
@@ -173,6 +174,14 @@ def attention(out: Path, env: dict) -> dict:
     command = [sys.executable, "scripts/attention_first_use.py"]
     code, output = run(command, env, out / "attention.log")
     return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-6000:]}
+
+
+def linear(out: Path, env: dict) -> dict:
+    """scripts/linear_speed.py: our fused linear kernel against PyTorch's kernels at large-v3's
+    shapes, in the engine's configuration and others, and whether a row alone gets its result."""
+    command = [sys.executable, "scripts/linear_speed.py"]
+    code, output = run(command, env, out / "linear.log")
+    return {"ok": code == 0, "command": " ".join(command[1:]), "output": output.strip()[-12000:]}
 
 
 def batch_sizes(args: argparse.Namespace, compiled: bool = False) -> str:
@@ -359,7 +368,7 @@ def write(report: dict, out: Path) -> None:
             lines += ["", "Commands: " + "; ".join(f"`{r['command']}`" for r in result["runs"].values())]
         elif name == "stream":
             lines += ["", "```", result["output"], "```"]
-        elif name == "attention":
+        elif name in ("attention", "linear"):
             lines += ["", result["output"]]
         elif name == "transcribe":
             lines += ["", "| run | system | wall s (models loaded) | RTFx |", "|---|---|---|---|"]

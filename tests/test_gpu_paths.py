@@ -401,7 +401,7 @@ def test_our_fused_linear_kernel_gives_its_definition(tmp_path):
     script.write_text(f"""
 import sys, torch
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-from asr.triton_ops import fused_linear, linear_columns
+from asr.triton_ops import fused_linear, linear_config
 from test_gpu_paths import fused_linear_on_cpu
 torch.manual_seed(0)
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
@@ -419,7 +419,7 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
         for row in range(0, rows, 16):  # at a block's first row (the interpreter's numpy sums by position in a block)
             alone = fused_linear(x[row : row + 1], *args[1:7], None if args[7] is None else args[7][row : row + 1])
             assert torch.equal(alone[0], got[row]), f"row {{row}} alone"
-        print(dtype, rows, depth, cols, "columns a program", linear_columns(cols))
+        print(dtype, rows, depth, cols, "columns a program", linear_config(cols).columns)
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -585,6 +585,26 @@ def test_only_the_targets_verification_of_the_captured_width_may_use_cudnn_atten
     calls.clear()
     fixed.target.cross_attention_scores(torch.tensor([prompt + list(range(400, 406))]), encoded[:1], {0})
     assert [q for q, _ in calls] == [width] * len(fixed.target.layers) * 2 and all(off for _, off in calls)
+
+
+def test_linear_speed_script_runs_under_tritons_interpreter():
+    """scripts/linear_speed.py (our fused linear kernel against PyTorch's kernels at large-v3's
+    shapes, in several configurations, for a GPU) prints a row per map, rows and kernel, each
+    configuration's largest difference from PyTorch's small; here at tiny shapes under
+    Triton's interpreter (where Triton is installed), and without it a CPU is refused."""
+    command = [sys.executable, str(REPO / "scripts" / "linear_speed.py"), "--device", "cpu", "--geometry", "tiny",
+               "--rows", "3", "--repeats", "1"]
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
+    assert refused.returncode == 2 and "our kernel cannot run here: it needs a CUDA device" in refused.stderr
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("Triton is not installed (it comes with PyTorch's CUDA builds)")
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split("|") for line in done.stdout.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == 5 * (1 + 1 + 8), len(rows)  # per map: PyTorch's, the engine's configuration, 8 others
+    ours = [row for row in rows if row[3].startswith(" ours")]
+    assert all(float(row[7]) < 1e-4 for row in ours) and sum("engine's" in row[3] for row in ours) == 5
 
 
 def test_attention_first_use_script_runs_on_cpu():
