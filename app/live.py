@@ -148,9 +148,10 @@ class LiveSession:
         retried = False
         while True:
             with self._wake:
-                # A backlog behind the stream's full buffer is decoded without waiting for more audio.
+                # A backlog behind the stream's full buffer is decoded without waiting for more audio
+                # (not right after a failed decode: that is tried again with the next audio).
                 while (not self._stopping and self._pending_seconds < MIN_STEP_SECONDS
-                       and self._streamer.undecoded_seconds < MIN_STEP_SECONDS):
+                       and (retried or self._streamer.undecoded_seconds < MIN_STEP_SECONDS)):
                     if (idle := time.monotonic() - self._fed) >= IDLE_SECONDS:
                         self._stopping, self._stopped, self.idle = True, self._fed, IDLE_SECONDS
                     else:

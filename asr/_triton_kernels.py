@@ -110,16 +110,20 @@ def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, rows, cols, depth, sx, sw, s
     m_in = m < rows
     n_in = n < cols
     x_rows = X + m.to(tl.int64)[:, None] * sx
-    if NORM:  # one pass: sum and sum of squares
+    if NORM:  # the mean, then the squares about it (the sum of squares less the mean's cancels)
         total = tl.zeros([BLOCK_M], tl.float32)
-        squares = tl.zeros([BLOCK_M], tl.float32)
         for start in range(0, depth, BLOCK_K):
             x = tl.load(x_rows + (start + k)[None, :], mask=m_in[:, None] & (start + k < depth)[None, :],
                         other=0.0).to(tl.float32)
             total += tl.sum(x, 1)
-            squares += tl.sum(x * x, 1)
         mean = total / depth
-        rstd = tl.rsqrt(tl.maximum(squares / depth - mean * mean, 0.0) + eps)
+        squares = tl.zeros([BLOCK_M], tl.float32)
+        for start in range(0, depth, BLOCK_K):
+            inside = m_in[:, None] & (start + k < depth)[None, :]
+            x = tl.load(x_rows + (start + k)[None, :], mask=inside, other=0.0).to(tl.float32)
+            centred = tl.where(inside, x - mean[:, None], 0.0)
+            squares += tl.sum(centred * centred, 1)
+        rstd = tl.rsqrt(squares / depth + eps)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     w_cols = W + n.to(tl.int64)[None, :] * sw
     for start in range(0, depth, BLOCK_K):

@@ -282,7 +282,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fused-layers", action="store_true",
                         help="on a GPU in float16 or bfloat16, each linear map of the decoder's steps runs with the layer "
                              "norm before it and the GELU or residual add after it in one Triton kernel of ours (not yet "
-                             "run on a GPU); with --lengths-kernel triton, target-only computes one position a pass")
+                             "run on a GPU)")
 
 
 def engine_options(args: argparse.Namespace) -> dict:

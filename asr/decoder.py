@@ -329,7 +329,7 @@ class DecoderRunner:
         passes over all the cache's rows: True or "flash" by flash-attention's kernel,
         "triton" by ours (lengths_kernel). fused: each linear map with the layer norm before it
         and the GELU or residual add after it in one kernel of ours (asr/triton_ops.fused_linear;
-        CUDA, fused_unavailable)."""
+        CUDA, fused_unavailable), in passes of up to triton_ops.FUSED_ROWS tokens."""
         return self._pass(tokens, start, cache, logits_at, window, rows, by_lengths=by_lengths, fused=fused)
 
     def _pass(self, tokens: Tensor, start: Tensor, cache: KVCache, logits_at: Tensor | None, window: int | None,
@@ -359,6 +359,7 @@ class DecoderRunner:
         embedded = F.embedding(positions.clamp(max=self.max_positions - 1), self.decoder.embed_positions.weight)
         x = self.decoder.embed_tokens(tokens) * self.embed_scale + embedded
         width = self.num_heads * self.head_dim
+        fused = fused and batch * q <= triton_ops.FUSED_ROWS  # a prefill, a long catch-up: PyTorch's
 
         def normed(x: Tensor, norm: nn.LayerNorm, linear: Linear, activation: Callable | None = None) -> Tensor:
             if fused:

@@ -98,7 +98,7 @@ def propose(batch: Batch, rows: list[Row], left: list[int], drafted: int) -> Hin
     remaining = max(row.limit - row.length for row, n in zip(batch.slots, left) if row is not None and n)
     room = e.capacity - 1 - max(row.length for row in rows)
     k = max(min(max(left), remaining - 1, room), drafted, 0)
-    if e.fixed_shapes:  # one of the few widths captured
+    if e.verify_width:
         k = min(k, e.max_draft_tokens)
     k = min(k, max(e.max_draft_tokens, HINT_POSITIONS // len(batch.slots)))
     steps = torch.arange(k, device=e.device)

@@ -48,9 +48,7 @@ class SpeculativeDecoder:
     (asr/decoder.py's ByLengths, CUDA in float16 or bfloat16), and not by cuDNN's kernel:
     True or "flash" by flash-attention's kernel, "triton" by ours (asr/triton_ops.py);
     fused_layers: each linear map of the steps with the layer norm before it and the GELU or
-    residual add after it in one kernel of ours (CUDA, asr/triton_ops.fused_linear). With both
-    ours, a position's logits do not depend on how many positions a pass computes, and a
-    verification computes k + 1 positions in fixed shapes too (target-only one)."""
+    residual add after it in one kernel of ours (CUDA, asr/triton_ops.fused_linear)."""
 
     def __init__(self, target: DecoderRunner, draft: DecoderRunner | None = None, *, max_draft_tokens: int = 8,
                  fixed_shapes: bool | None = None, cuda_graphs: bool = True, compile: str | None = None,
@@ -84,9 +82,7 @@ class SpeculativeDecoder:
         # In fixed shapes every verification computes max_draft_tokens + 1 positions, whatever
         # k is: one graph serves every k, and a position's logits never depend on how many
         # the pass computes (so on a GPU, too, speculative output is the target-only output).
-        # Our kernels compute a position alike in passes of any width: there k + 1, a graph each.
-        invariant = self.fused_layers and kernel == "triton"
-        self.verify_width = max_draft_tokens + 1 if self.fixed_shapes and not invariant else None
+        self.verify_width = max_draft_tokens + 1 if self.fixed_shapes else None
         self.states = States(self)
         self._draft_lengths: dict[int | None, DraftLength] = {}
         self.compiled = CompiledSteps(compile)  # each step as the engine runs it: compiled whole, or as it is
@@ -220,8 +216,7 @@ class Batch(Slots):
                     for width in sorted({feed_width(gap, C) for gap in range(1, e.max_positions)}):
                         s.step.zero_()
                         self._run_draft_step(width, sample, [], 0)
-                for width in [e.verify_width] if e.verify_width else range(1, e.max_draft_tokens + 2):
-                    self._run_verify(width, sample, [])
+                self._run_verify(e.verify_width, sample, [])
 
     def _window(self, rows: list[Row], extra: int) -> int | None:
         """What a step attends to: in fitted shapes the longest row's positions plus `extra`."""

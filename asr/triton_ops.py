@@ -16,15 +16,17 @@ nor on the other rows' keys; how its keys are split depends on the batch's size,
 flash's kernel. Speculative decoding keeps its exactness as with PyTorch's kernels: a
 verification computes its fixed width whatever k is, in batches of the same size.
 
-Linear maps (fused_linear): a decoder step's few rows (1 to 16 a row of the batch times the
-positions it computes) through a weight read once, in blocks of 16 rows and BLOCK_N columns, with
+Linear maps (fused_linear): a decoder step's few rows (a row of the batch times the positions
+it computes) through a weight read once per 16 rows, in blocks of 16 rows and some columns, with
 the layer norm before it (a decoder layer's three, and the final one before the output head)
 computed in the same kernel, and the bias, GELU and residual add after it: one kernel where
 PyTorch runs two to four (on an H200, large-v3's layer norm took 4.1 us, the residual add 1.4,
-the matrix products 4.3-6.6 at 9 rows: docs/gpu-check-2026-11-30-h200.md). Like the attention,
-a row's result never depends on how many rows the call has, so with both a position's logits do
-not depend on how many positions a pass computes: target-only decoding can compute one a pass
-and still give the speculative tokens to the bit (asr/speculative.py).
+the matrix products 4.3-6.6 at 9 rows: docs/gpu-check-2026-11-30-h200.md). Like the
+attention's, a row's result never depends on how many rows the call has. Exactness needs no
+more: a verification computes its fixed width whatever k is (what runs after the layers, the
+rules' sums and the log-softmax, takes rows in PyTorch's kernels, whose order depends on a
+row's place). Passes of more than FUSED_ROWS rows (a prefill, a draft's long catch-up) run
+PyTorch's kernels, which read a weight once for all rows.
 
 Triton comes with PyTorch's CUDA builds; `available()` says whether it can run here.
 `TRITON_INTERPRET=1` runs the kernels on a CPU (tests/test_gpu_paths.py, where Triton is
@@ -123,6 +125,7 @@ def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, cau
 
 
 LINEAR_ROWS = 16  # rows a program computes (the matrix unit's smallest block)
+FUSED_ROWS = 256  # rows past which a pass's linear maps run PyTorch's kernels (ours reads a weight per 16)
 
 
 @dataclass(frozen=True)

@@ -37,8 +37,7 @@ ours in Triton (asr/triton_ops.py).
 --fused-layers adds rows whose steps run each linear map with the layer norm before it and the
 GELU or residual add after it in one Triton kernel of ours (SpeculativeDecoder's fused_layers,
 asr/triton_ops.fused_linear; CUDA): with masked attention, and with each --lengths-attention
-kernel (with --compile, each mode's compiled steps around them too). With our attention too
-(triton), target-only computes one position a pass.
+kernel (with --compile, each mode's compiled steps around them too).
 
 --profile runs each method once more under torch.profiler and adds its kernels per token
 and their GPU time per token (on a CPU: operators per token and their time), and writes

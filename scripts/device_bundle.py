@@ -55,9 +55,9 @@ MARGIN = 1 << 20  # bytes left free in each call's carry
 # the H200 on 2026-11-30 with the rows by flash's kernel, 12 % less time per token at large-v3
 # geometry than masked; measured, so left out here) with rows attending by row lengths in ours
 # (asr/triton_ops.py, never yet run on a GPU), and with our fused linear kernel (never run either:
-# masked, and with our attention, where target-only computes one position a pass). With time to
+# masked, and with our attention). With time to
 # spare: our fused linear kernel's configurations timed against PyTorch's kernels (`linear`); the dev
-# set with our kernels throughout (identity at one position a pass); the steps compiled, by
+# set with our kernels throughout; the steps compiled, by
 # our kernel too; batch 16 (by row lengths never measured there); the dev set by row lengths;
 # bfloat16 (0.89x end to end on 2026-11-30); the rest; max-autotune last (Inductor's own matrix
 # products were no faster than cuBLAS's at these shapes in a scratch timing on an H200).

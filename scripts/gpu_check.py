@@ -9,7 +9,7 @@ max-autotune (`autotune`). --lengths-attention adds rows attending by row length
 benchmark part, in flash-attention's kernel and in ours (Triton); `lengths-evaluate` runs
 the dev set through `asr evaluate --lengths-kernel KERNEL` in each. --fused-layers adds rows
 whose linear maps run fused in our Triton kernel; `fused-evaluate` runs the dev set with our
-kernels throughout (`--fused-layers --lengths-kernel triton`: target-only one position a pass).
+kernels throughout (`--fused-layers --lengths-kernel triton`).
 
     python scripts/gpu_check.py --out gpu-check
     python scripts/gpu_check.py --out gpu-check --only evaluate,tests --dtypes float16   # these parts, in this order
@@ -82,7 +82,7 @@ def main() -> None:
         "lengths-evaluate": [(f"lengths evaluate {dtype}" + ("" if kernel == "flash" else f", {kernel}"),
                               lambda dtype=dtype, kernel=kernel: evaluate(args, env, dtype, real, lengths=kernel))
                              for dtype in args.dtypes.split(",") for kernel in (args.lengths_attention or LENGTHS_KERNELS).split(",")],
-        # Our kernels throughout: target-only computes one position a pass (asr evaluate --fused-layers --lengths-kernel triton).
+        # Our kernels throughout (asr evaluate --fused-layers --lengths-kernel triton).
         "fused-evaluate": [(f"fused evaluate {dtype}", lambda dtype=dtype: evaluate(args, env, dtype, real, lengths="triton",
                                                                                      fused=True))
                            for dtype in args.dtypes.split(",")],

@@ -6,8 +6,7 @@ of it in one, `--fused-layers`) in the configuration the engine uses and in a fe
 (columns and depth a program's block, warps, pipeline stages), at 1, 9 and 144 rows (a
 target-only step at batch 1, a verification of 9 positions, 16 rows of 9). Each
 configuration's result is checked against PyTorch's (the largest difference), and a row
-alone against the same row among the others (to the bit: what keeps speculative output
-equal to target-only when target-only computes one position a pass).
+alone against the same row among the others (to the bit, as the kernel is written to give).
 
     python scripts/linear_speed.py                                     # CUDA, float16
     TRITON_INTERPRET=1 python scripts/linear_speed.py --device cpu --geometry tiny   # runs anywhere Triton is"""

@@ -590,6 +590,37 @@ def test_a_live_session_counts_a_backlog_as_waiting_and_decodes_it_without_more_
         live.cancel()
 
 
+def test_a_live_decode_that_failed_is_tried_again_with_the_next_audio_not_at_once(
+        engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Audio the failed decode did not hear still waits (a backlog is decoded without new
+    audio): the retry came at once, where a failure may need a moment to pass (memory other
+    requests held), and a second failure ends the recording. It comes with the next audio."""
+    process, calls = StreamingTranscriber.process, []
+
+    def failing_first(self: StreamingTranscriber):
+        calls.append(time.monotonic())
+        if len(calls) == 1:
+            raise RuntimeError("CUDA error: out of memory")
+        return process(self)
+
+    monkeypatch.setattr(StreamingTranscriber, "process", failing_first)
+    sonnet = load_audio(SONNET)[: 6 * SAMPLE_RATE]
+    live = LiveSession(engine, Settings(language="en"))
+    try:
+        live.feed(SAMPLE_RATE, sonnet[: 5 * SAMPLE_RATE])
+        deadline = time.monotonic() + 60
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.02)
+        time.sleep(1.0)
+        assert len(calls) == 1 and live.error is None
+        live.feed(SAMPLE_RATE, sonnet[5 * SAMPLE_RATE :])
+        while not live.updates and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(calls) == 2 and live.updates and live.error is None
+    finally:
+        live.cancel()
+
+
 def microphone_handlers(engine: Engine, downloads: Path) -> dict[str, Callable]:
     """The page's microphone handlers, called as Gradio calls them (by name: on_start, on_chunk, ...)."""
     return {dependency.fn.__name__: dependency.fn for dependency in build(engine, downloads).fns.values()}

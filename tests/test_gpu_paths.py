@@ -188,9 +188,9 @@ def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, tri
     """--fused-layers: each linear map with the norm before it and the GELU or residual add after
     it in one call of asr/triton_ops.fused_linear (its plain-PyTorch stand-in here), 6 a layer
     and the output head, gives the unfused logits, and the engine their tokens, target-only and
-    speculative, fixed and fitted, compiled too (no graph broken). With our attention as well,
-    a verification computes k + 1 positions in fixed shapes (target-only one), and still gives
-    those tokens. Without the stand-ins, a CPU refuses them."""
+    speculative, fixed and fitted, masked and with our attention, compiled too (no graph
+    broken). A pass of more than FUSED_ROWS tokens (a prefill) runs PyTorch's kernels. Without
+    the stand-ins, a CPU refuses them."""
     from torch._dynamo.utils import counters
 
     target, encoded, draft = pair[0], pair[1][:3], pair[2]
@@ -208,6 +208,10 @@ def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, tri
     layer = [(9, 3 * width, True, False, False), (9, width, False, False, True), (9, width, True, False, False),
              (9, width, False, False, True), (9, ffn, True, True, False), (9, width, False, False, True)]
     assert fused_on_cpu == layer * len(run.layers) + [(9, run.vocab_size, True, False, False)]
+    fused_on_cpu.clear()
+    long = torch.arange(400, 400 + 3 * (triton_ops.FUSED_ROWS // 3 + 1)).view(3, -1)
+    run.forward(long, torch.tensor([0, 0, 0]), run.new_cache(encoded, capacity=long.shape[1] + 16), fused=True)
+    assert fused_on_cpu == []
 
     encoded = pair[1]
     rules, prompt = rules_for(True), prompt_for(True)
@@ -221,10 +225,7 @@ def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, tri
         ours = engine(target, draft, fixed=fixed, lengths_attention=lengths, fused_layers=True, compile=compile)
         assert_same(ours.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options), masked)
         assert fused_on_cpu and sum(counters["graph_break"].values()) == breaks
-        invariant = lengths == "triton"
-        assert (ours.verify_width is None) == (invariant or not fixed), (fixed, k, lengths)
-        if invariant:  # the verification's queries: k + 1 (the draft's catch-ups are no wider)
-            assert max(q for _, q, _ in triton_on_cpu) == k + 1, (k, sorted({q for _, q, _ in triton_on_cpu}))
+        assert bool(triton_on_cpu) == (lengths == "triton")
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(triton_ops, "unavailable", lambda *_: "it needs a CUDA device, not cpu")
@@ -420,6 +421,10 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
             alone = fused_linear(x[row : row + 1], *args[1:7], None if args[7] is None else args[7][row : row + 1])
             assert torch.equal(alone[0], got[row]), f"row {{row}} alone"
         print(dtype, rows, depth, cols, "columns a program", linear_config(cols).columns)
+# Rows far from zero for their spread, in float32: the sum of squares less the mean's cancelled (errors of 8 in 5).
+x, weight, gain, shift = 300 + torch.randn(2, 384) / 100, torch.randn(64, 384) / 20, torch.rand(384) + 0.5, torch.randn(384)
+args = (x, weight, None, gain, shift, 1e-5, False, None)
+torch.testing.assert_close(fused_linear(*args), fused_linear_on_cpu(*args), rtol=2e-2, atol=2e-2)  # float32's mean
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -1260,8 +1265,8 @@ def test_fused_layers_on_cuda():
     fused_linear_on_cpu's result to float16's and bfloat16's rounding, and a row alone, or
     the first rows, what they get among 144 rows, to the bit, at any row of a block; a tiny
     target's fused logits are the unfused ones to that rounding; and with our attention too,
-    target-only decoding (one position a pass) gives the speculative tokens at every k,
-    captured as CUDA graphs, compiled too, with no capture failed."""
+    target-only decoding gives the speculative tokens at every k, captured as CUDA graphs,
+    compiled too, with no capture failed."""
     from test_exactness import windows
 
     torch.manual_seed(0)
@@ -1306,7 +1311,6 @@ def test_fused_layers_on_cuda():
     for compile in (None, "default"):
         ours = dict(lengths_attention="triton", fused_layers=True, compile=compile)
         target_only = SpeculativeDecoder(runner(target), **ours)
-        assert target_only.verify_width is None
         expected = [s.tokens for s in target_only.decode(encoded, prompts, rules, max_new_tokens=MAX_NEW)]
         graphed = SpeculativeDecoder(runner(target), runner(draft), **ours)
         for k in (1, 4, 8, 4):
