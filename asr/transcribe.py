@@ -185,6 +185,8 @@ class TranscriptionInfo:
     duration_after_vad: float | None = None  # the speech decoded, with vad_filter
     warnings: tuple[str, ...] = ()  # what reading the audio lost (AudioInput.warnings)
     task: str = "transcribe"  # or "translate": then language is the speech's, the text English
+    # Detected: every language's probability, likeliest first (faster-whisper's); None where the language was given.
+    all_language_probs: list[tuple[str, float]] | None = None
 
 
 @dataclass
@@ -805,10 +807,10 @@ class Transcriber:
                     window_only=window_only)
 
     @torch.inference_mode()
-    def detect_language(self, encoded: Tensor) -> tuple[list[tuple[str, float]], KVCache]:
-        """Whisper's language guess: the target's distribution over language tokens after
-        <|startoftranscript|>; with the cache it used, whose cross-attention K/V the windows'
-        decoding can take over rather than compute again."""
+    def detect_language(self, encoded: Tensor) -> tuple[list[list[tuple[str, float]]], KVCache]:
+        """Whisper's language guess: per row, the target's distribution over language tokens
+        after <|startoftranscript|>, (code, probability) likeliest first; with the cache it used,
+        whose cross-attention K/V the windows' decoding can take over rather than compute again."""
         runner = self.models.target.runner
         cache = runner.new_cache(encoded, capacity=1)
         sot = torch.full((encoded.shape[0], 1), self.vocab.sot, device=encoded.device)
@@ -816,9 +818,9 @@ class Transcriber:
             logits = runner.forward(sot, torch.zeros(encoded.shape[0], dtype=torch.long, device=encoded.device), cache)[:, 0]
         codes = list(self.vocab.languages)
         ids = torch.tensor([self.vocab.languages[c] for c in codes], device=encoded.device)
-        probs = logits[:, ids].float().softmax(-1)
-        best = probs.argmax(-1).tolist()
-        return [(codes[b], float(probs[i, b])) for i, b in enumerate(best)], cache
+        probs, order = logits[:, ids].float().softmax(-1).sort(dim=-1, descending=True, stable=True)
+        return [[(codes[c], p) for c, p in zip(row_order, row_probs)]
+                for row_order, row_probs in zip(order.tolist(), probs.tolist())], cache
 
     def _needs_fallback(self, sequence: Sequence, temperature: float, previous: list[int]) -> bool:
         options = self.options
@@ -1115,9 +1117,10 @@ class _Decoding:
         cross: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         if undetected:
             guesses, cache = o.detect_language(encoded[undetected])
-            for row, (i, (language, probability)) in enumerate(zip(undetected, guesses)):
-                jobs[i].language = jobs[i].info.language = language
-                jobs[i].info.language_probability = probability
+            for row, (i, ranked) in enumerate(zip(undetected, guesses)):
+                jobs[i].language = jobs[i].info.language = ranked[0][0]
+                jobs[i].info.language_probability = ranked[0][1]
+                jobs[i].info.all_language_probs = ranked
                 # In fixed shapes a row's K/V are computed alone (Slots._write_rows), not batched as here.
                 if not o.engine.fixed_shapes:
                     cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])

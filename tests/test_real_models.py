@@ -110,14 +110,23 @@ def test_long_recording_is_cut_into_timed_segments(base_pair, dev_set):
     assert transcript.segments[-1].end > 45 and transcript.segments[-1].end <= transcript.info.duration
 
 
-def test_language_detection_and_forced_language(base_pair):
+def test_language_detection_and_forced_language(base_pair, faster_whisper_base):
+    """A detected language comes with every language's probability, likeliest first, as
+    faster-whisper's info gives them on the same weights (None where the language is given)."""
     german = load_audio(DEV / "multilingual" / "picovoice_test_de.wav")
     detected = Transcriber(base_pair).transcribe(german)
     assert detected.info.language == "de" and detected.info.language_probability > 0.5
+    ranked = detected.info.all_language_probs
+    assert ranked[0] == ("de", detected.info.language_probability) and len(ranked) == len(base_pair.target.vocab.languages)
+    assert [p for _, p in ranked] == sorted((p for _, p in ranked), reverse=True) and sum(p for _, p in ranked) == pytest.approx(1)
+    theirs = faster_whisper_base.transcribe(german, beam_size=1, vad_filter=False)[1].all_language_probs
+    assert [code for code, _ in ranked[:3]] == [code for code, _ in theirs[:3]]
+    assert [p for _, p in ranked[:3]] == pytest.approx([p for _, p in theirs[:3]], abs=0.01)
     # Detection's cross-attention K/V are taken over by the decoding (not computed again):
     # the same tokens as with the language given, whose K/V the batch computes itself.
     forced = Transcriber(base_pair, TranscribeOptions(language="de")).transcribe(german)
     assert [s.tokens for s in forced.segments] == [s.tokens for s in detected.segments]
+    assert forced.info.all_language_probs is None
     translated = Transcriber(base_pair, TranscribeOptions(language="de", task="translate")).transcribe(german)
     assert translated.info.language == "de"
     assert translated.text and translated.text != detected.text
