@@ -183,8 +183,10 @@ class FolderSummary:
                   "ask for those formats too, with --overwrite, to redo them)" if self.beside_other_settings else "")
         completed = (f" ({self.completed} of them only into the formats they lacked, their other outputs kept as they "
                      "were: --overwrite redoes those too)" if self.completed else "")
-        line = (f"{self.ok} transcribed{beside}{completed}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
-                f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}")
+        line = f"{self.ok} transcribed{beside}{completed}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
+        # Nothing decoded (all done already, or every file failed): no speed to tell.
+        line += (f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}"
+                 if self.audio_seconds else "no audio decoded")
         if self.load_seconds:
             line += f", after loading the models in {self.load_seconds:.1f} s"
         if self.draft_proposed:

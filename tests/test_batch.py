@@ -1360,6 +1360,7 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     capsys.readouterr()
     same = again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en")))
     assert (same.skipped, same.skipped_other_settings) == (1, 0) and "note" not in capsys.readouterr().err
+    assert same.describe().endswith("1 skipped (already done); no audio decoded")  # not "0.000 h ... RTFx 0.0"
     german_options = TranscribeOptions(language="de", initial_prompt="Hallo")
     german = batch.transcript_settings("packaged:whisper-base", german_options)
     summary = again(german)
