@@ -1207,6 +1207,32 @@ def test_cuda_graphs_give_the_fitted_shapes_tokens(timestamps: bool, compile: st
     assert sum(counters["graph_break"].values()) == breaks  # compiled steps whole: attention's choice traced too
 
 
+def logits_agree_on_cuda(tiny, options: dict) -> tuple:
+    """A tiny target on the GPU, in bfloat16 then float16: the forward pass with these options
+    (attention by row lengths, fused layers) gives the plain pass's logits to their rounding,
+    for rows at different positions. Returns the float16 target and its encoder output."""
+    from test_exactness import windows
+
+    for dtype, tolerance in ((torch.bfloat16, 1e-1), (torch.float16, 2e-2)):  # float16 last: returned
+        target = copy.deepcopy(tiny).to(dtype).cuda()
+        encoded = target.model.encoder(windows(0).to(dtype).cuda()).last_hidden_state
+        run = runner(target)
+        prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
+        outputs = []
+        for given in ({}, options):
+            cache = run.new_cache(encoded, capacity=32)
+            run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, **given)
+            tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
+            outputs.append(run.forward(tokens, torch.tensor([4, 6, 2, 5], device="cuda"), cache, **given))
+        torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=tolerance, atol=tolerance)
+    return target, encoded
+
+
+def cuda_rules() -> DecodingRules:
+    return DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
+                         begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
+
+
 @cuda
 @pytest.mark.parametrize("kernel", ["flash", "triton"])
 @torch.inference_mode()
@@ -1217,26 +1243,10 @@ def test_attention_by_row_lengths_on_cuda(kernel: str):
     with the steps by row lengths captured as CUDA graphs, speculative tokens equal target-only
     ones (the same kernels at the same verification width), also with the steps compiled, and
     no capture fails."""
-    from test_exactness import windows
-
     tiny = tiny_target(0, d_model=256)
-    for dtype, tolerance in ((torch.bfloat16, 1e-1), (torch.float16, 2e-2)):  # float16 last: used below
-        target = copy.deepcopy(tiny).to(dtype).cuda()
-        encoded = target.model.encoder(windows(0).to(dtype).cuda()).last_hidden_state
-        run = runner(target)
-        prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
-        outputs = []
-        for by_lengths in (False, kernel):
-            cache = run.new_cache(encoded, capacity=32)
-            run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, by_lengths=by_lengths)
-            tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
-            outputs.append(run.forward(tokens, torch.tensor([4, 6, 2, 5], device="cuda"), cache, by_lengths=by_lengths))
-        torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=tolerance, atol=tolerance)
+    target, encoded = logits_agree_on_cuda(tiny, dict(by_lengths=kernel))
     draft = decoder_only_draft(tiny, noise=0.1, seed=0).half().cuda()
-
-    rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
-                          begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
-    prompts = [prompt_for(True)] * BATCH
+    rules, prompts = cuda_rules(), [prompt_for(True)] * BATCH
     target_only = SpeculativeDecoder(runner(target), lengths_attention=kernel).decode(encoded, prompts, rules,
                                                                                   max_new_tokens=MAX_NEW)
     graphed = SpeculativeDecoder(runner(target), runner(draft), lengths_attention=kernel)
@@ -1267,8 +1277,6 @@ def test_fused_layers_on_cuda():
     target's fused logits are the unfused ones to that rounding; and with our attention too,
     target-only decoding gives the speculative tokens at every k, captured as CUDA graphs,
     compiled too, with no capture failed."""
-    from test_exactness import windows
-
     torch.manual_seed(0)
     maps = [(1280, 3840, True, False, False, True), (1280, 1280, False, False, True, True),
             (1280, 5120, True, True, False, True), (5120, 1280, False, False, True, True),
@@ -1291,23 +1299,9 @@ def test_fused_layers_on_cuda():
                 assert torch.equal(alone[0], full[row]), (dtype, depth, cols, row)
 
     tiny = tiny_target(0, d_model=256)
-    for dtype, tolerance in ((torch.bfloat16, 1e-1), (torch.float16, 2e-2)):  # float16 last: used below
-        target = copy.deepcopy(tiny).to(dtype).cuda()
-        encoded = target.model.encoder(windows(0).to(dtype).cuda()).last_hidden_state
-        run = runner(target)
-        prompt = torch.tensor([[SOT, 50259, 50359, 400, 500, 600]] * BATCH, device="cuda")
-        outputs = []
-        for fused in (False, True):
-            cache = run.new_cache(encoded, capacity=32)
-            run.forward(prompt, torch.zeros(BATCH, dtype=torch.long, device="cuda"), cache, fused=fused)
-            tokens = torch.arange(400, 400 + 3 * BATCH, device="cuda").view(BATCH, 3)
-            outputs.append(run.forward(tokens, torch.tensor([4, 6, 2, 5], device="cuda"), cache, fused=fused))
-        torch.testing.assert_close(outputs[1].float(), outputs[0].float(), rtol=tolerance, atol=tolerance)
+    target, encoded = logits_agree_on_cuda(tiny, dict(fused=True))
     draft = decoder_only_draft(tiny, noise=0.1, seed=0).half().cuda()
-
-    rules = DecodingRules(vocab_size=51865, eot=EOT, no_timestamps=NO_TIMESTAMPS, suppress=SUPPRESS,
-                          begin_suppress=BEGIN_SUPPRESS, timestamps=True, device="cuda")
-    prompts = [prompt_for(True)] * BATCH
+    rules, prompts = cuda_rules(), [prompt_for(True)] * BATCH
     for compile in (None, "default"):
         ours = dict(lengths_attention="triton", fused_layers=True, compile=compile)
         target_only = SpeculativeDecoder(runner(target), **ours)
