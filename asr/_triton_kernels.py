@@ -96,14 +96,18 @@ def combine(PARTIAL, MAXIMA, SUMS, OUT, so_n, so_q, so_h, heads, queries,
 
 
 @triton.jit
-def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, rows, cols, depth, sx, sw, sr, sy, eps,
+def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, CACHE, CACHE_ROWS, CACHE_POSITIONS,
+           rows, cols, depth, sx, sw, sr, sy, eps, kept, head_dim, sc_part, sc_row, sc_head, sc_position,
            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
-           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+           TO_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y = f(X) @ W.T (+ BIAS) (then GELU) (+ RESIDUAL) for BLOCK_M rows and BLOCK_N columns
     (program ids: block of columns, block of rows), accumulated in float32 over blocks of
     BLOCK_K; f: the layer norm of each row (NORM, its statistics in float32, the normalised
     row rounded to W's dtype as a norm's output would be) or nothing. A row's result depends
-    on its own values only, not on how many rows the call has."""
+    on its own values only, not on how many rows the call has. TO_CACHE: Y takes the first
+    `kept` columns (a query), the next `kept` and the last `kept` (keys, values; heads of
+    head_dim) go into CACHE [2, B, H, C, head_dim] (its strides sc_*) at each row's cache row
+    and position (CACHE_ROWS, CACHE_POSITIONS)."""
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -144,4 +148,12 @@ def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, rows, cols, depth, sx, sw, s
     out = m_in[:, None] & n_in[None, :]
     if HAS_RESIDUAL:
         acc += tl.load(RESIDUAL + m.to(tl.int64)[:, None] * sr + n[None, :], mask=out, other=0.0).to(tl.float32)
+    if TO_CACHE:
+        into = tl.maximum(n - kept, 0)  # a key's or value's column (masked below for the query's)
+        row = tl.load(CACHE_ROWS + m, mask=m_in, other=0).to(tl.int64)
+        position = tl.load(CACHE_POSITIONS + m, mask=m_in, other=0).to(tl.int64)
+        at = ((into // kept) * sc_part + ((into % kept) // head_dim) * sc_head + into % head_dim)[None, :] \
+            + (row * sc_row + position * sc_position)[:, None]
+        tl.store(CACHE + at, acc.to(CACHE.dtype.element_ty), mask=out & (n >= kept)[None, :])
+        out = out & (n < kept)[None, :]
     tl.store(Y + m.to(tl.int64)[:, None] * sy + n[None, :], acc.to(Y.dtype.element_ty), mask=out)

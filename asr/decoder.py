@@ -373,13 +373,22 @@ class DecoderRunner:
                 return triton_ops.fused_linear(out, linear.weight, linear.bias, None, None, 0.0, False, x)
             return x + linear(out)
 
+        # The keys and values written by the fused kernel itself, but not in a step compiled whole: a
+        # custom operator that writes its input is one torch.compile would copy the cache around.
+        to_cache = fused and not torch.compiler.is_compiling()
+        cache_rows, cache_positions = (where.reshape(-1), positions.reshape(-1)) if to_cache else (None, None)
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
-            qkv = normed(x, layer.self_attn_layer_norm, project.qkv)
-            query = qkv[..., :width]
-            # K and V [2, n, q, H, Dh], written at (row, position) of the cache seen as
-            # [2, B, capacity, H, Dh]: one operation, no copy of K and V beforehand
-            new = qkv[..., width:].view(batch, q, 2, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4)
-            cache.self_kv[i].transpose(2, 3)[:, where, positions] = new
+            if to_cache:
+                norm = layer.self_attn_layer_norm
+                query = triton_ops.fused_qkv(x, project.qkv.weight, project.qkv.bias, norm.weight, norm.bias, norm.eps,
+                                             cache.self_kv[i], cache_rows, cache_positions)
+            else:
+                qkv = normed(x, layer.self_attn_layer_norm, project.qkv)
+                query = qkv[..., :width]
+                # K and V [2, n, q, H, Dh], written at (row, position) of the cache seen as
+                # [2, B, capacity, H, Dh]: one operation, no copy of K and V beforehand
+                new = qkv[..., width:].view(batch, q, 2, self.num_heads, self.head_dim).permute(2, 0, 1, 3, 4)
+                cache.self_kv[i].transpose(2, 3)[:, where, positions] = new
             if lengths is not None:
                 out = lengths(query, cache.self_kv[i])
             else:

@@ -19,7 +19,8 @@ verification computes its fixed width whatever k is, in batches of the same size
 Linear maps (fused_linear): a decoder step's few rows (a row of the batch times the positions
 it computes) through a weight read once per 16 rows, in blocks of 16 rows and some columns, with
 the layer norm before it (a decoder layer's three, and the final one before the output head)
-computed in the same kernel, and the bias, GELU and residual add after it: one kernel where
+computed in the same kernel, and the bias, GELU and residual add after it, or for the
+self-attention's keys and values their write into the cache (fused_qkv): one kernel where
 PyTorch runs two to four (on an H200, large-v3's layer norm took 4.1 us, the residual add 1.4,
 the matrix products 4.3-6.6 at 9 rows: docs/gpu-check-2026-11-30-h200.md). Like the
 attention's, a row's result never depends on how many rows the call has. Exactness needs no
@@ -169,22 +170,50 @@ def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
+@torch.library.custom_op("asr::fused_qkv", mutates_args=("cache",))
+def fused_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor, norm_bias: Tensor, eps: float,
+              cache: Tensor, cache_rows: Tensor, cache_positions: Tensor) -> Tensor:
+    """The self-attention's query, key and value map with its layer norm (fused_linear's, weight
+    [3 * H * Dh, depth]), the keys and values written into a layer's cache [2, B, H, C, Dh]
+    (the last stride 1) at each row's cache row and position (cache_rows, cache_positions:
+    [rows] integers, x's rows in order), where PyTorch writes them in a kernel of their own;
+    returns the query [..., H * Dh]. Not for torch.compile (a step compiled whole writes the
+    cache itself)."""
+    if cache.dim() != 5 or cache.stride(-1) != 1 or weight.shape[0] != 3 * cache.shape[2] * cache.shape[4]:
+        raise ValueError("fused_qkv writes a cache [2, B, H, C, Dh] of a query/key/value weight [3 * H * Dh, depth]")
+    return launch_linear(x, weight, bias, norm_weight, norm_bias, eps, False, None,
+                         cache=(cache, cache_rows, cache_positions))
+
+
+@fused_qkv.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor, norm_bias: Tensor, eps: float,
+      cache: Tensor, cache_rows: Tensor, cache_positions: Tensor) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0] // 3))
+
+
 def launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tensor | None,
                   norm_bias: Tensor | None, eps: float, gelu: bool, residual: Tensor | None,
-                  config: LinearConfig | None = None) -> Tensor:
-    """fused_linear's kernel (tests put a plain-PyTorch stand-in here); config: linear_config's by default."""
+                  config: LinearConfig | None = None, cache: tuple[Tensor, Tensor, Tensor] | None = None) -> Tensor:
+    """fused_linear's kernel (tests put a plain-PyTorch stand-in here); config: linear_config's
+    by default; cache: fused_qkv's (a layer's cache, its rows and positions)."""
     from asr import _triton_kernels as kernels
 
     cols, depth = weight.shape
     config = config or linear_config(cols)
     flat = x.reshape(-1, depth)  # a view where the rows lie evenly apart (a projection's slice does)
     rows = flat.shape[0]
-    out = torch.empty((rows, cols), dtype=x.dtype, device=x.device)
+    kept = cols if cache is None else cols // 3
+    out = torch.empty((rows, kept), dtype=x.dtype, device=x.device)
     added = out if residual is None else residual.reshape(rows, cols)
+    kv, kv_rows, kv_positions = cache if cache is not None else (out, out, out)  # not read without TO_CACHE
+    # Read as laid out one after another: an expanded row index (one row's positions) has a stride of 0.
+    kv_rows, kv_positions = kv_rows.contiguous(), kv_positions.contiguous()
     kernels.linear[(-(-cols // config.columns), -(-rows // LINEAR_ROWS))](
         flat, weight, out if bias is None else bias, out if norm_weight is None else norm_weight,
-        out if norm_bias is None else norm_bias, added, out, rows, cols, depth, flat.stride(0), weight.stride(0),
-        added.stride(0), out.stride(0), eps, HAS_BIAS=bias is not None, NORM=norm_weight is not None, GELU=gelu,
-        HAS_RESIDUAL=residual is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=config.columns, BLOCK_K=config.depth,
+        out if norm_bias is None else norm_bias, added, out, kv, kv_rows, kv_positions, rows, cols, depth,
+        flat.stride(0), weight.stride(0), added.stride(0), out.stride(0), eps, kept,
+        kv.shape[-1] if cache is not None else 1, *(kv.stride()[:4] if cache is not None else (0, 0, 0, 0)),
+        HAS_BIAS=bias is not None, NORM=norm_weight is not None, GELU=gelu, HAS_RESIDUAL=residual is not None,
+        TO_CACHE=cache is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=config.columns, BLOCK_K=config.depth,
         num_warps=config.warps, num_stages=config.stages)
-    return out.view(*x.shape[:-1], cols)
+    return out.view(*x.shape[:-1], kept)

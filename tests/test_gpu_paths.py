@@ -155,29 +155,39 @@ def triton_on_cpu(monkeypatch):
     return calls
 
 
-def fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual):
+def fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual, config=None, cache=None):
     """asr/triton_ops.fused_linear's kernel as its documentation defines it, in plain PyTorch:
     the layer norm of x's rows (rounded to x's dtype, as a norm's output), the linear map, GELU,
-    the residual; in float32 (float64 in float64), returned in x's dtype, contiguous."""
+    the residual; in float32 (float64 in float64), returned in x's dtype, contiguous. cache
+    (fused_qkv's: a layer's cache [2, B, H, C, Dh], each row's cache row and position): the
+    last two thirds of the columns, keys and values, written there, the first third returned."""
     exact = torch.promote_types(x.dtype, torch.float32)
     assert x.stride(-1) == 1 and weight.is_contiguous() and (residual is None or residual.shape[-1] == weight.shape[0])
     h = x if norm_weight is None else torch.nn.functional.layer_norm(
         x.to(exact), x.shape[-1:], norm_weight.to(exact), norm_bias.to(exact), eps).to(x.dtype)
     y = torch.nn.functional.linear(h.to(exact), weight.to(exact), None if bias is None else bias.to(exact))
     y = torch.nn.functional.gelu(y) if gelu else y
-    return (y if residual is None else y + residual.to(exact)).to(x.dtype).contiguous()
+    y = (y if residual is None else y + residual.to(exact)).to(x.dtype).contiguous()
+    if cache is None:
+        return y
+    kv, rows, positions = cache
+    kept = weight.shape[0] // 3
+    new = y.reshape(-1, 3 * kept)[:, kept:].reshape(-1, 2, kv.shape[2], kv.shape[4]).transpose(0, 1)  # [2, rows, H, Dh]
+    kv.transpose(2, 3)[:, rows, positions] = new.to(kv.dtype)
+    return y[..., :kept].contiguous()
 
 
 @pytest.fixture
 def fused_on_cpu(monkeypatch):
-    """Fused layers made to run on a CPU: the operator asr/triton_ops.fused_linear (opaque to
-    torch.compile) runs fused_linear_on_cpu; records of each call its rows, columns, and
-    whether it normed, applied GELU and added a residual."""
+    """Fused layers made to run on a CPU: the operators asr/triton_ops.fused_linear and
+    fused_qkv (opaque to torch.compile) run fused_linear_on_cpu; records of each call its rows,
+    columns, and whether it normed, applied GELU, added a residual and wrote the cache."""
     calls = []
 
-    def launch(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual):
-        calls.append((x.numel() // x.shape[-1], weight.shape[0], norm_weight is not None, gelu, residual is not None))
-        return fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual)
+    def launch(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual, config=None, cache=None):
+        calls.append((x.numel() // x.shape[-1], weight.shape[0], norm_weight is not None, gelu, residual is not None,
+                      cache is not None))
+        return fused_linear_on_cpu(x, weight, bias, norm_weight, norm_bias, eps, gelu, residual, config, cache)
 
     monkeypatch.setattr(triton_ops, "launch_linear", launch)
     monkeypatch.setattr(triton_ops, "unavailable", lambda *_: None)
@@ -205,9 +215,10 @@ def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, tri
         outputs.append(run.forward(tokens, start, cache, window=10, fused=fused))
     torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-10, atol=1e-10)
     width, ffn = run.num_heads * run.head_dim, run.layers[0].fc1.out_features
-    layer = [(9, 3 * width, True, False, False), (9, width, False, False, True), (9, width, True, False, False),
-             (9, width, False, False, True), (9, ffn, True, True, False), (9, width, False, False, True)]
-    assert fused_on_cpu == layer * len(run.layers) + [(9, run.vocab_size, True, False, False)]
+    layer = [(9, 3 * width, True, False, False, True), (9, width, False, False, True, False),
+             (9, width, True, False, False, False), (9, width, False, False, True, False),
+             (9, ffn, True, True, False, False), (9, width, False, False, True, False)]
+    assert fused_on_cpu == layer * len(run.layers) + [(9, run.vocab_size, True, False, False, False)]
     fused_on_cpu.clear()
     long = torch.arange(400, 400 + 3 * (triton_ops.FUSED_ROWS // 3 + 1)).view(3, -1)
     run.forward(long, torch.tensor([0, 0, 0]), run.new_cache(encoded, capacity=long.shape[1] + 16), fused=True)
@@ -226,6 +237,9 @@ def test_fused_layers_give_the_unfused_logits_and_tokens(pair, fused_on_cpu, tri
         assert_same(ours.decode(encoded, [prompt] * BATCH, rules, draft_length=DraftLength(fixed=k), **options), masked)
         assert fused_on_cpu and sum(counters["graph_break"].values()) == breaks
         assert bool(triton_on_cpu) == (lengths == "triton")
+        # A step compiled whole writes the cache itself (fused_qkv is for the eager and captured ones).
+        qkv = [cached for _, cols, *_, cached in fused_on_cpu if cols == 3 * width]
+        assert (not all(qkv)) == (compile is not None), (fixed, k, lengths, compile)
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(triton_ops, "unavailable", lambda *_: "it needs a CUDA device, not cpu")
@@ -402,7 +416,7 @@ def test_our_fused_linear_kernel_gives_its_definition(tmp_path):
     script.write_text(f"""
 import sys, torch
 sys.path[:0] = [{str(REPO)!r}, {str(REPO / "tests")!r}]
-from asr.triton_ops import fused_linear, linear_config
+from asr.triton_ops import fused_linear, fused_qkv, linear_config
 from test_gpu_paths import fused_linear_on_cpu
 torch.manual_seed(0)
 for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
@@ -425,6 +439,19 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
 x, weight, gain, shift = 300 + torch.randn(2, 384) / 100, torch.randn(64, 384) / 20, torch.rand(384) + 0.5, torch.randn(384)
 args = (x, weight, None, gain, shift, 1e-5, False, None)
 torch.testing.assert_close(fused_linear(*args), fused_linear_on_cpu(*args), rtol=2e-2, atol=2e-2)  # float32's mean
+# fused_qkv: keys and values into a cache [2, B, H, C, Dh] at each row's cache row and position, the query returned.
+for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
+    x, weight, bias = torch.randn(5, 48).to(dtype), (torch.randn(192, 48) / 7).to(dtype), torch.randn(192).to(dtype)
+    gain, shift = (torch.rand(48) + 0.5).to(dtype), torch.randn(48).to(dtype)
+    # Rows as a pass gives them: one cache row's positions, an index expanded (a stride of 0; read past its one value, it crashed).
+    for rows, positions in ((torch.tensor([2, 0, 1, 2, 0]), torch.tensor([3, 4, 9, 0, 1])),
+                            (torch.tensor([1])[:, None].expand(1, 5).reshape(-1), torch.arange(5))):
+        ours, theirs = torch.zeros(2, 3, 2, 10, 32, dtype=dtype), torch.zeros(2, 3, 2, 10, 32, dtype=dtype)
+        query = fused_qkv(x, weight, bias, gain, shift, 1e-5, ours, rows, positions)
+        want = fused_linear_on_cpu(x, weight, bias, gain, shift, 1e-5, False, None, cache=(theirs, rows, positions))
+        assert query.shape == (5, 64) and theirs.abs().sum() > 0
+        torch.testing.assert_close(query.float(), want.float(), rtol=tolerance, atol=tolerance)
+        torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
@@ -1273,7 +1300,8 @@ def test_attention_by_row_lengths_on_cuda(kernel: str):
 def test_fused_layers_on_cuda():
     """On a GPU: our fused linear kernel (asr/triton_ops.py) at large-v3's shapes gives
     fused_linear_on_cpu's result to float16's and bfloat16's rounding, and a row alone, or
-    the first rows, what they get among 144 rows, to the bit, at any row of a block; a tiny
+    the first rows, what they get among 144 rows, to the bit, at any row of a block; it writes
+    keys and values into a cache as PyTorch would (fused_qkv); a tiny
     target's fused logits are the unfused ones to that rounding; and with our attention too,
     target-only decoding gives the speculative tokens at every k, captured as CUDA graphs,
     compiled too, with no capture failed."""
@@ -1297,6 +1325,19 @@ def test_fused_layers_on_cuda():
             for row in (5, 8, 15, 100):
                 alone = triton_ops.fused_linear(x[row : row + 1], *args, None if added is None else added[row : row + 1])
                 assert torch.equal(alone[0], full[row]), (dtype, depth, cols, row)
+    # fused_qkv: 16 rows of 9 positions, their keys and values into a cache as large-v3's at batch 16.
+    ours, theirs = (torch.zeros(2, 16, 20, 464, 64, device="cuda", dtype=torch.float16) for _ in range(2))
+    x, weight = torch.randn(144, 1280, device="cuda", dtype=torch.float16), torch.randn(3840, 1280, device="cuda",
+                                                                                        dtype=torch.float16) / 36
+    args = (x, weight, torch.randn(3840, device="cuda", dtype=torch.float16),
+            torch.rand(1280, device="cuda", dtype=torch.float16) + 0.5, torch.randn(1280, device="cuda", dtype=torch.float16),
+            1e-5)
+    rows = torch.arange(16, device="cuda").repeat_interleave(9)
+    positions = torch.arange(9, device="cuda").repeat(16) + torch.arange(16, device="cuda").repeat_interleave(9) * 20
+    query = triton_ops.fused_qkv(*args, ours, rows, positions)
+    torch.testing.assert_close(query, fused_linear_on_cpu(*args, False, None, cache=(theirs, rows, positions)),
+                               rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(ours, theirs, rtol=2e-2, atol=2e-2)
 
     tiny = tiny_target(0, d_model=256)
     target, encoded = logits_agree_on_cuda(tiny, dict(fused=True))
