@@ -248,14 +248,18 @@ class Cancelled(Exception):
 
 
 _DECODING: set[Callable[[], None]] = set()  # what stops each segments() decoding thread still running
+_SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()  # those not closed
 
 
 @atexit.register
 def _stop_decoding() -> None:
-    """At exit, segments() iterators left unread: their threads stopped and waited for (a thread
-    cut off inside torch as the interpreter ends aborted the process)."""
+    """At exit, segments() iterators left unread and schedulers left open: their threads stopped
+    and waited for (a thread cut off inside torch as the interpreter ends aborted the process:
+    "terminate called without an active exception", after a script's last transcript)."""
     for stop in list(_DECODING):
         stop()
+    for scheduler in list(_SCHEDULERS):
+        scheduler.close()
 
 
 class _Following(Iterator[Segment]):
@@ -1247,6 +1251,7 @@ class Scheduler:
         self._measure()
         self._worker = threading.Thread(target=self._run, name="asr-scheduler", daemon=True)
         self._worker.start()
+        _SCHEDULERS.add(self)
 
     def run(self, job: _Job, encoder_frames: int | None = None) -> _Job:
         """Decodes the job (Transcriber.transcribe and transcribe_window hand theirs here) and
@@ -1276,11 +1281,13 @@ class Scheduler:
                 sum(len(d.jobs) for d in self._decodings.values()), *self._served)
 
     def close(self) -> None:
-        """Stops the worker; work not done fails with RuntimeError."""
+        """Stops the worker; work not done fails with RuntimeError. Done at exit for a scheduler
+        left open."""
         with self._wake:
             self._closed = True
             self._wake.notify()
         self._worker.join()
+        _SCHEDULERS.discard(self)
 
     def _run(self) -> None:
         while True:

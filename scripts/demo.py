@@ -34,7 +34,8 @@ def main() -> int:
     clips = read_manifest(SAMPLES / "manifest.tsv")
     plain.transcribe(load_audio(clips[0].path))  # warm-up, so the first clip's timing is fair
 
-    totals = {"plain": [0.0, 0.0], "speculative": [0.0, 0.0]}
+    decoder = {"plain": 0.0, "speculative": 0.0}
+    encoder = 0.0  # both systems' encoder seconds: the same work, timed twice
     hypotheses, identical = [], True
     for clip in clips:
         audio = load_audio(clip.path)
@@ -43,8 +44,8 @@ def main() -> int:
         identical &= [s.tokens for s in base.segments] == [s.tokens for s in fast.segments]
         hypotheses.append(base.text)
         for key, t in (("plain", base), ("speculative", fast)):
-            totals[key][0] += t.info.decoder_seconds
-            totals[key][1] += t.info.decoder_seconds + t.info.encoder_seconds
+            decoder[key] += t.info.decoder_seconds
+            encoder += t.info.encoder_seconds
         stats = fast.info.stats
         print(f"{clip.path.name} ({fast.info.duration:.1f} s, language {fast.info.language})")
         print(f"  {fast.text}")
@@ -54,9 +55,12 @@ def main() -> int:
               f"{'-' if stats.acceptance_rate is None else f'{stats.acceptance_rate:.0%}'}, "
               f"{stats.tokens_per_target_pass or 0:.1f} tokens per target pass\n")
     english = [(c.reference, h) for c, h in zip(clips, hypotheses) if c.language == "en"]
-    print(f"total: decoder speed-up {totals['plain'][0] / totals['speculative'][0]:.2f}x, end to end "
-          f"{totals['plain'][1] / totals['speculative'][1]:.2f}x; transcripts identical: {'yes' if identical else 'NO'}; "
-          f"English WER {word_error_rate(*zip(*english)):.1%}")
+    # End to end with the encoder's mean time for both: its two timings' noise, not drafting, made
+    # one system's end to end faster than its decoder alone (1.12x against 1.02x).
+    shared = encoder / 2
+    print(f"total: decoder speed-up {decoder['plain'] / decoder['speculative']:.2f}x, end to end (the encoder's "
+          f"{shared:.2f} s, the same in both, included) {(shared + decoder['plain']) / (shared + decoder['speculative']):.2f}x; "
+          f"transcripts identical: {'yes' if identical else 'NO'}; English WER {word_error_rate(*zip(*english)):.1%}")
     return 0 if identical else 1
 
 

@@ -19,7 +19,7 @@ from asr.audio import SAMPLE_RATE, load_audio
 from asr.models import DEFAULT_PRESET, PRESETS, load_pair
 from asr.transcribe import AudioInput, Cancelled, Progress, Scheduler, TranscribeOptions, Transcriber, _Decoding
 from asr.writers import to_json
-from conftest import DEV, SAMPLES
+from conftest import DEV, REPO, SAMPLES
 
 # (file, options): English detected or chosen, German detected, German translated.
 REQUESTS = [
@@ -558,3 +558,28 @@ def test_long_recordings_are_admitted_first_within_a_bounded_head_start(pair):
     finally:
         for decoding in scheduler._decodings.values():
             decoding.close()
+
+
+def test_a_script_that_leaves_its_scheduler_open_exits_cleanly(tmp_path):
+    """The README's use of a Scheduler, without close(): its worker thread, cut off inside torch
+    as the interpreter ended, aborted the process after the script's last transcript ("terminate
+    called without an active exception", exit 134, in 1 run of 2 to 3 of 3). Schedulers left open
+    are closed at exit."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "leaves_it_open.py"
+    script.write_text(f"""
+import sys
+sys.path.insert(0, {str(REPO)!r})
+from asr.models import load_pair
+from asr.audio import load_audio
+from asr.transcribe import Scheduler, Transcriber, TranscribeOptions
+pair = load_pair("packaged:whisper-base", "bundled:whisper-base-2l")
+transcriber = Transcriber(pair, TranscribeOptions(language="en"), scheduler=Scheduler())
+print(transcriber.submit(load_audio({str(SAMPLES / "jfk.flac")!r})).result().text)
+""")
+    for _ in range(3):
+        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        assert done.returncode == 0 and "ask not what your country" in done.stdout, done.stderr[-2000:]
