@@ -810,7 +810,8 @@ def render_markdown(report: dict, title: str) -> str:
     lines = [
         f"# Evaluation: {title}",
         "",
-        f"{report['n_files']} files, {report['audio_seconds']:.1f} s of audio; {env['device']}, {env['dtype']}, "
+        f"{report['n_files']} file{'' if report['n_files'] == 1 else 's'}, {report['audio_seconds']:.1f} s of audio; "
+        f"{env['device']}, {env['dtype']}, "
         f"{env['threads']} threads{', CUDA graphs' if env.get('cuda_graphs') else ''}"
         f"{', compiled steps' if env.get('compiled') else ''}{_lengths_label(env.get('lengths_attention'))}"
         f"{', fused layers' if env.get('fused_layers') else ''}"
