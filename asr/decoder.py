@@ -376,7 +376,9 @@ class DecoderRunner:
         # The keys and values written by the fused kernel itself, but not in a step compiled whole: a
         # custom operator that writes its input is one torch.compile would copy the cache around.
         to_cache = fused and not torch.compiler.is_compiling()
-        cache_rows, cache_positions = (where.reshape(-1), positions.reshape(-1)) if to_cache else (None, None)
+        # Laid out once for every layer (one row's index is an expanded view, whose copy would be a kernel a layer).
+        cache_rows, cache_positions = ((where.reshape(-1).contiguous(), positions.reshape(-1).contiguous()) if to_cache
+                                       else (None, None))
         for i, (layer, project) in enumerate(zip(self.layers, self._projections)):
             if to_cache:
                 norm = layer.self_attn_layer_norm

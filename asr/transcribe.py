@@ -9,6 +9,7 @@ import atexit
 import contextlib
 import math
 import numbers
+import os
 import queue
 import threading
 import time
@@ -249,6 +250,7 @@ class Cancelled(Exception):
 
 _DECODING: set[Callable[[], None]] = set()  # what stops each segments() decoding thread still running
 _SCHEDULERS: "weakref.WeakSet[Scheduler]" = weakref.WeakSet()  # those not closed
+os.register_at_fork(after_in_child=_SCHEDULERS.clear)  # a forked child has none of their workers
 
 
 @atexit.register

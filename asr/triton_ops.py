@@ -176,11 +176,13 @@ def fused_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tenso
     """The self-attention's query, key and value map with its layer norm (fused_linear's, weight
     [3 * H * Dh, depth]), the keys and values written into a layer's cache [2, B, H, C, Dh]
     (the last stride 1) at each row's cache row and position (cache_rows, cache_positions:
-    [rows] integers, x's rows in order), where PyTorch writes them in a kernel of their own;
-    returns the query [..., H * Dh]. Not for torch.compile (a step compiled whole writes the
-    cache itself)."""
+    [rows] integers, x's rows in order; every position below C, unchecked, as the engine keeps
+    them), where PyTorch writes them in a kernel of their own; returns the query [..., H * Dh].
+    Not for torch.compile (a step compiled whole writes the cache itself)."""
     if cache.dim() != 5 or cache.stride(-1) != 1 or weight.shape[0] != 3 * cache.shape[2] * cache.shape[4]:
         raise ValueError("fused_qkv writes a cache [2, B, H, C, Dh] of a query/key/value weight [3 * H * Dh, depth]")
+    if cache.dtype != x.dtype:
+        raise ValueError(f"fused_qkv writes a cache in its input's dtype, {x.dtype}, not {cache.dtype}")
     return launch_linear(x, weight, bias, norm_weight, norm_bias, eps, False, None,
                          cache=(cache, cache_rows, cache_positions))
 
