@@ -1130,7 +1130,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         import ray
     except ImportError as error:
         raise RuntimeError("--ray needs Ray Data: pip install 'asr[ray]'") from error
-    if not ray.is_initialized() and (unreachable := _unreachable(options.address)):
+    if not ray.is_initialized() and (unreachable := _unreachable(options.address, os.environ.get("RAY_ADDRESS"))):
         raise WorkerError(unreachable)  # said before the output folder is locked
     recorder = _Recorder(run)
     lost = "its Ray worker died each time it was tried (killed for memory? a crash?)"
@@ -1237,16 +1237,20 @@ def pool_line(resources: dict, workers: int, cpus_per_worker: int, gpu: int) -> 
     return line + (f": {fit} of the workers run at once, the rest when it grows" if fit < workers else "")
 
 
-def _unreachable(address: str | None) -> str | None:
+def _unreachable(address: str | None, environment: str | None = None) -> str | None:
     """Why a cluster's HOST:PORT cannot be reached, in a few seconds: ray.init tried one
-    that does not answer for over ten minutes, holding the output folder's lock."""
+    that does not answer for over ten minutes, holding the output folder's lock. environment:
+    RAY_ADDRESS, which ray.init takes where --ray names no address, or names "auto"."""
+    named = f"--ray {address}"
+    if address in (None, "auto") and environment:
+        address, named = environment, f"RAY_ADDRESS={environment} (--ray names no address: Ray takes this one)"
     if address is None or address == "auto" or "://" in address or ":" not in address:
         return None
     host, _, port = address.rpartition(":")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()  # [::1]:6379 too
     except (OSError, ValueError) as error:
-        return f"--ray {address}: no Ray cluster answers there ({getattr(error, 'strerror', None) or error})"
+        return f"{named}: no Ray cluster answers there ({getattr(error, 'strerror', None) or error})"
     return None
 
 

@@ -1191,6 +1191,16 @@ def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named
         transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()), PipelineSpec("packaged:whisper-base", None),
                                  RayOptions(address="127.0.0.1:1"))
     assert time.monotonic() - started < 15 and not (tmp_path / "out").exists()
+    # The same address in RAY_ADDRESS (a stale one from an old `ray job submit` shell), which
+    # ray.init takes for bare --ray and --ray=auto, was not checked: the run hung, folder locked.
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:1")
+    for address in (None, "auto"):
+        started = time.monotonic()
+        with pytest.raises(batch.WorkerError, match=r"RAY_ADDRESS=127.0.0.1:1 \(--ray names no address.*no Ray cluster answers"):
+            transcribe_folder_on_ray(FolderRun((source,), tmp_path / "out", **quiet()),
+                                     PipelineSpec("packaged:whisper-base", None), RayOptions(address=address))
+        assert time.monotonic() - started < 15 and not (tmp_path / "out").exists()
+    monkeypatch.delenv("RAY_ADDRESS")
     cluster = {"CPU": 16.0, "GPU": 2.0}
     assert batch._pool(cluster, 16, RayOptions(), "auto") == (2, 1, 1)
     assert batch._pool(cluster, 16, RayOptions(), "cpu") == (4, 4, 0)
