@@ -50,6 +50,11 @@ class AudioError(ValueError):
     """The file could not be used as audio; the message names it and the problem."""
 
 
+class MissingAudio(AudioError, FileNotFoundError):
+    """No file at the path given: an AudioError, and a FileNotFoundError for code that
+    catches OSError around reading files (faster-whisper raises one)."""
+
+
 class AudioWarning(UserWarning):
     """The file was read, less a damaged part of it; the message names it and what was lost."""
 
@@ -63,7 +68,7 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
     transcript, rather than warned (AudioWarning)."""
     path = Path(path)
     if not path.exists():
-        raise AudioError(f"{path}: no such file")
+        raise MissingAudio(f"{path}: no such file")
     if path.is_dir():
         raise AudioError(f"{path}: is a directory, not an audio file")
     if path.stat().st_size == 0:
@@ -254,11 +259,19 @@ def to_model_input(samples: np.ndarray, rate: int, name: str = "audio") -> np.nd
     return np.ascontiguousarray(samples, dtype=np.float32)
 
 
+# Rates a recording has: below 1 kHz nothing of speech is left; a rate of 100 was a wrong
+# argument, decoded as 30 minutes of nothing without a word.
+RATE_RANGE = (1_000, 1_000_000)
+
+
 def checked_rate(rate: float, name: str) -> float:
-    """A chunk's sample rate, or AudioError where it is not a positive number (a rate of 0
-    divided by zero in the chunk's seconds)."""
+    """An array's or a chunk's sample rate, or AudioError where it is not a number of hertz
+    within RATE_RANGE (a rate of 0 divided by zero in the chunk's seconds)."""
     if isinstance(rate, bool) or not isinstance(rate, numbers.Real) or not 0 < rate < math.inf:
         raise AudioError(f"{name}: invalid sample rate {rate!r}")
+    if not RATE_RANGE[0] <= rate <= RATE_RANGE[1]:
+        raise AudioError(f"{name}: sample rate {rate!r} Hz is no recording's (expected {RATE_RANGE[0]:,} to "
+                         f"{RATE_RANGE[1]:,} Hz; 16,000 for Whisper's own)")
     return rate
 
 

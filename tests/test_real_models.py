@@ -575,6 +575,9 @@ def test_arrays_in_any_form_transcribe_can_take_and_a_long_input_again(base_pair
     assert transcriber.transcribe(cd, sample_rate=44100).text == expected
     with pytest.raises(ValueError, match="sample_rate is an array's: a file tells its own"):
         transcriber.transcribe(DEV / "en_short" / "jfk.flac", sample_rate=44100)
+    for wrong in (100, 5e6):  # 100 was decoded as 30 minutes of nothing, without a word
+        with pytest.raises(AudioError, match=f"cd: sample rate {wrong!r} Hz is no recording's"):
+            transcriber.transcribe(cd, "cd", sample_rate=wrong)
     pcm = np.round(jfk * 32767).astype(np.int16)
     window = transcriber.transcribe_window(pcm, [], "en")
     assert transcriber.vocab.decode(window.tokens).strip() == expected.strip()

@@ -639,6 +639,8 @@ def test_chunks_at_a_microphones_own_rate_are_resampled_as_they_come(transcriber
     for rate in (0, -16_000, float("nan"), True, "16k"):
         with pytest.raises(AudioError, match="stream chunk: invalid sample rate"):
             stream.insert_audio(samples[:160], rate)
+    with pytest.raises(AudioError, match="stream chunk: sample rate 100 Hz is no recording's"):
+        stream.insert_audio(samples[:160], 100)
     for wrong in (dict(buffer_trim_seconds=0), dict(buffer_trim_seconds=float("nan")), dict(prompt=123)):
         with pytest.raises(ValueError):
             StreamingTranscriber(transcriber, **wrong)
