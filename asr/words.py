@@ -140,6 +140,11 @@ class Word:
     end: float
     probability: float
 
+    @property
+    def word(self) -> str:
+        """text, by faster-whisper's name for it (and the JSON's key): w.word raised AttributeError."""
+        return self.text
+
 
 @dataclass
 class _Timed:

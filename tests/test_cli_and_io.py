@@ -412,6 +412,7 @@ def test_no_cue_lasts_no_time():
                               Segment(1, 3.0, 4.0, " Again.", [2], -0.2, 1.1, 0.01, 0.0)], info)
     assert writers.to_srt(inside) == "1\n00:00:00,000 --> 00:00:05,000\nHello. Again.\n"
     words = [Word(" Hi", 0.0, 1.0, 0.9), Word(" Bye", 5.0, 5.0, 0.9)]
+    assert words[0].word == " Hi"  # faster-whisper's name, and the JSON's
     paused = Transcript("b", [Segment(0, 0.0, 5.0, " Hi Bye", [1], -0.2, 1.1, 0.01, 0.0, words)], info)
     assert writers.to_vtt(paused, writers.SubtitleLayout(42, 2)) == (  # not 4 s early, in the cue before
         "WEBVTT\n\n00:00:00.000 --> 00:00:01.000\nHi\n\n00:00:04.500 --> 00:00:05.000\nBye\n")
