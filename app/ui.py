@@ -33,7 +33,7 @@ from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.streaming import stream_segments
 from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript, TranscriptionInfo
-from asr.writers import FORMATS, SubtitleLayout, write_transcript
+from asr.writers import DEFAULT_FORMATS, SubtitleLayout, write_transcript
 
 T = TypeVar("T")
 
@@ -397,7 +397,7 @@ def transcribe_upload(engine: Engine, downloads_dir: Path, path: str | None, lan
         yield from _waiting(decoding, progress, handed_over)
         result, seconds = decoding.result(), time.perf_counter() - handed_over
         # No speech: the JSON (its language, duration, figures), not an empty text and subtitles.
-        files = write_transcript(result, folder, stem, list(FORMATS) if result.segments else ["json"],
+        files = write_transcript(result, folder, stem, list(DEFAULT_FORMATS) if result.segments else ["json"],
                                  SUBTITLE_LAYOUTS[subtitles])
         finished = True
     except Cancelled:  # Stop, or a new file or new settings

@@ -45,7 +45,7 @@ from tqdm import tqdm
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
 from asr.models import TARGET_AS_DRAFT, choose_dtypes, load_pair
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
-from asr.writers import (FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
+from asr.writers import (DEFAULT_FORMATS, FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
                          temporary_prefix, unwritable, write_atomic, write_files_atomic)
 
 ERRORS_FILE = "errors.jsonl"
@@ -83,7 +83,7 @@ class PipelineSpec:
 class FolderRun:
     inputs: tuple[Path, ...]  # folders (walked recursively) and files
     out_dir: Path
-    formats: tuple[str, ...] = FORMATS
+    formats: tuple[str, ...] = DEFAULT_FORMATS
     layout: SubtitleLayout = SubtitleLayout()  # of srt and vtt cues
     overwrite: bool = False  # redo files whose outputs are complete
     stream_above_seconds: float = STREAM_ABOVE_SECONDS
@@ -227,7 +227,7 @@ def find_audio(root: Path, unreadable: list[OSError] | None = None) -> list[Path
     return found
 
 
-def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] = FORMATS,
+def plan_outputs(inputs: Iterable[Path], out_dir: Path, formats: Iterable[str] = DEFAULT_FORMATS,
                  fold_case: bool = False, holds: Callable[[PlannedFile], bool] = lambda item: False,
                  ) -> tuple[list[PlannedFile], list[FileResult]]:
     """Each audio file with the stem of its outputs: a folder's tree is mirrored under
@@ -497,7 +497,7 @@ class Sources:
         record = self._record(item)
         if record is None:
             return set()
-        return set(record.get("formats", FORMATS))  # lines before 2026-11-28 name none: all were a run's
+        return set(record.get("formats", DEFAULT_FORMATS))  # lines before 2026-11-28 name none: all four were a run's
 
     def foreign(self, item: PlannedFile, formats: Iterable[str]) -> list[str]:
         """Those of item's outputs in these formats that exist and no run wrote."""

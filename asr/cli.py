@@ -36,7 +36,7 @@ from asr.features import WINDOW_SECONDS
 from asr.streaming import MIN_STEP_SECONDS, StreamingTranscriber, StreamUpdate, feed_recording, summarize
 from asr.transcribe import Scheduler, TranscribeOptions, Transcriber
 from asr.vocab import language_code
-from asr.writers import FORMATS, SubtitleLayout, unwritable
+from asr.writers import DEFAULT_FORMATS, FORMATS, SubtitleLayout, unwritable
 
 LOCAL_RAY = "local"  # --ray without an address
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -130,8 +130,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = commands.add_parser("transcribe", help="transcribe audio files or folders of them")
     t.add_argument("paths", nargs="+", type=Path, metavar="PATH", help="audio files, or folders of audio files")
     t.add_argument("--out-dir", type=Path, default=Path("."), help="where transcripts go (default: .)")
-    t.add_argument("--formats", default="txt,srt,vtt,json",
-                   help=f"comma-separated, from {','.join(FORMATS)} (default: all: %(default)s)")
+    t.add_argument("--formats", default=",".join(DEFAULT_FORMATS),
+                   help=f"comma-separated, from {','.join(FORMATS)}, or all (default: %(default)s)")
     add_model_arguments(t)
     t.add_argument("--no-speculation", action="store_true", help="decode with the target alone")
     t.add_argument("--batch-size", type=count(1), default=DEFAULT_BATCH_SIZE,
@@ -361,6 +361,7 @@ def _missing(path: Path) -> bool:
 def transcribe_command(args: argparse.Namespace) -> int:
     """Files and folders alike go through asr.batch (mirrored outputs, resume, errors.jsonl)."""
     formats = list(dict.fromkeys(f.strip().lower() for f in args.formats.split(",") if f.strip()))  # SRT as srt
+    formats = list(FORMATS) if formats == ["all"] else formats  # openai/whisper's --output_format all
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
         print(f"asr: unknown format(s) {unknown or args.formats!r}; choose from {', '.join(FORMATS)}", file=sys.stderr)

@@ -18,7 +18,8 @@ from typing import Callable
 from asr.transcribe import Segment, Transcript
 from asr.words import columns, cut_unspaced, joined
 
-FORMATS = ("txt", "srt", "vtt", "json")
+FORMATS = ("txt", "srt", "vtt", "json", "tsv")
+DEFAULT_FORMATS = FORMATS[:4]  # what a run writes unless told: tsv only where asked for
 # The longest file name: 255 bytes on Linux's file systems and APFS, 255 UTF-16 units on NTFS.
 NAME_MAX, NAME_UNIT = 255, ("UTF-16 units" if os.name == "nt" else "bytes")
 # Read once, at import: reading it means setting it, which races with threads creating files.
@@ -193,6 +194,14 @@ def to_vtt(transcript: Transcript, layout: SubtitleLayout = SubtitleLayout()) ->
     return "WEBVTT\n\n" + "\n".join(blocks)
 
 
+def to_tsv(transcript: Transcript) -> str:
+    """openai/whisper's tsv: a header, then a segment a line, its start and end in whole
+    milliseconds, its text with tabs and line breaks as spaces (a spreadsheet's columns)."""
+    rows = [f"{round(1000 * s.start)}\t{round(1000 * s.end)}\t{' '.join(s.text.split())}\n"
+            for s in transcript.segments if s.text.strip()]
+    return "start\tend\ttext\n" + "".join(rows)
+
+
 def to_json(transcript: Transcript) -> str:
     info, stats = transcript.info, transcript.info.stats
     document = {
@@ -250,7 +259,7 @@ def _segment(s: Segment) -> dict:
 
 RENDERERS: dict[str, Callable[[Transcript, SubtitleLayout], str]] = {
     "txt": lambda transcript, _: to_txt(transcript), "srt": to_srt, "vtt": to_vtt,
-    "json": lambda transcript, _: to_json(transcript)}
+    "json": lambda transcript, _: to_json(transcript), "tsv": lambda transcript, _: to_tsv(transcript)}
 
 
 def render(transcript: Transcript, fmt: str, layout: SubtitleLayout = SubtitleLayout()) -> str:

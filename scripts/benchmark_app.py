@@ -37,7 +37,7 @@ from gradio_client import Client, handle_file
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from asr.audio import SAMPLE_RATE, load_audio  # noqa: E402
-from asr.writers import FORMATS, write_files_atomic  # noqa: E402
+from asr.writers import DEFAULT_FORMATS, write_files_atomic  # noqa: E402
 
 DEV = REPO.parent / "shared" / "eval" / "dev"
 MODES = {"batched": [], "lock": ["--no-batching"]}
@@ -129,7 +129,7 @@ def judge(result: tuple, bad: bool, name: str) -> tuple[str, str]:
         if bad:
             return "wrong", ""
         offered = sorted(Path(f["path"]).suffix.lstrip(".") for f in downloads(result[2]))
-        return ("transcript", "") if offered == sorted(FORMATS) else ("wrong", f"downloads offered: {offered}")
+        return ("transcript", "") if offered == sorted(DEFAULT_FORMATS) else ("wrong", f"downloads offered: {offered}")
     return "wrong", transcript[:300]
 
 

@@ -480,7 +480,11 @@ def test_writers_render_every_format(tmp_path: Path):
     transcript.segments[0] = replace(transcript.segments[0], words=[Word(" Hello", 0.0, 0.62, 0.91234),
                                                                     Word(" there.", 0.62, 2.5, 0.8)])
     paths = writers.write_transcript(transcript, tmp_path, "talk", list(writers.FORMATS))
-    assert [p.name for p in paths] == ["talk.txt", "talk.srt", "talk.vtt", "talk.json"]
+    assert [p.name for p in paths] == ["talk.txt", "talk.srt", "talk.vtt", "talk.json", "talk.tsv"]
+    # openai/whisper's tsv: whole milliseconds, tab-separated; a tab in the text would make a column.
+    transcript.segments.append(replace(transcript.segments[1], text=" a\tb ", start=3661.2504, end=3662.0))
+    assert writers.render(transcript, "tsv") == ("start\tend\ttext\n0\t2500\tHello there.\n"
+                                                 "2500\t3661250\tGeneral Kenobi!\n3661250\t3662000\ta b\n")
     assert (tmp_path / "talk.txt").read_text() == "Hello there.\nGeneral Kenobi!\n"  # a segment a line
     srt = (tmp_path / "talk.srt").read_text()
     assert "1\n00:00:00,000 --> 00:00:02,500\nHello there.\n" in srt and "01:01:01,250" in srt
@@ -703,6 +707,10 @@ def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):
     assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "SRT,txt,srt", "--language", "en",
                  "--word-timestamps", "--max-line-width", "20", "--max-line-count", "1"]) == 0
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["jfk.srt", "jfk.txt"]
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path / "all"), "--formats", "all", "--language", "en"]) == 0
+    assert sorted(p.suffix for p in (tmp_path / "all").iterdir() if not p.name.startswith(".")) == [
+        ".json", ".srt", ".tsv", ".txt", ".vtt"]
+    assert (tmp_path / "all" / "jfk.tsv").read_text().startswith("start\tend\ttext\n0\t")
     cues = [block.split("\n") for block in (tmp_path / "jfk.srt").read_text().strip().split("\n\n")]
     assert len(cues) > 4 and all(len(cue) == 3 and len(cue[2]) <= 20 for cue in cues)
     assert " ".join(cue[2] for cue in cues) == " ".join((tmp_path / "jfk.txt").read_text().split("\n")).strip()
