@@ -123,6 +123,20 @@ def prompt_text(text: str) -> str:
     return text
 
 
+def clip_seconds(text: str) -> tuple[float, ...]:
+    """An argparse type: --clip-timestamps' times, each seconds (90.5) or a clock (1:30.5, 1:02:03)."""
+    def seconds(time: str) -> float:
+        parts = time.strip().split(":")
+        if len(parts) > 3 or any(not part.strip() for part in parts) or any(not 0 <= float(p) < 60 for p in parts[1:]):
+            raise ValueError(time)
+        return sum(float(part) * 60 ** place for place, part in enumerate(reversed(parts)))
+
+    try:
+        return TranscribeOptions(clip_timestamps=tuple(seconds(time) for time in text.split(","))).clip_timestamps
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected start,end,start,... times, each seconds or [H:]MM:SS, "
+                                         "from 0 up and each after the one before") from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
@@ -180,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
+    t.add_argument("--clip-timestamps", type=clip_seconds, default=(), metavar="START,END[,...]",
+                   help="transcribe only these parts: start,end,start,end,... in seconds or [H:]MM:SS, the last end "
+                        "left out for the recording's end (as Whisper's option); times stay the recording's")
     t.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: %(default)s)")
     t.add_argument("--best-of", type=count(1), default=1, metavar="N",
                    help="at a temperature above 0, sample N attempts side by side (rows beyond --batch-size) and keep the "
@@ -339,6 +356,7 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
         hallucination_silence_threshold=args.hallucination_silence_threshold,
         retry_greedy_copies=not args.keep_greedy_copies,
         vad_filter=args.vad,
+        clip_timestamps=args.clip_timestamps,
         seed=args.seed,
         best_of=args.best_of,
         **engine_options(args),

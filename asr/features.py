@@ -120,7 +120,8 @@ class StreamedMel:
     def duration(self) -> float:
         return self.samples / SAMPLE_RATE
 
-    def window(self, seek: int) -> Tensor:
+    def window(self, seek: int, frames: int | None = None) -> Tensor:
+        """frames: where its audio ends for this window (a clip's end), if before the recording's."""
         if self._stream is None or max(_frame_start(seek), 0) < self._stream._offset:  # a recording transcribed again
             self._stream = _SampleStream(self._open())
         try:
@@ -128,7 +129,7 @@ class StreamedMel:
         except Exception:
             self._stream = None  # read again from the start if asked again: a failed read's blocks are lost
             raise
-        return _zero_past(window, self.frames - seek)
+        return _zero_past(window, (self.frames if frames is None else frames) - seek)
 
     def _log10_frames(self, stream: "_SampleStream", first: int, end: int) -> Tensor:
         """Frames [first, end): frame f is centred on sample f * HOP_LENGTH."""

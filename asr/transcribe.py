@@ -58,6 +58,19 @@ def _floats(value: object) -> tuple[float, ...]:
     return tuple(float(item) for item in items)
 
 
+def _clips(value: object) -> tuple[float, ...]:
+    """clip_timestamps as seconds: numbers, or text of numbers between commas; checked."""
+    wrong = f"clip_timestamps must be start, end, start, ... seconds, from 0 up and each after the one before, not {value!r}"
+    try:
+        clips = (tuple(float(t) for t in value.split(",")) if isinstance(value, str) and value.strip()
+                 else () if isinstance(value, str) or value is None else _floats(value))
+    except (TypeError, ValueError):
+        raise ValueError(wrong) from None
+    if not all(0 <= t < math.inf for t in clips) or any(b <= a for a, b in zip(clips, clips[1:])):
+        raise ValueError(wrong)
+    return clips
+
+
 def check_whole(name: str, value: object, least: int | None) -> None:
     """Refuses, naming it, a value that is no whole number (of Python or numpy; not a bool) of at least `least`."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (least is not None and value < least):
@@ -88,6 +101,11 @@ class TranscribeOptions:
     # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
     # vad_filter); the recording is then read whole, never block by block.
     vad_filter: bool = False
+    # Only these parts of a recording transcribed: start, end, start, end, ... seconds (the
+    # last end left out: to the recording's end), also as text ("60,120"), as Whisper's and
+    # faster-whisper's option: each clip decoded window by window apart from the next, the
+    # previous text carried over. Not with vad_filter (faster-whisper ignores it then).
+    clip_timestamps: tuple[float, ...] = ()
     max_new_tokens: int = 224
     speculative: bool = True
     num_draft_tokens: int | None = None  # None: adaptive
@@ -116,6 +134,7 @@ class TranscribeOptions:
         object.__setattr__(self, "temperatures", given)
         if self.initial_prompt is None:
             object.__setattr__(self, "initial_prompt", "")
+        object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
         # Checked here, by name: they failed mid-decode with a bare TypeError, or decoded nonsense
         # (max_new_tokens -5 ran a row backwards until the decoder's positions ran out).
         for name, least in [("max_new_tokens", 1), ("best_of", 1), ("max_draft_tokens", 0), ("seed", None),
@@ -130,6 +149,9 @@ class TranscribeOptions:
         if threshold is not None and (isinstance(threshold, bool) or not (isinstance(threshold, numbers.Real)
                                                                           and 0 <= threshold < math.inf)):
             raise ValueError(f"hallucination_silence_threshold must be seconds from 0 up, or None, not {threshold!r}")
+        if self.clip_timestamps and self.vad_filter:
+            raise ValueError("clip_timestamps and vad_filter (--clip-timestamps, --vad): one or the other "
+                             "(faster-whisper ignores vad_filter with clips)")
         if threshold is not None and not self.word_timestamps:
             raise ValueError("hallucination_silence_threshold judges segments by their timed words: it needs word_timestamps")
         if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
@@ -378,14 +400,27 @@ class _Job:
     rows: int = 0  # the current attempt's rows still decoding
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
+    # clip_timestamps' (start, end) frames within the audio (None: all of it), the seek in one of them
+    clips: tuple[tuple[int, int], ...] | None = None
     result: WindowResult | None = None  # a window_only job's, once decoded
     speech: vad.SpeechMap | None = None  # with vad_filter: where the decoded audio lies in the recording
     alone: bool = False  # a Scheduler's: its window decoded in a batch of its own, its shared batch having failed
 
     def window(self) -> Tensor:
         if isinstance(self.mel, StreamedMel):
-            return self.mel.window(self.seek)
-        return window_at(self.mel, self.seek, self.frames)
+            return self.mel.window(self.seek, self.window_end)
+        return window_at(self.mel, self.seek, self.window_end)
+
+    @property
+    def window_end(self) -> int:
+        """The frame where the current window's audio ends: the audio's, or its clip's end."""
+        return next((end for _, end in self.clips or () if self.seek < end), self.frames)
+
+    def move_to(self, seek: int) -> None:
+        """Seeks there, or from its clip's end on to the next clip's start (to the audio's end after the last)."""
+        if self.clips is not None:
+            seek = next((max(seek, start) for start, end in self.clips if seek < end), self.frames)
+        self.seek = seek
 
     @property
     def done(self) -> bool:
@@ -777,7 +812,7 @@ class Transcriber:
             raise ValueError(f"unknown language {language!r}; known: {', '.join(self.vocab.languages)}")
 
     def _start(self, audio: AudioInput, window_only: bool = False) -> _Job:
-        """window_only: one window as it is (a stream's buffer), never filtered by vad_filter."""
+        """window_only: one window as it is (a stream's buffer), never filtered by vad_filter nor clipped."""
         target = self.models.target
         speech = None
         if isinstance(audio.samples, StreamedMel):
@@ -809,8 +844,14 @@ class Transcriber:
         )
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []
-        return _Job(self, audio, mel, frames, info, language=info.language or None, context=context, speech=speech,
-                    window_only=window_only)
+        job = _Job(self, audio, mel, frames, info, language=info.language or None, context=context, speech=speech,
+                   window_only=window_only)
+        if self.options.clip_timestamps and not window_only:  # frames as faster-whisper rounds them
+            bounds = [min(round(t / FRAME_SECONDS), frames) for t in self.options.clip_timestamps]
+            bounds += [frames] * (len(bounds) % 2)  # the last clip's end left out: the audio's
+            job.clips = tuple((start, end) for start, end in zip(bounds[::2], bounds[1::2]) if start < end)
+            job.move_to(0)
+        return job
 
     @torch.inference_mode()
     def detect_language(self, encoded: Tensor) -> tuple[list[list[tuple[str, float]]], KVCache]:
@@ -939,7 +980,7 @@ class Transcriber:
         threshold = self.options.hallucination_silence_threshold
         offset = job.seek * FRAME_SECONDS
         window_end = (job.seek + WINDOW_FRAMES) * FRAME_SECONDS  # a whole window's, as Whisper's
-        content_end = (job.seek + min(WINDOW_FRAMES, job.frames - job.seek)) * FRAME_SECONDS
+        content_end = (job.seek + min(WINDOW_FRAMES, job.window_end - job.seek)) * FRAME_SECONDS
         timed = [i for i, w in enumerate(words) if w]
         if timed and anomalous(words[timed[0]]) and pieces[timed[0]][0] - offset > threshold:
             return job.seek + max(1, round((pieces[timed[0]][0] - offset) / FRAME_SECONDS)), None
@@ -963,11 +1004,11 @@ class Transcriber:
         and move the seek to the end of the last complete segment. The job changes only
         once nothing can fail (the word alignment, a GPU pass): a batch that raises has its
         jobs decode their current window again (Scheduler._guarded)."""
-        segment_frames = min(WINDOW_FRAMES, job.frames - job.seek)
+        segment_frames = min(WINDOW_FRAMES, job.window_end - job.seek)
         offset = job.seek * FRAME_SECONDS
         seek = job.seek + segment_frames
         if self._silent(sequence, unprompted=job.unprompted and temperature == 0):
-            job.seek = seek
+            job.move_to(seek)
             if job.unprompted:  # the text it copied would condition the next window as it did this one
                 job.context, job.heard = [], []
             return
@@ -1010,14 +1051,14 @@ class Transcriber:
             if self.options.hallucination_silence_threshold is not None:
                 seek, count = self._past_hallucinations(job, pieces, words, seek)
                 if count is None:  # the window's speech starts late, with a hallucination: from there again
-                    job.seek = seek
+                    job.move_to(seek)
                     return
                 if count < len(pieces):  # where the speech heard last ends now (align's, untrimmed, where none is cut)
                     pieces, texts, decoded, words = pieces[:count], texts[:count], decoded[:count], words[:count]
                     last_speech = next((w[-1].end for w in reversed(words) if w),
                                        pieces[-1][1] if pieces else job.last_speech)
             job.last_speech = last_speech
-        job.seek = seek
+        job.move_to(seek)
         # Within the recording: a last window's timestamps can pass its end.
         pieces = [(time_within(start, job.duration), time_within(max(end, start), job.duration), piece)
                   for start, end, piece in pieces]

@@ -20,7 +20,7 @@ import torch
 
 from asr import writers
 from asr.audio import SAMPLE_RATE, AudioError, AudioWarning, audio_seconds, load_audio, stream_audio, to_model_input
-from asr.cli import build_parser, main, temperatures
+from asr.cli import build_parser, clip_seconds, main, temperatures
 from asr.slots import DecodeStats
 from asr.transcribe import Segment, Transcript, TranscriptionInfo
 from asr.words import Word, _fitted, _Timed, columns, copied_at, cut_unspaced, keys_of_words, word_keys
@@ -699,6 +699,23 @@ def test_timed_chinese_or_japanese_words_break_lines_where_untimed_text_does():
     for text in ("កខគឃងចា", "ကကကကက္က"):
         parts = cut_unspaced(text, 5)
         assert "".join(parts) == text and len(parts) == 2 and parts[1] in ("ចា", "က္က"), parts
+
+
+def test_cli_transcribes_only_the_clips_asked_for(tmp_path: Path, capsys):
+    """--clip-timestamps in seconds or clock times; times out of order or no time refused before any model loads."""
+    assert clip_seconds("1:30,2:00.5, 150") == (90.0, 120.5, 150.0)
+    assert clip_seconds("1:02:03") == (3723.0,)
+    for wrong in ("5,3", "1:75", "1:-3", "a", "", "1::2"):
+        with pytest.raises(SystemExit) as exited:  # argparse's error
+            main(["transcribe", str(SAMPLES), "--out-dir", str(tmp_path / "no"), "--clip-timestamps", wrong])
+        assert exited.value.code == 2 and "expected start,end,start,... times" in capsys.readouterr().err
+        assert not (tmp_path / "no").exists()
+    clip = str(DEV / "en_short" / "jfk.flac")
+    assert main(["transcribe", clip, "--out-dir", str(tmp_path), "--formats", "json", "--language", "en",
+                 "--clip-timestamps", "0:03.5,7"]) == 0
+    segments = json.loads((tmp_path / "jfk.json").read_text())["segments"]
+    assert segments and all(3.5 <= s["start"] and s["end"] <= 7.02 for s in segments)
+    assert "ask not" in " ".join(s["text"] for s in segments) and "Americans" not in " ".join(s["text"] for s in segments)
 
 
 def test_cli_lays_subtitles_out_in_short_lines(tmp_path: Path, capsys):

