@@ -101,28 +101,30 @@ def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, CACHE, CACHE_ROWS, CACHE_POS
            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            TO_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y = f(X) @ W.T (+ BIAS) (then GELU) (+ RESIDUAL) for BLOCK_M rows and BLOCK_N columns
-    (program ids: block of columns, block of rows), accumulated in float32 over blocks of
+    (program ids: block of rows, block of columns), accumulated in float32 over blocks of
     BLOCK_K; f: the layer norm of each row (NORM, its statistics in float32, the normalised
     row rounded to W's dtype as a norm's output would be) or nothing. A row's result depends
     on its own values only, not on how many rows the call has. TO_CACHE: Y takes the first
     `kept` columns (a query), the next `kept` and the last `kept` (keys, values; heads of
     head_dim) go into CACHE [2, B, H, C, head_dim] (its strides sc_*) at each row's cache row
     and position (CACHE_ROWS, CACHE_POSITIONS)."""
-    m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     m_in = m < rows
     n_in = n < cols
     x_rows = X + m.to(tl.int64)[:, None] * sx
     if NORM:  # the mean, then the squares about it (the sum of squares less the mean's cancels)
+        # Loads pipelined (a plain range waited for each block's before the next: ~20 round trips
+        # before the first product); the sums keep their order.
         total = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, depth, BLOCK_K):
+        for start in tl.range(0, depth, BLOCK_K, num_stages=3):
             x = tl.load(x_rows + (start + k)[None, :], mask=m_in[:, None] & (start + k < depth)[None, :],
                         other=0.0).to(tl.float32)
             total += tl.sum(x, 1)
         mean = total / depth
         squares = tl.zeros([BLOCK_M], tl.float32)
-        for start in range(0, depth, BLOCK_K):
+        for start in tl.range(0, depth, BLOCK_K, num_stages=3):
             inside = m_in[:, None] & (start + k < depth)[None, :]
             x = tl.load(x_rows + (start + k)[None, :], mask=inside, other=0.0).to(tl.float32)
             centred = tl.where(inside, x - mean[:, None], 0.0)

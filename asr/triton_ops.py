@@ -89,6 +89,9 @@ def decode_attention(query: Tensor, keys: Tensor, values: Tensor, used: Tensor |
     One operator to torch.compile (a compiled step calls it as it is)."""
     if keys.stride(-1) != 1 or values.stride(-1) != 1 or query.stride(-1) != 1:
         raise ValueError("decode_attention reads heads whose last dimension is contiguous")
+    if not query.dtype == keys.dtype == values.dtype:  # the kernel's dot would not compile, on a GPU alone
+        raise ValueError(f"decode_attention: query, keys and values of one dtype, not {query.dtype}, {keys.dtype}, "
+                         f"{values.dtype}")
     return launch(query, keys, values, used, causal)
 
 
@@ -210,7 +213,10 @@ def launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: T
     kv, kv_rows, kv_positions = cache if cache is not None else (out, out, out)  # not read without TO_CACHE
     # Read as laid out one after another: an expanded row index (one row's positions) has a stride of 0.
     kv_rows, kv_positions = kv_rows.contiguous(), kv_positions.contiguous()
-    kernels.linear[(-(-cols // config.columns), -(-rows // LINEAR_ROWS))](
+    # Blocks of rows first: the programs that run side by side share a block of the weight,
+    # read once from memory for all rows (the head's 133 MB, by columns first, was read again
+    # for each block of 16 rows: it does not stay in L2).
+    kernels.linear[(-(-rows // LINEAR_ROWS), -(-cols // config.columns))](
         flat, weight, out if bias is None else bias, out if norm_weight is None else norm_weight,
         out if norm_bias is None else norm_bias, added, out, kv, kv_rows, kv_positions, rows, cols, depth,
         flat.stride(0), weight.stride(0), added.stride(0), out.stride(0), eps, kept,
