@@ -4,7 +4,7 @@ A step (a draft proposal, a verification, a prefill) is a function of fixed shap
 tensors that live as long as its batch's state, reading nothing back to the host: on a
 GPU it is captured once as a CUDA graph and then replayed, one launch instead of
 hundreds. A step runs eagerly the first time it is met and is captured the second time,
-so that shapes met once (an exploration of k, a rare catch-up width) cost no capture.
+so that shapes met once (a rare catch-up width) cost no capture.
 A step whose capture fails (something in it that capture forbids) runs eagerly from then
 on, with a warning. GraphCounts says what first uses and captures cost (`asr evaluate`
 reports it)."""

@@ -142,7 +142,7 @@ class KVCache:
     self_kv: list[Tensor]
     cross_k: list[Tensor]
     cross_v: list[Tensor]
-    # Where cross_k/cross_v are another cache's (DecoderRunner.new_cache's cross_from): that
+    # Where cross_k/cross_v are another cache's (empty_cache's or new_cache's cross_from): that
     # cache, and the layer of it each of ours is. Filling that cache's rows fills ours.
     cross_from: "KVCache | None" = None
     cross_layers: list[int] | None = None

@@ -11,6 +11,13 @@ PRIOR = (1.0, 1.0)  # a language's (accepted, rejected) before any round: a mild
 RECENT = 5  # rounds of each kind whose times are kept; their median sets the costs
 
 
+def expected_tokens_per_pass(acceptance: float, k: int) -> float:
+    """Tokens a target pass keeps when each of k proposals is right with probability alpha."""
+    if acceptance >= 1.0:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
 @dataclass
 class _Costs:
     """What one batch size measured, and what it chose."""
@@ -170,8 +177,7 @@ class DraftLength:
         overhead, per_proposal = _drafting_costs(plain, c.drafting)
 
         def tokens_per_second(k: int) -> float:
-            expected = k + 1 if alpha >= 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
-            return expected / (plain + (overhead + k * per_proposal if k else 0.0))
+            return expected_tokens_per_pass(alpha, k) / (plain + (overhead + k * per_proposal if k else 0.0))
 
         c.k = max(range(1, self.maximum + 1), key=tokens_per_second)
         c.plain_wins = tokens_per_second(0) > tokens_per_second(c.k)

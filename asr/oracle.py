@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from asr.decoder import DecoderRunner, KVCache
+from asr.draft_length import expected_tokens_per_pass
 
 ORACLE_LOGIT = 1e4  # above any real logit, and within float16's range
 
@@ -40,13 +41,6 @@ def oracle_proposals(reference: list[list[int]], acceptance: float, vocab_size: 
         keep = torch.rand(right.shape, generator=generator) < acceptance
         rows.append(torch.where(keep, right, wrong).tolist())
     return rows
-
-
-def expected_tokens_per_pass(acceptance: float, k: int) -> float:
-    """Tokens a target pass keeps when each of k proposals is right with probability alpha."""
-    if acceptance >= 1.0:
-        return k + 1.0
-    return (1 - acceptance ** (k + 1)) / (1 - acceptance)
 
 
 def acceptance_from_tokens_per_pass(tokens_per_pass: float, k: int) -> float:

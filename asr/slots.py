@@ -2,7 +2,7 @@
 (asr/speculative.py): the window a caller adds and the sequence it gets back, the tensors
 a round's steps read and write (State), and what happens between rounds: windows put in
 free slots with their prompts cached, finished rows read out and their slots freed, and
-on a CPU the finished rows dropped once they are half the batch.
+in fitted shapes (a CPU's) the finished rows dropped once they are half the batch.
 
 On a GPU a batch's state is kept for reuse when the batch closes (States), since captured
 graphs point at its tensors."""
@@ -115,7 +115,6 @@ class State:
     limit: Tensor  # [R] the length at which a row stops
     draft_cached: Tensor  # [R] leading positions the draft has cached
     live: Tensor  # [R] bool: a row being decoded
-    eot: Tensor  # [R] bool: ended on end-of-text
     temperature: Tensor  # [R] float32
     seed: Tensor  # [R] each row's sampling seed, below 2**32
     logprob: Tensor  # [R, C] float32: each kept token's log-probability, at its position
@@ -136,7 +135,7 @@ class State:
     graphs: dict = field(default_factory=dict)
 
     # The per-row tensors a row's move carries over.
-    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "eot", "temperature", "seed",
+    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "temperature", "seed",
                "logprob", "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
 
     def changed(self) -> list[Tensor]:
@@ -186,7 +185,7 @@ class States:
                                         cross_from=target if shared else None, cross_layers=shared)
         # An empty slot is a row of one token: its (unused) steps then index nothing out of range.
         return State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), limit=zeros(R),
-                     draft_cached=zeros(R), live=zeros(R, dtype=torch.bool), eot=zeros(R, dtype=torch.bool),
+                     draft_cached=zeros(R), live=zeros(R, dtype=torch.bool),
                      temperature=zeros(R, dtype=torch.float32), seed=zeros(R), logprob=zeros(R, C, dtype=torch.float32),
                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
                      hint_shift=zeros(R), hint_on=zeros(R, dtype=torch.bool), prefill_row=zeros(1), step=zeros(1), k=zeros(1),
@@ -319,7 +318,7 @@ class Slots:
         values = {
             "tokens": tokens, "length": lengths, "sample_begin": lengths, "draft_cached": lengths - 1,
             "limit": lengths + torch.tensor([w.max_new_tokens for w in windows]), "live": torch.ones(n, dtype=torch.bool),
-            "eot": torch.zeros(n, dtype=torch.bool), "temperature": torch.tensor([w.temperature for w in windows]),
+            "temperature": torch.tensor([w.temperature for w in windows]),
             "seed": torch.tensor([w.seed & sampling.MASK for w in windows]),
             "sot": torch.tensor([w.sot_index for w in windows]),  # (logprob: each position is written as it is kept)
             "hint": hint, "hint_length": torch.tensor([min(len(w.hint), C) for w in windows]),
@@ -405,7 +404,7 @@ class Slots:
         self.state = new
 
     def _drop_finished(self) -> None:
-        """On a CPU, finished rows stop costing work once they are half the batch: dropping
+        """In fitted shapes, finished rows stop costing work once they are half the batch: dropping
         them copies every live row's caches (tens of MB each), which a refill would undo."""
         if not self.engine.fixed_shapes and 2 * self.live <= len(self.slots) and self.live < len(self.slots):
             self._resize(self.live)
@@ -464,11 +463,11 @@ class Slots:
                     break
         return stops
 
-    def _finish(self, slots: list[int], ended: list[int], looped: dict[int, int] | None = None) -> list[tuple[int, Sequence]]:
+    def _finish(self, slots: list[int], ended: list[int], looped: dict[int, int]) -> list[tuple[int, Sequence]]:
         """Reads out these finished rows' results (ended: per slot, whether it ended on
         end-of-text, which the tokens leave out; looped: the slots stopped at a loop, each
         with the length it stops at) and frees their slots."""
-        s, device, looped = self.state, self.engine.device, looped or {}
+        s, device = self.state, self.engine.device
         index = torch.tensor(slots, device=device)
         ends = [looped.get(slot, self.slots[slot].length) for slot in slots]  # end-of-text included
         # Summed from each token's, not per round: the sum is the same however many tokens a round kept.

@@ -6,11 +6,13 @@ With k = 0 a round is plain target-only decoding.
 A Batch holds rows (windows) in slots of a static KV cache (asr/slots.py); a row that finishes
 frees its slot, and the caller refills it at once (Batch.add). Each round is two steps over the
 whole batch, the draft's proposals and the target's verification, which read nothing back to the
-host; the host reads one small summary per round. On CUDA (fixed_shapes) the steps keep fixed
+host; the host reads one small summary per round (and, in rounds that need them, a hint's
+proposals, the tokens of rows that may be looping, and in fitted shapes whether every row's draft
+has ended). In fixed shapes (CUDA by default) the steps keep fixed
 shapes (every position of the cache attended under a mask, finished rows frozen in place, batches
-padded to a power of two) and run as CUDA graphs (asr/cudagraphs.py). On a CPU the same steps run
-eagerly in shapes fitted to the data: attention over the longest row, finished rows dropped,
-drafting stopped once every row has proposed end-of-text.
+padded to a power of two) and run as CUDA graphs (asr/cudagraphs.py). In fitted shapes (a CPU's)
+the same steps run eagerly in shapes fitted to the data: attention over the longest row, finished
+rows dropped, drafting stopped once every row has proposed end-of-text.
 
 Greedy output equals the target's alone; at temperature > 0 too, for the same row seeds: the
 draft draws a position with the noise the target verifies it with (asr/sampling.py). Hints
@@ -175,7 +177,7 @@ class Batch(Slots):
         if e.verify_width:
             s.k.fill_(k)
         representative &= self._run_verify(width, sample, rows)
-        out = s.out.tolist()  # the round's one read on the host
+        out = s.out.tolist()  # the round's summary, read on the host
         seconds = time.perf_counter() - started
         # A greedy round the adaptive length chose: sampled rows accept at rates of their own.
         measured = self.use_draft and not sample and hinted is None
@@ -301,7 +303,8 @@ class Batch(Slots):
         proposals = s.tokens.gather(1, positions[:, :k])
         proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
         # The proposals a row's acceptance counts: up to its first end-of-text (a batch drafts on
-        # until every row's draft has ended), within the state's k, and those its limit can keep.
+        # past it: all k in fixed shapes, in fitted ones until every row's draft has ended),
+        # within the state's k, and those its limit can keep.
         counted = torch.zeros_like(s.length)
         if k:
             counted = torch.where(proposals == rules.eot, steps[:k], k - 1).amin(1) + 1
@@ -328,6 +331,5 @@ class Batch(Slots):
         s.length.add_(new)
         s.draft_cached.clamp_(max=s.length - 1)
         finished = s.live & (eot_kept | (s.length >= s.limit))
-        s.eot.logical_or_(eot_kept)
         s.live.logical_and_(~finished)
         s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long(), counted]))  # not stack(out=): Dynamo breaks there

@@ -1297,7 +1297,7 @@ class Scheduler:
         _SCHEDULERS.add(self)
 
     def run(self, job: _Job, encoder_frames: int | None = None) -> _Job:
-        """Decodes the job (Transcriber.transcribe and transcribe_window hand theirs here) and
+        """Decodes the job (transcribe_window hands its window here; Transcriber.submit uses submit) and
         returns it done; raises what decoding raised."""
         return self.submit(job, encoder_frames).result()
 

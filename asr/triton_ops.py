@@ -29,7 +29,7 @@ rules' sums and the log-softmax, takes rows in PyTorch's kernels, whose order de
 row's place). Passes of more than FUSED_ROWS rows (a prefill, a draft's long catch-up) run
 PyTorch's kernels, which read a weight once for all rows.
 
-Triton comes with PyTorch's CUDA builds; `available()` says whether it can run here.
+Triton comes with PyTorch's CUDA builds; `unavailable()` says why it cannot run here, if it cannot.
 `TRITON_INTERPRET=1` runs the kernels on a CPU (tests/test_gpu_paths.py, where Triton is
 installed)."""
 
@@ -65,10 +65,6 @@ def unavailable(device: torch.device, dtype: torch.dtype, head_dim: int | None =
     if head_dim is not None and head_dim not in (16, 32, 64, 128, 256):
         return f"it takes heads 16, 32, 64, 128 or 256 wide, not {head_dim}"
     return None
-
-
-def available(device: torch.device, dtype: torch.dtype, head_dim: int | None = None) -> bool:
-    return unavailable(device, dtype, head_dim) is None
 
 
 def splits_for(programs: int, keys: int) -> int:
