@@ -112,7 +112,8 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 **({} if options.hallucination_silence_threshold is None
                    else {"hallucination_silence_threshold": options.hallucination_silence_threshold}),
                 **({} if options.retry_greedy_copies else {"retry_greedy_copies": False}),
-                **({"clip_timestamps": list(options.clip_timestamps)} if options.clip_timestamps else {}),
+                # Always, even empty: a clipped run's files were taken as done by a whole one after it.
+                "clip_timestamps": list(options.clip_timestamps),
                 **({"seed": options.seed, "best_of": options.best_of} if any(t > 0 for t in options.temperatures)
                    else {"seed": None, "best_of": None})}
     return json.loads(json.dumps(settings))  # as read back: tuples are lists

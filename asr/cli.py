@@ -382,7 +382,8 @@ def transcribe_command(args: argparse.Namespace) -> int:
     formats = list(FORMATS) if formats == ["all"] else formats  # openai/whisper's --output_format all
     unknown = [f for f in formats if f not in FORMATS]
     if unknown or not formats:
-        print(f"asr: unknown format(s) {unknown or args.formats!r}; choose from {', '.join(FORMATS)}", file=sys.stderr)
+        print(f"asr: unknown format(s) {unknown or args.formats!r}; choose from {', '.join(FORMATS)}, or all alone",
+              file=sys.stderr)
         return 2
     if args.ray is not None and importlib.util.find_spec("ray") is None:
         print("asr: --ray needs Ray Data: pip install 'asr[ray]'", file=sys.stderr)

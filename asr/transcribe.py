@@ -28,7 +28,7 @@ from torch import Tensor
 from asr import hints, sampling, vad
 from asr.audio import (SAMPLE_RATE, AudioError, audio_seconds, checked_rate, gathered, load_audio, stream_audio,
                        time_within, to_model_input)
-from asr.features import FRAME_SECONDS, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
+from asr.features import FRAME_SECONDS, HOP_LENGTH, WINDOW_FRAMES, WINDOW_SAMPLES, StreamedMel, content_frames, log_mel, window_at
 from asr.cudagraphs import device_clock
 from asr.decoder import KVCache, attention_without_cudnn, lengths_kernel
 from asr.models import ModelPair
@@ -417,9 +417,17 @@ class _Job:
         return next((end for _, end in self.clips or () if self.seek < end), self.frames)
 
     def move_to(self, seek: int) -> None:
-        """Seeks there, or from its clip's end on to the next clip's start (to the audio's end after the last)."""
+        """Seeks there; with clips, at or past the current clip's end to the next clip's start
+        whatever the seek (a window's last timestamp can lie past its clip's end), after the
+        last to the audio's end, as Whisper's and faster-whisper's clip loop."""
         if self.clips is not None:
-            seek = next((max(seek, start) for start, end in self.clips if seek < end), self.frames)
+            current = next(((start, end) for start, end in self.clips if self.seek < end), None)
+            if current is None:
+                seek = self.frames
+            elif seek < current[1]:
+                seek = max(seek, current[0])
+            else:
+                seek = next((start for start, _ in self.clips if start >= current[1]), self.frames)
         self.seek = seek
 
     @property
@@ -847,7 +855,7 @@ class Transcriber:
         job = _Job(self, audio, mel, frames, info, language=info.language or None, context=context, speech=speech,
                    window_only=window_only)
         if self.options.clip_timestamps and not window_only:  # frames as faster-whisper rounds them
-            bounds = [min(round(t / FRAME_SECONDS), frames) for t in self.options.clip_timestamps]
+            bounds = [min(round(t * (SAMPLE_RATE // HOP_LENGTH)), frames) for t in self.options.clip_timestamps]
             bounds += [frames] * (len(bounds) % 2)  # the last clip's end left out: the audio's
             job.clips = tuple((start, end) for start, end in zip(bounds[::2], bounds[1::2]) if start < end)
             job.move_to(0)

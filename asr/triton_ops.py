@@ -125,7 +125,8 @@ def launch(query: Tensor, keys: Tensor, values: Tensor, used: Tensor | None, cau
 
 
 LINEAR_ROWS = 16  # rows a program computes (the matrix unit's smallest block)
-FUSED_ROWS = 256  # rows past which a pass's linear maps run PyTorch's kernels (ours reads a weight per 16)
+FUSED_ROWS = 256  # rows past which a pass's linear maps run PyTorch's kernels (ours runs a program per 16
+# rows and block of columns, made for the few rows of a decoding step)
 
 
 @dataclass(frozen=True)

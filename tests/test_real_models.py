@@ -241,6 +241,16 @@ def test_clip_timestamps_decode_each_clip_apart_as_faster_whisper_does(base_pair
     first = Transcriber(base_pair, TranscribeOptions(language="en", clip_timestamps=(9.28, 16.32, 31.2, 36.3)))
     assert [s.text for s in first.transcribe(sonnet).segments][1:] == [" But thou can-", " Thou that art now the "
                                                                        "world's fresh ornament, and only herald to the God He's spray-"]
+    # A seek past a clip's end (a window's last timestamp can be) goes to the next clip's start,
+    # whatever it is, as faster-whisper's clip loop: it landed inside the next clip, skipping its start.
+    job = first._start(AudioInput("sonnet", sonnet))
+    assert (job.seek, job.clips) == (928, ((928, 1632), (3120, 3630)))
+    for seek, after in [(1000, 1000), (1700, 3120), (3200, 3120), (job.frames, 3120)]:
+        job.seek = 928
+        job.move_to(seek)
+        assert job.seek == after, seek
+    job.move_to(3700)
+    assert job.done
     path = tmp_path / "sonnet.flac"
     soundfile.write(path, sonnet, SAMPLE_RATE)
     streamed = first.read(path, stream_above_seconds=5)
