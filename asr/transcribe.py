@@ -191,6 +191,9 @@ class Segment:
     no_speech_prob: float
     temperature: float
     words: list[Word] | None = None  # with word_timestamps
+    # Where its window started, in frames (10 ms) of the audio decoded (the speech alone with
+    # vad_filter), as Whisper's and faster-whisper's seek.
+    seek: int = 0
 
 
 @dataclass
@@ -1013,7 +1016,7 @@ class Transcriber:
         once nothing can fail (the word alignment, a GPU pass): a batch that raises has its
         jobs decode their current window again (Scheduler._guarded)."""
         segment_frames = min(WINDOW_FRAMES, job.window_end - job.seek)
-        offset = job.seek * FRAME_SECONDS
+        window_seek, offset = job.seek, job.seek * FRAME_SECONDS
         seek = job.seek + segment_frames
         if self._silent(sequence, unprompted=job.unprompted and temperature == 0):
             job.move_to(seek)
@@ -1090,6 +1093,7 @@ class Transcriber:
                     no_speech_prob=sequence.no_speech_prob,
                     temperature=temperature,
                     words=timed,
+                    seek=window_seek,
                 )
             )
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.

@@ -246,9 +246,9 @@ def _finite(value: object) -> object:
 
 
 def _segment(s: Segment) -> dict:
-    # openai/whisper's keys, which tools written for its JSON read (seek aside: ours are not per window)
+    # openai/whisper's keys, which tools written for its JSON read.
     # The text as Whisper wrote it, leading space included: joined, the segments make the text.
-    document = {"id": s.id, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
+    document = {"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
                 "temperature": s.temperature, "avg_logprob": round(s.avg_logprob, 4),
                 "compression_ratio": round(s.compression_ratio, 4), "no_speech_prob": round(s.no_speech_prob, 4)}
     if s.words is not None:

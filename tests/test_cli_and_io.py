@@ -398,7 +398,7 @@ def test_a_webm_whose_header_states_no_length_is_measured_from_its_packets(tmp_p
 def _transcript() -> Transcript:
     segments = [
         Segment(0, 0.0, 2.5, " Hello there.", [1], -0.2, 1.1, 0.01, 0.0),
-        Segment(1, 2.5, 3661.25, " General Kenobi!", [2], -0.3, 1.2, 0.02, 0.0),
+        Segment(1, 2.5, 3661.25, " General Kenobi!", [2], -0.3, 1.2, 0.02, 0.0, seek=250),
     ]
     info = TranscriptionInfo("en", 0.99, 3662.0, True, DecodeStats(10, 8, 3, 10, 12), 0.5, 1.5, 1)
     return Transcript("talk.flac", segments, info)
@@ -493,8 +493,8 @@ def test_writers_render_every_format(tmp_path: Path):
     assert document["segments"][0]["words"] == [{"start": 0.0, "end": 0.62, "word": " Hello", "probability": 0.9123},
                                                 {"start": 0.62, "end": 2.5, "word": " there.", "probability": 0.8}]
     segment = transcript.segments[1]
-    assert document["segments"][1] == {  # openai/whisper's keys, seek aside
-        "id": segment.id, "start": 2.5, "end": 3661.25, "text": " General Kenobi!", "tokens": segment.tokens,
+    assert document["segments"][1] == {  # openai/whisper's keys
+        "id": segment.id, "seek": 250, "start": 2.5, "end": 3661.25, "text": " General Kenobi!", "tokens": segment.tokens,
         "temperature": 0.0, "avg_logprob": -0.3, "compression_ratio": round(segment.compression_ratio, 4),
         "no_speech_prob": 0.02}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3

@@ -235,6 +235,7 @@ def test_clip_timestamps_decode_each_clip_apart_as_faster_whisper_does(base_pair
         assert tokens_of(ours) == [t for s in theirs for t in s.tokens if t < base_pair.target.vocab.eot], clips
         assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx(
             [t for s in theirs for t in (s.start, s.end)], abs=0.006)
+        assert [s.seek for s in ours.segments] == [s.seek for s in theirs]
         ends = list(clips) + [len(sonnet) / SAMPLE_RATE] * (len(clips) % 2)
         assert all(any(a <= s.start and s.end <= b + 0.02 for a, b in zip(ends[::2], ends[1::2])) for s in ours.segments)
         assert ours.info.duration == len(sonnet) / SAMPLE_RATE and ours.info.duration_after_vad is None
@@ -353,6 +354,7 @@ def test_word_timestamps_move_the_seek_to_the_last_word_as_faster_whispers_do(ba
     segments = list(segments)
     assert tokens_of(timed) == [t for s in segments for t in s.tokens if t < base_pair.target.vocab.eot]
     assert tokens_of(timed) != tokens_of(plain)  # the second window started elsewhere
+    assert [s.seek for s in timed.segments] == [s.seek for s in segments]  # each segment's window (Segment.seek)
     assert [t for s in timed.segments for t in (s.start, s.end)] == pytest.approx(
         [t for s in segments for t in (s.start, s.end)], abs=0.021)
     ours, theirs = [w for s in timed.segments for w in s.words], words_within_segments(segments)
