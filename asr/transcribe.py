@@ -414,17 +414,22 @@ class _Job:
             return self.mel.window(self.seek, self.window_end)
         return window_at(self.mel, self.seek, self.window_end)
 
+    def _clip(self) -> tuple[int, int] | None:
+        """The clip the seek is in (None: no clips, or past the last)."""
+        return next(((start, end) for start, end in self.clips or () if self.seek < end), None)
+
     @property
     def window_end(self) -> int:
         """The frame where the current window's audio ends: the audio's, or its clip's end."""
-        return next((end for _, end in self.clips or () if self.seek < end), self.frames)
+        clip = self._clip()
+        return self.frames if clip is None else clip[1]
 
     def move_to(self, seek: int) -> None:
         """Seeks there; with clips, at or past the current clip's end to the next clip's start
         whatever the seek (a window's last timestamp can lie past its clip's end), after the
         last to the audio's end, as Whisper's and faster-whisper's clip loop."""
         if self.clips is not None:
-            current = next(((start, end) for start, end in self.clips if self.seek < end), None)
+            current = self._clip()
             if current is None:
                 seek = self.frames
             elif seek < current[1]:
