@@ -97,7 +97,8 @@ def combine(PARTIAL, MAXIMA, SUMS, OUT, so_n, so_q, so_h, heads, queries,
 
 @triton.jit
 def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, CACHE, CACHE_ROWS, CACHE_POSITIONS,
-           rows, cols, depth, sx, sw, sr, sy, eps, kept, head_dim, sc_part, sc_row, sc_head, sc_position,
+           rows, cols, depth, sx, sw, sr, sy, eps, kept, head_dim, cache_batch, capacity,
+           sc_part, sc_row, sc_head, sc_position,
            HAS_BIAS: tl.constexpr, NORM: tl.constexpr, GELU: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
            TO_CACHE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Y = f(X) @ W.T (+ BIAS) (then GELU) (+ RESIDUAL) for BLOCK_M rows and BLOCK_N columns
@@ -107,7 +108,8 @@ def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, CACHE, CACHE_ROWS, CACHE_POS
     on its own values only, not on how many rows the call has. TO_CACHE: Y takes the first
     `kept` columns (a query), the next `kept` and the last `kept` (keys, values; heads of
     head_dim) go into CACHE [2, B, H, C, head_dim] (its strides sc_*) at each row's cache row
-    and position (CACHE_ROWS, CACHE_POSITIONS)."""
+    and position (CACHE_ROWS, CACHE_POSITIONS); a row or position outside the cache (cache_batch
+    rows, capacity positions) is not written, where it would land in another row's or layer's."""
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -156,6 +158,7 @@ def linear(X, W, BIAS, NORM_W, NORM_B, RESIDUAL, Y, CACHE, CACHE_ROWS, CACHE_POS
         position = tl.load(CACHE_POSITIONS + m, mask=m_in, other=0).to(tl.int64)
         at = ((into // kept) * sc_part + ((into % kept) // head_dim) * sc_head + into % head_dim)[None, :] \
             + (row * sc_row + position * sc_position)[:, None]
-        tl.store(CACHE + at, acc.to(CACHE.dtype.element_ty), mask=out & (n >= kept)[None, :])
+        inside = (row >= 0) & (row < cache_batch) & (position >= 0) & (position < capacity)
+        tl.store(CACHE + at, acc.to(CACHE.dtype.element_ty), mask=out & inside[:, None] & (n >= kept)[None, :])
         out = out & (n < kept)[None, :]
     tl.store(Y + m.to(tl.int64)[:, None] * sy + n[None, :], acc.to(Y.dtype.element_ty), mask=out)

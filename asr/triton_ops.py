@@ -176,8 +176,8 @@ def fused_qkv(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: Tenso
     """The self-attention's query, key and value map with its layer norm (fused_linear's, weight
     [3 * H * Dh, depth]), the keys and values written into a layer's cache [2, B, H, C, Dh]
     (the last stride 1) at each row's cache row and position (cache_rows, cache_positions:
-    [rows] integers, x's rows in order; every position below C, unchecked, as the engine keeps
-    them), where PyTorch writes them in a kernel of their own; returns the query [..., H * Dh].
+    [rows] integers, x's rows in order; a row or position outside the cache is not written),
+    where PyTorch writes them in a kernel of their own; returns the query [..., H * Dh].
     Not for torch.compile (a step compiled whole writes the cache itself)."""
     if cache.dim() != 5 or cache.stride(-1) != 1 or weight.shape[0] != 3 * cache.shape[2] * cache.shape[4]:
         raise ValueError("fused_qkv writes a cache [2, B, H, C, Dh] of a query/key/value weight [3 * H * Dh, depth]")
@@ -217,7 +217,7 @@ def launch_linear(x: Tensor, weight: Tensor, bias: Tensor | None, norm_weight: T
         flat, weight, out if bias is None else bias, out if norm_weight is None else norm_weight,
         out if norm_bias is None else norm_bias, added, out, kv, kv_rows, kv_positions, rows, cols, depth,
         flat.stride(0), weight.stride(0), added.stride(0), out.stride(0), eps, kept,
-        kv.shape[-1] if cache is not None else 1, *(kv.stride()[:4] if cache is not None else (0, 0, 0, 0)),
+        *((kv.shape[-1], kv.shape[1], kv.shape[3], *kv.stride()[:4]) if cache is not None else (1, 0, 0, 0, 0, 0, 0)),
         HAS_BIAS=bias is not None, NORM=norm_weight is not None, GELU=gelu, HAS_RESIDUAL=residual is not None,
         TO_CACHE=cache is not None, BLOCK_M=LINEAR_ROWS, BLOCK_N=config.columns, BLOCK_K=config.depth,
         num_warps=config.warps, num_stages=config.stages)

@@ -452,6 +452,13 @@ for dtype, tolerance in ((torch.float32, 1e-4), (torch.float16, 2e-2)):
         assert query.shape == (5, 64) and theirs.abs().sum() > 0
         torch.testing.assert_close(query.float(), want.float(), rtol=tolerance, atol=tolerance)
         torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+    # Rows and positions outside the cache are not written (they landed in another row's or past its end).
+    rows, positions = torch.tensor([2, 0, 3, 2, 0]), torch.tensor([3, 10, 9, -1, 1])
+    ours, theirs = torch.zeros(2, 3, 2, 10, 32, dtype=dtype), torch.zeros(2, 3, 2, 10, 32, dtype=dtype)
+    query = fused_qkv(x, weight, bias, gain, shift, 1e-5, ours, rows, positions)
+    fused_linear_on_cpu(x[[0, 4]], weight, bias, gain, shift, 1e-5, False, None, cache=(theirs, rows[[0, 4]], positions[[0, 4]]))
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=tolerance, atol=tolerance)
+    assert (ours != 0).sum() == 2 * 2 * 2 * 32, "only the two rows inside the cache"
 """)
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
