@@ -60,7 +60,9 @@ def number(minimum: float, *, above: bool = False, below: float = math.inf) -> C
 
     def parse(text: str) -> float:
         value = float(text)
-        if not math.isfinite(value) or value < minimum or (above and value == minimum):
+        if not math.isfinite(value):  # "inf is not above 0" gave the wrong reason
+            raise argparse.ArgumentTypeError(f"{text} is not a finite number")
+        if value < minimum or (above and value == minimum):
             raise argparse.ArgumentTypeError(f"{text} is not {'above' if above else 'at least'} {minimum:g}")
         if value >= below:
             raise argparse.ArgumentTypeError(f"{text} is not below {below:g}")
@@ -562,7 +564,7 @@ def stream_command(args: argparse.Namespace) -> int:
         if args.json:  # each update's committed words, not committed_text (all so far: lines would grow with the stream)
             fields = {key: value for key, value in asdict(update).items() if key != "committed_text"}
             print(json.dumps({"type": "update", **fields}), flush=True)
-        else:
+        elif update.committed or update.tentative_text or update.final:  # not a bare clock over silence
             print(describe_update(update), flush=True)
 
     try:

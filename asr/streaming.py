@@ -184,8 +184,8 @@ class StreamingTranscriber:
                              f"not {min_step_seconds}")
         if prompt is not None and not isinstance(prompt, str):
             raise ValueError(f"prompt must be text, not {type(prompt).__name__}")
-        if encoder_padding_seconds is not None and encoder_padding_seconds < 0:
-            raise ValueError("encoder_padding_seconds cannot be negative")
+        if encoder_padding_seconds is not None and not 0 <= encoder_padding_seconds < math.inf:  # NaN too
+            raise ValueError(f"encoder_padding_seconds must be a number of seconds, at least 0, not {encoder_padding_seconds}")
         if transcriber.options.without_timestamps:
             raise ValueError("a stream cuts its buffer at segment timestamps: it cannot decode without_timestamps")
         self._conditioned = transcriber.options.condition_on_previous_text

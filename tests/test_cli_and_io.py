@@ -1030,9 +1030,10 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
     for command, flag, value, message in [
         ("transcribe", "--num-draft-tokens", "-1", "-1 is less than 0"), ("transcribe", "--batch-size", "0", "0 is less than 1"),
         ("transcribe", "--batch-size", "two", "invalid whole number value: 'two'"),
-        ("transcribe", "--temperature", "-0.5", "-0.5 is not at least 0"), ("transcribe", "--temperature-increment", "nan", "nan is not at least 0"),
+        ("transcribe", "--temperature", "-0.5", "-0.5 is not at least 0"), ("transcribe", "--temperature-increment", "nan", "nan is not a finite number"),
         ("stream", "--chunk-seconds", "0", "0 is not above 0"),  # a chunk of nothing: one decode per sample
-        ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("stream", "--buffer-trim-seconds", "30", "30 is not below 30"), ("stream", "--min-step-seconds", "-1", "-1 is not at least 0"), ("app", "--keep-files-minutes", "inf", "inf is not above 0"),
+        ("stream", "--encoder-padding-seconds", "-2", "-2 is not at least 0"), ("stream", "--buffer-trim-seconds", "30", "30 is not below 30"), ("stream", "--min-step-seconds", "-1", "-1 is not at least 0"), ("app", "--keep-files-minutes", "inf", "inf is not a finite number"),
+        ("stream", "--chunk-seconds", "inf", "inf is not a finite number"),  # it said "is not above 0"
         # A traceback, exit 1; every file failed as a TypeError blamed on its audio; refused once the models had loaded.
         ("transcribe", "--compression-ratio-threshold", "0", "0 is not above 0"),
         ("transcribe", "--prompt", "Caf\udce9 Concord", "is not UTF-8 text"),  # a Latin-1 byte, as Python passes it

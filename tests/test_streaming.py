@@ -3,6 +3,8 @@ embedded models: fed in 0.5 s chunks on the audio-time clock, as a live micropho
 
 from __future__ import annotations
 
+import math
+
 import itertools
 import json
 import re
@@ -13,6 +15,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import soundfile
 import soxr
 
 from asr.audio import SAMPLE_RATE, AudioError, load_audio
@@ -444,6 +447,9 @@ def test_a_stream_decodes_once_a_step_of_audio_has_come(transcriber):
     assert stream.process().buffer_seconds == 0 and stream.finish().buffer_seconds == 0.5  # finish() waits for none
     with pytest.raises(ValueError, match="min_step_seconds must be at least 0"):
         StreamingTranscriber(transcriber, min_step_seconds=-1)
+    for padding in (-1.0, math.nan, math.inf):  # NaN and inf were taken, then failed at the first decode
+        with pytest.raises(ValueError, match="encoder_padding_seconds must be a number of seconds, at least 0"):
+            StreamingTranscriber(transcriber, encoder_padding_seconds=padding)
 
 
 @pytest.mark.parametrize("chunks", [1, 2])
@@ -876,6 +882,18 @@ def test_ctrl_c_while_a_cli_stream_loads_its_models_says_so(capsys, monkeypatch)
     monkeypatch.setattr("asr.cli.load_pair", interrupted)
     assert main(["stream", str(DEV / "en_short" / "jfk.flac"), "--language", "en"]) == 130
     assert capsys.readouterr().err == "asr: interrupted\n"
+
+
+def test_a_cli_stream_prints_no_update_that_heard_nothing(tmp_path, capsys):
+    """Over faint noise before speech, each decode printed a bare "[   2.66s] " line."""
+    speech = load_audio(DEV / "en_short" / "jfk.flac")[: 4 * SAMPLE_RATE]
+    noise = np.random.default_rng(0).normal(0, 0.003, 3 * SAMPLE_RATE).astype(np.float32)
+    clip = tmp_path / "noise-then-speech.wav"
+    soundfile.write(clip, np.concatenate([noise, speech]), SAMPLE_RATE)
+    assert main(["stream", str(clip), "--language", "en"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "And so my fellow Americans ask..."  # the committed text, after the updates
+    assert all(re.fullmatch(r"\[ *[0-9.]+s\]( final)? +\S.*", line) for line in lines[:-1]), lines
 
 
 def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
