@@ -424,39 +424,56 @@ class DecoderRunner:
 
 @dataclass(frozen=True, eq=False)
 class Linear:
-    """x @ weight.T + bias, by `run`; the weight and bias kept for a kernel that fuses the map
-    with what comes before and after it (asr/triton_ops.fused_linear)."""
+    """x @ weight.T + bias (then the GELU where made so), plus `added` where given, by `run`;
+    the weight and bias kept for a kernel that fuses the map with what comes before and after
+    it (asr/triton_ops.fused_linear)."""
 
     weight: Tensor
     bias: Tensor | None
-    run: Callable[[Tensor], Tensor]
+    run: Callable[[Tensor, Tensor | None], Tensor]
 
-    def __call__(self, x: Tensor) -> Tensor:
-        return self.run(x)
+    def __call__(self, x: Tensor, added: Tensor | None = None) -> Tensor:
+        return self.run(x, added)
 
 
-def fast_linear(weight: Tensor, bias: Tensor | None) -> Linear:
-    """x @ weight.T + bias. On CPU in float32, through oneDNN with the weight pre-packed
-    once, for one row (a target-only step) as for the few rows of verifying: the default
-    BLAS path is slower at both, most of all at the output head's 51,865 rows (one row
-    through it took most of a whisper-base target-only step); elsewhere (GPU, float64) it
-    is plain F.linear."""
-    if weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False) -> Linear:
+    """x @ weight.T + bias (then the exact GELU, as Whisper's, where gelu), plus `added`. On
+    CPU in float32 (or bfloat16, where the CPU computes in it), through oneDNN with the weight
+    pre-packed once and the GELU or the addition fused: the default BLAS path is slower at
+    one row (a target-only step) as at the few rows of verifying, most of all at the output
+    head's 51,865 rows (one row through it took most of a whisper-base target-only step), and
+    at an encoder's 1,500 rows (2-2.6x, whisper-base's maps); elsewhere (GPU, float64) it is
+    plain F.linear."""
+
+    def plain(x: Tensor, added: Tensor | None) -> Tensor:
+        y = F.linear(x, weight, bias)
+        y = F.gelu(y) if gelu else y
+        return y if added is None else added + y
+
+    packable = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
+                                                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if weight.device.type == "cpu" and packable and torch.backends.mkldnn.is_available():
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
-            def run(x: Tensor) -> Tensor:
+            def run(x: Tensor, added: Tensor | None) -> Tensor:
+                if torch.compiler.is_compiling() or (gelu and added is not None):  # Inductor packs its own
+                    return plain(x, added)
                 flat = x.reshape(-1, x.shape[-1])
-                if torch.compiler.is_compiling():  # Inductor packs its own
-                    return F.linear(x, weight, bias)
-                return torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "").view(*x.shape[:-1], -1)
+                if added is None:  # algorithm "none": the exact GELU, not tanh's
+                    y = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "gelu" if gelu else "none", [],
+                                                           "none" if gelu else "")
+                else:
+                    y = torch.ops.mkldnn._linear_pointwise.binary(flat, added.reshape(len(flat), -1), packed, bias, "add")
+                return y.view(*x.shape[:-1], -1)
 
             for rows in (1, 2):  # an unsupported build fails here, not mid-decode
-                run(weight.new_zeros(rows, weight.shape[1]))
+                zeros = weight.new_zeros(rows, weight.shape[1])
+                run(zeros, None if gelu else run(zeros, None))
             return Linear(weight, bias, run)
         except (RuntimeError, AttributeError):
             pass
-    return Linear(weight, bias, lambda x: F.linear(x, weight, bias))
+    return Linear(weight, bias, plain)
 
 
 def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
@@ -475,13 +492,15 @@ def int8_linear(weight: Tensor, bias: Tensor | None) -> Linear:
                 quantised = torch.quantize_per_channel(w, scales, torch.zeros(len(w), dtype=torch.long), 0, torch.qint8)
             packed = torch.ops.quantized.linear_prepack(quantised, None if bias is None else bias.detach())
 
-            def run(x: Tensor) -> Tensor:
+            def run(x: Tensor, added: Tensor | None) -> Tensor:
                 if torch.compiler.is_compiling():  # quantised ops do not trace: the float weight
-                    return F.linear(x, weight, bias)
-                flat = x.reshape(-1, x.shape[-1])
-                return torch.ops.quantized.linear_dynamic(flat, packed, True).view(*x.shape[:-1], -1)
+                    y = F.linear(x, weight, bias)
+                else:
+                    flat = x.reshape(-1, x.shape[-1])
+                    y = torch.ops.quantized.linear_dynamic(flat, packed, True).view(*x.shape[:-1], -1)
+                return y if added is None else added + y
 
-            run(weight.new_zeros(2, weight.shape[1]))  # an unsupported build fails here, not mid-decode
+            run(weight.new_zeros(2, weight.shape[1]), None)  # an unsupported build fails here, not mid-decode
             return Linear(weight, bias, run)
         except (RuntimeError, AttributeError):
             pass

@@ -27,6 +27,7 @@ from transformers import WhisperConfig, WhisperForCausalLM, WhisperForConditiona
 
 from asr.ct2 import CT2FormatError, load_ct2_directory
 from asr.decoder import DecoderRunner
+from asr.encoder import EncoderRunner
 from asr.rules import DecodingRules
 from asr.speculative import SpeculativeDecoder
 from asr.vocab import Vocabulary
@@ -75,6 +76,7 @@ class WhisperModel:
     head_token_ids: Tensor | None = None  # a draft whose output head covers only these tokens
     alignment_heads: list[tuple[int, int]] | None = None  # (layer, head) pairs for word timestamps (asr/words.py)
     _rules: dict = field(default_factory=dict, repr=False, compare=False)
+    _encoder_runner: EncoderRunner | None = field(default=None, repr=False, compare=False)
 
     @property
     def config(self) -> WhisperConfig:
@@ -143,23 +145,15 @@ class WhisperModel:
         number), encoded as they are, at the first frames / 2 positions (whisper.cpp's
         audio_ctx): far cheaper for short audio, but not what Whisper was trained on. The
         output is in the decoder's dtype (the encoder may run in another: choose_dtypes)."""
+        runner = self._encoder_runner
+        if runner is None or runner.weights != (self.encoder_dtype, self.device):  # made anew after a cast
+            runner = self._encoder_runner = EncoderRunner(self.encoder)
         features = features.to(self.device, self.encoder_dtype)
-        if features.shape[-1] < self.encoder.config.max_source_positions * 2:
-            return self._encode_prefix(features).to(self.dtype)
         # One window at a time. On a CPU a batch's activations overflow the caches (a batch of
         # 8 windows took 1.15-1.35x longer than 8 single ones, scripts/benchmark_encoder.py); on
         # a GPU a window's 1,500 frames already fill the matrix units, and a window's encoding
         # then never depends on the windows beside it.
-        return torch.cat([self.encoder(window[None]).last_hidden_state for window in features]).to(self.dtype)
-
-    def _encode_prefix(self, features: Tensor) -> Tensor:
-        """The encoder's own layers over fewer positions (its forward insists on 3000 frames)."""
-        encoder = self.encoder
-        hidden = nn.functional.gelu(encoder.conv2(nn.functional.gelu(encoder.conv1(features)))).permute(0, 2, 1)
-        hidden = hidden + encoder.embed_positions.weight[: hidden.shape[1]]
-        for layer in encoder.layers:
-            hidden = layer(hidden, None)
-        return encoder.layer_norm(hidden)
+        return torch.cat([runner(window[None]) for window in features]).to(self.dtype)
 
 
 @dataclass

@@ -1,13 +1,15 @@
-"""Encoder cost per window: one batch of N windows against N windows one at a time, in
-turns in one process (why WhisperModel.encode splits a batch on CPU), in each dtype given
-(float32 against bfloat16: what `--dtype auto` gains on a CPU with bf16 arithmetic).
+"""Encoder cost per window: our encoder (asr/encoder.py, what transcription runs) one window
+at a time, against one batch of N windows (why WhisperModel.encode splits a batch) and
+against transformers' own encoder over the same weights one window at a time, in turns in
+one process, in each dtype given (float32 against bfloat16: what `--dtype auto` gains on a
+CPU with bf16 arithmetic).
 
     python scripts/benchmark_encoder.py [--preset embedded] [--windows 8] [--repeats 3] [--dtypes float32,bfloat16]
 
-Each dtype has its own copy of the encoder; every repeat runs each dtype's two ways, the
-dtypes and the two ways in an order that rotates from repeat to repeat, so that drift in a
-shared machine's load weighs on all alike (all of one dtype first put it all in the ratio).
-The last lines are each figure's median over the repeats.
+Each dtype has its own copy of the encoder; every repeat runs each dtype's three ways, the
+dtypes and the ways in an order that rotates from repeat to repeat, so that drift in a
+shared machine's load weighs on all alike (all of one kind first put it all in the ratio).
+The last lines are each figure's median over the repeats and each repeat's ratios.
 """
 
 from __future__ import annotations
@@ -19,10 +21,12 @@ import time
 
 import torch
 
+from asr.encoder import EncoderRunner
 from asr.metrics import load_note, machine_load
 from asr.models import DEFAULT_PRESET, PRESETS, load_model
 
-ONE, BATCHED = "one at a time", "batched"
+ONE, BATCHED, THEIRS = "ours one at a time", "ours batched", "transformers one at a time"
+WAYS = (ONE, BATCHED, THEIRS)
 
 
 def main() -> None:
@@ -40,37 +44,47 @@ def main() -> None:
     model = load_model(PRESETS[args.preset][0])
     print(f"{model.name} encoder, {args.windows} windows, {torch.get_num_threads()} threads, device {model.device}")
     features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions)
-    encoders = {name: (copy.deepcopy(model.encoder).to(getattr(torch, name)), features.to(getattr(torch, name)))
-                for name in names}
-    seconds: dict[tuple[str, str], list[float]] = {(name, way): [] for name in names for way in (ONE, BATCHED)}
+    runs = {}
+    for name in names:
+        encoder = copy.deepcopy(model.encoder).to(getattr(torch, name))
+        ours, theirs = EncoderRunner(encoder), (lambda batch, encoder=encoder: encoder(batch).last_hidden_state)
+        inputs = features.to(getattr(torch, name))
+        runs[name] = {ONE: (ours, inputs.split(1)), BATCHED: (ours, [inputs]), THEIRS: (theirs, inputs.split(1))}
+    seconds: dict[tuple[str, str], list[float]] = {(name, way): [] for name in names for way in WAYS}
     load = 0.0
     with torch.inference_mode():
-        for encoder, inputs in encoders.values():
-            encoder(inputs[:1])  # first-call costs out of the timings
+        for name in names:
+            for way in (ONE, THEIRS):  # first-call costs out of the timings
+                run, batches = runs[name][way]
+                run(batches[0])
         for repeat in range(args.repeats):
-            shift = repeat % len(names)
-            for name in names[shift:] + names[:shift]:
-                encoder, inputs = encoders[name]
-                for way in (ONE, BATCHED) if repeat % 2 == 0 else (BATCHED, ONE):
-                    started = time.perf_counter()
-                    for batch in (inputs.split(1) if way == ONE else [inputs]):
-                        encoder(batch)
-                    seconds[name, way].append((time.perf_counter() - started) / args.windows)
+            kinds = [(name, way) for name in names for way in WAYS]
+            shift = repeat % len(kinds)
+            for name, way in kinds[shift:] + kinds[:shift]:
+                run, batches = runs[name][way]
+                started = time.perf_counter()
+                for batch in batches:
+                    run(batch)
+                seconds[name, way].append((time.perf_counter() - started) / args.windows)
             load = max(load, machine_load())  # the load average of the run's own minutes, not of the one before
-            print(f"repeat {repeat + 1}: " + "; ".join(_line(name, seconds[name, ONE][-1], seconds[name, BATCHED][-1])
+            print(f"repeat {repeat + 1}: " + "; ".join(_line(name, {w: seconds[name, w][-1] for w in WAYS})
                                                      for name in names))
     medians = {key: statistics.median(values) for key, values in seconds.items()}
-    print("median: " + "; ".join(_line(name, medians[name, ONE], medians[name, BATCHED]) for name in names))
-    for name in names[1:]:  # each repeat's ratio, its two dtypes timed in the same round
-        ratios = [a / b for a, b in zip(seconds[name, ONE], seconds[names[0], ONE])]
-        print(f"{name} / {names[0]}, one at a time: median {statistics.median(ratios):.2f} "
-              f"(repeats {min(ratios):.2f}-{max(ratios):.2f})")
+    print("median: " + "; ".join(_line(name, {w: medians[name, w] for w in WAYS}) for name in names))
+    for name in names:  # each repeat's ratio, its two ways timed in the same round
+        _ratios(f"{name}: transformers / ours, one at a time", seconds[name, THEIRS], seconds[name, ONE])
+    for name in names[1:]:
+        _ratios(f"{name} / {names[0]}, ours one at a time", seconds[name, ONE], seconds[names[0], ONE])
     print(load_note(load, torch.get_num_threads()))
 
 
-def _line(name: str, one: float, batched: float) -> str:
-    return (f"{name} {ONE} {one:.3f} s/window, {BATCHED} {batched:.3f} s/window "
-            f"({BATCHED} / {ONE}: {batched / one:.2f})")
+def _ratios(label: str, numerators: list[float], denominators: list[float]) -> None:
+    ratios = [a / b for a, b in zip(numerators, denominators)]
+    print(f"{label}: median {statistics.median(ratios):.2f} (repeats {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+def _line(name: str, times: dict[str, float]) -> str:
+    return f"{name} " + ", ".join(f"{way} {times[way]:.3f} s/window" for way in WAYS)
 
 
 if __name__ == "__main__":
