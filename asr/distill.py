@@ -29,7 +29,7 @@ from asr.audio import AudioError, load_audio
 from asr.batch import find_audio
 from asr.decoder import DecoderRunner
 from asr.features import WINDOW_SAMPLES, first_window
-from asr.metrics import manifest_rows
+from asr.metrics import manifest_rows, row_language
 from asr.models import DRAFT_WEIGHTS, ModelPair, WhisperModel, encoder_fingerprint
 from asr.speculative import SpeculativeDecoder
 from asr.transcribe import TranscribeOptions, Transcriber
@@ -38,14 +38,24 @@ from asr.writers import write_atomic, write_files_atomic
 TOP_K = 32  # teacher probabilities kept per position for the KL term
 
 
-def list_audio(source: Path) -> list[Path]:
-    """A folder of audio files, or a manifest (.tsv with a `file` column, relative paths)."""
+def list_audio(source: Path, language: str) -> list[Path]:
+    """A folder of audio files, or a manifest (.tsv with a `file` column, relative paths) of
+    clips in `language` (the target is prompted in it: a clip in another language is
+    translated, and the draft would learn translations; where a row names none, language)."""
     if not source.exists():
         raise ValueError(f"{source}: no such folder or manifest")
     if source.is_dir():
         files = find_audio(source)  # as `asr transcribe` walks folders
     elif source.suffix == ".tsv":  # read as `asr evaluate` reads one, a reference column not needed
-        files = [source.parent / row["file"].strip() for _, row in manifest_rows(source, ("file",))]
+        rows = manifest_rows(source, ("file",))
+        others = [(line, row["file"].strip(), spoken) for line, row in rows
+                  if (spoken := row_language(source, line, row, language)) != language]
+        if others:
+            line, name, spoken = others[0]
+            raise ValueError(f"{source}:{line}: {name} is in {spoken}, not {language} (--language): the target would "
+                             f"translate it, and the draft learn the translation; {len(others)} of its {len(rows)} "
+                             f"clips are not in {language}: list one language's clips")
+        files = [source.parent / row["file"].strip() for _, row in rows]
     else:
         raise ValueError(f"{source}: expected a folder of audio files or a .tsv manifest with a 'file' column")
     if not files:

@@ -167,6 +167,17 @@ def manifest_rows(path: Path, required: tuple[str, ...], limit: int | None = Non
     return rows
 
 
+def row_language(path: Path, line: int, row: dict, default: str) -> str:
+    """A manifest row's language: a language (or lang, or locale: de-DE) column, or "lang=de"
+    in a notes column, or else default."""
+    hint = re.search(r"(?<!\w)lang=([\w-]+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
+    # A "lang" column was ignored: German clips decoded and scored as English, WER 100 %.
+    given = {language_code(value) for column in LANGUAGE_COLUMNS if (value := row.get(column) or "").strip()}
+    if len(given) > 1:
+        raise ValueError(f"{path}:{line}: its language columns disagree ({', '.join(sorted(given))})")
+    return given.pop() if given else language_code(hint.group(1) if hint else default)
+
+
 def read_manifest(path: Path, default_language: str = "en", limit: int | None = None) -> list[LabelledClip]:
     """A manifest (manifest_rows) with at least the columns file and reference (files
     relative to the manifest's folder; an empty reference is a clip without speech).
@@ -175,12 +186,7 @@ def read_manifest(path: Path, default_language: str = "en", limit: int | None = 
     twice is an error: it would weigh double in the WER and the speed."""
     clips, lines = [], {}
     for line, row in manifest_rows(path, ("file", "reference"), limit):
-        hint = re.search(r"(?<!\w)lang=([\w-]+)", row.get("notes") or "", re.IGNORECASE)  # not src_lang= or tgt_lang=
-        # A "lang" column was ignored: German clips decoded and scored as English, WER 100 %.
-        given = {language_code(value) for column in LANGUAGE_COLUMNS if (value := row.get(column) or "").strip()}
-        if len(given) > 1:
-            raise ValueError(f"{path}:{line}: its language columns disagree ({', '.join(sorted(given))})")
-        language = given.pop() if given else language_code(hint.group(1) if hint else default_language)
+        language = row_language(path, line, row, default_language)
         duration = (row.get("duration_seconds") or "").strip()
         try:
             seconds = float(duration) if duration else None

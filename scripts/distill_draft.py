@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.resume and not work.exists():
         print(f"--resume: {work} does not exist, nothing to resume: training from the start", file=sys.stderr)
     try:
-        files = list_audio(args.audio)  # before the target loads: a mistyped path is told at once
+        files = list_audio(args.audio, args.language)  # before the target loads: a mistyped path is told at once
         target = load_model(args.target)
         if args.layers > target.config.decoder_layers:
             raise ValueError(f"--layers {args.layers}: {args.target} has {target.config.decoder_layers} decoder layers")

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--language", type=language_code, default="en")
     args = parser.parse_args(argv)
     try:
-        files = list_audio(args.audio)  # before the models load: a mistyped path is told at once
+        files = list_audio(args.audio, args.language)  # before the models load: a mistyped path is told at once
         pair = load_pair(args.target, args.draft)
     except (ValueError, OSError) as error:  # IncompatibleModels is a ValueError
         print(error, file=sys.stderr)

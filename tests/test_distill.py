@@ -23,7 +23,7 @@ from asr.distill import (DraftDecoder, Label, length_batches, list_audio, previo
 from asr.models import IncompatibleModels, load_model, load_pair
 from asr.transcribe import TranscribeOptions, Transcriber
 from asr.features import WINDOW_FRAMES, content_frames, first_window, log_mel
-from conftest import EOT, REPO, end_rows_at_different_lengths, save_tiny, tiny_target
+from conftest import DEV, EOT, REPO, end_rows_at_different_lengths, save_tiny, tiny_target
 
 
 def current_umask() -> int:
@@ -226,13 +226,24 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     # Read as `asr evaluate` reads one: a spreadsheet's byte-order mark and "File" header were
     # refused, a row without a file became the manifest's folder, Latin-1 failed naming no file.
     manifest.write_bytes(b"\xef\xbb\xbfFile\tnotes\na.wav\tx\nsub/b.wav\n")
-    assert list_audio(manifest) == [tmp_path / "a.wav", tmp_path / "sub" / "b.wav"]
+    assert list_audio(manifest, "en") == [tmp_path / "a.wav", tmp_path / "sub" / "b.wav"]
     manifest.write_text("file\tnotes\na.wav\n\tquiet\n")
     with pytest.raises(ValueError, match=f"{manifest}:3: no file named"):
-        list_audio(manifest)
+        list_audio(manifest, "en")
     manifest.write_bytes("file\nsof\u00eda.wav\n".encode("latin-1"))
     with pytest.raises(ValueError, match=f"{manifest}:2: not UTF-8 text"):
-        list_audio(manifest)
+        list_audio(manifest, "en")
+    # Each clip's language, as `asr evaluate` reads it: the dev set's multilingual manifest was
+    # labelled as English (the target translated its Spanish, German and French into English).
+    multilingual = DEV / "manifest_multilingual.tsv"
+    assert main(["--target", target, "--audio", str(multilingual), "--out", str(tmp_path / "e")]) == 2
+    assert re.search(f"{re.escape(str(multilingual))}:2: .*picovoice_test_es.wav is in es, not en \\(--language\\): the "
+                     "target would translate it.*3 of its 3 clips are not in en", capsys.readouterr().err)
+    assert not (tmp_path / "e").exists()
+    manifest.write_text("file\tlanguage\tnotes\na.wav\tGerman\nb.wav\t\tlang=de\nc.wav\n")
+    assert list_audio(manifest, "de") == [tmp_path / "a.wav", tmp_path / "b.wav", tmp_path / "c.wav"]
+    with pytest.raises(ValueError, match=f"{manifest}:2: a.wav is in de, not en"):
+        list_audio(manifest, "en")
     assert main(["--target", str(tmp_path / "nowhere"), "--audio", str(audio), "--out", str(tmp_path / "c")]) == 2
     assert "nowhere" in capsys.readouterr().err
     # Values that failed late (a ZeroDivisionError after the labelling) or saved a draft that could not decode.
