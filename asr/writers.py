@@ -280,7 +280,11 @@ def unwritable(folder: Path) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is not a folder"
-    return None if os.access(existing, os.W_OK | os.X_OK) else f"{existing} cannot be written to"
+    try:  # a file made and gone (unnamed where the system can): os.access said yes to root, and to /proc
+        with tempfile.TemporaryFile(dir=existing):
+            return None
+    except OSError as error:
+        return f"{existing} cannot be written to ({error.strerror or error})"
 
 
 def write_atomic(path: Path, data: str | bytes) -> None:

@@ -812,6 +812,9 @@ def test_cli_errors_before_decoding_on_an_empty_manifest_or_a_peer_that_cannot_r
     monkeypatch.setattr("asr.cli.load_pair", lambda *a, **k: pytest.fail("a model loaded"))
     assert main(["evaluate", str(manifest), "--out", str(tmp_path / "report.md" / "out")]) == 2
     assert f"--out {tmp_path / 'report.md' / 'out'}: {tmp_path / 'report.md'} is not a folder" in capsys.readouterr().err
+    if Path("/proc/self").is_dir():  # os.access said it could be written (as it says to root of any folder)
+        assert main(["evaluate", str(manifest), "--out", "/proc/asr-report"]) == 2
+        assert "--out /proc/asr-report: /proc cannot be written to (" in capsys.readouterr().err
     elsewhere = tmp_path / "sub" / "m.tsv"  # a manifest moved away from its audio
     elsewhere.parent.mkdir()
     elsewhere.write_text(f"file\treference\n{CLIPS[0]}\tsome words\ngone.wav\tmore words\n")
