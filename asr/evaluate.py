@@ -892,7 +892,10 @@ def render_markdown(report: dict, title: str) -> str:
     if (length := env.get("draft_length")) and length["fixed"] is None and length["by_rows"]:
         lines += ["", f"{LABELS[SPECULATIVE]}'s adaptive draft length, over every round of the process (warm-ups "
                   "included): " + "; ".join(_draft_length_line(rows, entry) for rows, entry in length["by_rows"].items())
-                  + "; acceptance " + ", ".join(f"{language} {100 * a:.0f}%" for language, a in length["acceptance"].items())
+                  # Not the table's accepted over proposed (proposals after a rejection count there): the
+                  # rate of speculative decoding's model, on which the length is chosen.
+                  + "; its estimate of a proposed token's acceptance (kept over kept and rejected, recent rounds "
+                  "weighing most) " + ", ".join(f"{language} {100 * a:.0f}%" for language, a in length["acceptance"].items())
                   + "."]
     if len(report["by_length"]) > 1:
         systems = list(report["systems"])

@@ -273,7 +273,8 @@ def test_the_report_says_what_the_adaptive_draft_length_measured_and_chose(evalu
     assert ("ours, speculative's adaptive draft length, over every round of the process (warm-ups included): batches "
             "of up to 8 rows, 55 rounds measured (k = 0: 12, k = 4: 3, k = 8: 40), last fitted a plain round 4.50 ms, "
             "a drafting round's overhead 0.75 ms and 1.25 ms a proposal, so k = 8; batches of 1 row, 1 rounds measured "
-            "(k = 4: 1); acceptance en 52%.") in text
+            "(k = 4: 1); its estimate of a proposed token's acceptance (kept over kept and rejected, recent rounds "
+            "weighing most) en 52%.") in text  # it read "acceptance en 96%" under a table's 44 %
     fixed = {**environment, "draft_length": {"fixed": 4, "acceptance": {}, "by_rows": {}}}
     assert "draft length" not in render_markdown(build_report(results, system_names(()), fixed), "t")
 
