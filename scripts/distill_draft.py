@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -101,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     labels = store.labels
     usable = [i for i, label in enumerate(labels) if label is not None]
     if len(usable) < 2:
+        # Labels of nothing usable are worth nothing, and the folder they were in refused the next run without --resume.
+        shutil.rmtree(work, ignore_errors=True)
         print(f"{args.audio}: {len(usable)} usable clip(s) of {len(files)}: a draft needs clips of speech up to 30 s "
               "that the target transcribes (the reasons are above)", file=sys.stderr)
         return 2

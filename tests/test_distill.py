@@ -218,6 +218,7 @@ def test_distilling_refuses_what_it_cannot_use_and_never_trains_over_a_finished_
     captured = capsys.readouterr()
     assert "0 usable clip(s) of 2" in captured.err and "broken.wav" in captured.out + captured.err
     assert not (tmp_path / "a" / "config.json").exists()
+    assert not (tmp_path / "a" / "work").exists()  # it refused the run after the folder was mended, wanting --resume
 
     manifest = tmp_path / "list.tsv"
     manifest.write_text("path\ttext\nclip.wav\thello\n")
