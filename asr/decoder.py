@@ -436,14 +436,15 @@ class Linear:
         return self.run(x, added)
 
 
-def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False) -> Linear:
-    """x @ weight.T + bias (then the exact GELU, as Whisper's, where gelu), plus `added`. On
-    CPU in float32 (or bfloat16, where the CPU computes in it), through oneDNN with the weight
-    pre-packed once and the GELU or the addition fused: the default BLAS path is slower at
-    one row (a target-only step) as at the few rows of verifying, most of all at the output
-    head's 51,865 rows (one row through it took most of a whisper-base target-only step), and
-    at an encoder's 1,500 rows (2-2.6x, whisper-base's maps); elsewhere (GPU, float64) it is
-    plain F.linear."""
+def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False, prepacked: bool = True) -> Linear:
+    """x @ weight.T + bias (then the exact GELU, as Whisper's, where gelu), plus `added`. On a
+    CPU in float32, or bfloat16 where oneDNN takes it, through oneDNN with the GELU or the
+    addition fused: the default BLAS path is slower at one row (a target-only step) as at the
+    few rows of verifying, most of all at the output head's 51,865 rows (one row through it
+    took most of a whisper-base target-only step), and at an encoder's 1,500 rows (2-2.6x,
+    whisper-base's maps). prepacked: the weight reordered once into oneDNN's layout, a second
+    copy of it (a step's few rows need it; the encoder's compute-bound maps were ~4 % slower
+    without it, and keep no copy). Elsewhere (GPU, float16, float64): plain F.linear."""
 
     def plain(x: Tensor, added: Tensor | None) -> Tensor:
         y = F.linear(x, weight, bias)
@@ -454,7 +455,7 @@ def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False) -> Line
                                                  and torch.ops.mkldnn._is_mkldnn_bf16_supported())
     if weight.device.type == "cpu" and packable and torch.backends.mkldnn.is_available():
         try:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if prepacked else weight.detach()
 
             def run(x: Tensor, added: Tensor | None) -> Tensor:
                 if torch.compiler.is_compiling() or (gelu and added is not None):  # Inductor packs its own
@@ -526,17 +527,18 @@ class _Projections:
             return linear(module.weight, module.bias)
 
         attn, cross = layer.self_attn, layer.encoder_attn
-        return cls(_fused_qkv(attn, linear), wrap(attn.out_proj), wrap(cross.q_proj), wrap(cross.out_proj),
+        return cls(fuse_qkv(attn, linear), wrap(attn.out_proj), wrap(cross.q_proj), wrap(cross.out_proj),
                    wrap(layer.fc1), wrap(layer.fc2))
 
 
-@torch.no_grad()
-def _fused_qkv(attention: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear]) -> Linear:
+def fuse_qkv(attention: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear]) -> Linear:
     """One matrix product for query, key and value. The module's three weights become views
-    of the fused one, so the weights are not held twice (and stay the module's own)."""
+    of the fused one, so they are not held beside it (and stay the module's own, ordinary
+    tensors even where this runs in inference mode: made there, they could never be trained)."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    weight = torch.cat([p.weight for p in projections])
-    biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in projections]
-    for p, part in zip(projections, weight.split([p.out_features for p in projections])):
-        p.weight.data = part
-    return linear(weight, torch.cat(biases))
+    with torch.inference_mode(False), torch.no_grad():
+        weight = torch.cat([p.weight for p in projections])
+        biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in projections]
+        for p, part in zip(projections, weight.split([p.out_features for p in projections])):
+            p.weight.data = part
+        return linear(weight, torch.cat(biases))

@@ -15,6 +15,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -62,6 +63,9 @@ BUNDLED_DRAFTS = Path(__file__).resolve().parent / "drafts"  # drafts distilled 
 
 class IncompatibleModels(ValueError):
     """A draft that cannot serve this target; the message says what to do instead."""
+
+
+_ENCODER_BUILT = threading.Lock()  # one for all models: a model stays copyable, and encoders are seldom made
 
 
 @dataclass
@@ -137,6 +141,7 @@ class WhisperModel:
         """Runs the encoder in dtype (choose_dtypes); the decoder's cross-attention K/V are then
         projected from its output in that dtype too (DecoderRunner.cross_dtype)."""
         self.encoder.to(dtype)
+        self._encoder_runner = None  # its fused q/k/v of the old dtype freed now, not at the next encode
         self.runner.cross_dtype = dtype if dtype != self.dtype else None
 
     @torch.inference_mode()
@@ -147,12 +152,15 @@ class WhisperModel:
         output is in the decoder's dtype (the encoder may run in another: choose_dtypes)."""
         runner = self._encoder_runner
         if runner is None or runner.weights != (self.encoder_dtype, self.device):  # made anew after a cast
-            runner = self._encoder_runner = EncoderRunner(self.encoder)
+            with _ENCODER_BUILT:  # once: two at once left q/k/v views of one and fused in the other
+                runner = self._encoder_runner
+                if runner is None or runner.weights != (self.encoder_dtype, self.device):
+                    runner = self._encoder_runner = EncoderRunner(self.encoder)
         features = features.to(self.device, self.encoder_dtype)
-        # One window at a time. On a CPU a batch's activations overflow the caches (a batch of
-        # 8 windows took 1.15-1.35x longer than 8 single ones, scripts/benchmark_encoder.py); on
-        # a GPU a window's 1,500 frames already fill the matrix units, and a window's encoding
-        # then never depends on the windows beside it.
+        # One window at a time. On a CPU a batch's activations overflow the caches (a batch of 4
+        # windows took 1.1x as long as 4 single ones in float32, as long in bfloat16,
+        # scripts/benchmark_encoder.py); on a GPU a window's 1,500 frames already fill the matrix
+        # units, and a window's encoding then never depends on the windows beside it.
         return torch.cat([runner(window[None]) for window in features]).to(self.dtype)
 
 
@@ -547,8 +555,8 @@ def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) 
     """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a
     GPU; on a CPU, float32 decoders (speculative output is then the float32 target's) and a
     bfloat16 encoder where the CPU computes in bfloat16 natively (avx512_bf16, AMX): the
-    encoder is most of a CPU's time per window, and ran about 3x faster so on this project's
-    CPU (README, Speed). The decoders' cross-attention K/V are then projected from its output
+    encoder is most of a CPU's time per window, and ran 1.2x faster so on this project's CPU
+    (README, Speed; attention is most of its time in bfloat16, and no faster than in float32). The decoders' cross-attention K/V are then projected from its output
     in bfloat16 too (WhisperModel.cast_encoder), and kept in float32."""
     if dtype is not None:
         return dtype, dtype
