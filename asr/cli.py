@@ -556,6 +556,8 @@ def stream_command(args: argparse.Namespace) -> int:
     started = time.monotonic()  # the stream starts once the models are warm
     updates: list[StreamUpdate] = []
 
+    shown = [""]  # the tentative text of the last update printed
+
     def show(update: StreamUpdate) -> None:
         # Kept for the summary without its texts: each holds all committed so far (GBs for hours of audio).
         updates.append(replace(update, committed_text="", tentative_text="", committed=[], tentative=[]))
@@ -564,8 +566,10 @@ def stream_command(args: argparse.Namespace) -> int:
         if args.json:  # each update's committed words, not committed_text (all so far: lines would grow with the stream)
             fields = {key: value for key, value in asdict(update).items() if key != "committed_text"}
             print(json.dumps({"type": "update", **fields}), flush=True)
-        elif update.committed or update.tentative_text or update.final:  # not a bare clock over silence
+        # Not a bare clock over silence, but one that withdraws a guess shown ("Thank you." heard in noise).
+        elif update.committed or update.tentative_text or update.final or shown[0]:
             print(describe_update(update), flush=True)
+            shown[0] = update.tentative_text
 
     try:
         stopped = False

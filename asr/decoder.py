@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, ContextManager
 
 import torch
@@ -261,15 +262,25 @@ class DecoderRunner:
         dtype = self.cross_dtype or self.decoder.embed_tokens.weight.dtype
         encoder_output = encoder_output.to(dtype)
 
-        def project(linear: nn.Linear) -> Tensor:  # 1,500 rows a window: oneDNN's path, 2.5x the default's speed
+        def project(linear: nn.Linear, index: int) -> Tensor:
+            if dtype == linear.weight.dtype == torch.float32:  # oneDNN's path where it pays (not in bfloat16)
+                return self._heads(self._cross_maps[index](encoder_output))
             bias = None if linear.bias is None else linear.bias.to(dtype)
-            return self._heads(fast_linear(linear.weight.to(dtype), bias, prepacked=False)(encoder_output))
+            return self._heads(F.linear(encoder_output, linear.weight.to(dtype), bias))
 
         # Made contiguous in the cache's dtype first, in one pass: index_copy_ from the heads' transposed
         # view took 3x as long on a CPU (6 against 2 ms for a batch of 8 windows of whisper-base).
-        for layer, k, v in zip(self.layers, cache.cross_k, cache.cross_v):
-            k.index_copy_(0, rows, project(layer.encoder_attn.k_proj).to(k.dtype, memory_format=torch.contiguous_format))
-            v.index_copy_(0, rows, project(layer.encoder_attn.v_proj).to(v.dtype, memory_format=torch.contiguous_format))
+        for i, (layer, k, v) in enumerate(zip(self.layers, cache.cross_k, cache.cross_v)):
+            k.index_copy_(0, rows, project(layer.encoder_attn.k_proj, 2 * i).to(k.dtype, memory_format=torch.contiguous_format))
+            v.index_copy_(0, rows, project(layer.encoder_attn.v_proj, 2 * i + 1).to(v.dtype, memory_format=torch.contiguous_format))
+
+    @cached_property
+    def _cross_maps(self) -> list[Linear]:
+        """Each layer's cross-attention key and value maps (fill_cross), over the modules' own
+        weights: at a window's 1,500 rows through oneDNN in float32 on a CPU, 1.9x F.linear's
+        speed."""
+        return [fast_linear(p.weight, p.bias, prepacked=False) for layer in self.layers
+                for p in (layer.encoder_attn.k_proj, layer.encoder_attn.v_proj)]
 
     def copy_cross(self, cache: KVCache, rows: Tensor, cross: list[tuple[list[Tensor], list[Tensor]]]) -> None:
         """Writes cross-attention K/V computed elsewhere (per row: K and V per layer) into
@@ -437,13 +448,14 @@ class Linear:
 
 
 def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False, prepacked: bool = True) -> Linear:
-    """x @ weight.T + bias (then the exact GELU, as Whisper's, where gelu), plus `added`. On a
-    CPU in float32, or bfloat16 where oneDNN takes it, through oneDNN with the GELU or the
-    addition fused: the default BLAS path is slower at one row (a target-only step) as at the
-    few rows of verifying, most of all at the output head's 51,865 rows (one row through it
-    took most of a whisper-base target-only step), and at an encoder's 1,500 rows (2-2.6x,
-    whisper-base's maps). prepacked: the weight reordered once into oneDNN's layout, a second
-    copy of it (a step's few rows need it; the encoder's compute-bound maps were ~4 % slower
+    """x @ weight.T + bias (then the exact GELU, as Whisper's, where gelu), plus `added` (of the
+    output's shape and dtype). On a CPU in float32, or bfloat16 where oneDNN takes it,
+    through oneDNN with the GELU or the addition fused: the default BLAS path is slower at
+    one row (a target-only step) as at the few rows of verifying, most of all at the output
+    head's 51,865 rows (one row through it took most of a whisper-base target-only step),
+    and in float32 at an encoder's 1,500 rows (2-2.6x, whisper-base's maps; in bfloat16
+    about level). prepacked: the weight reordered once into oneDNN's layout, a second copy
+    of it (a step's few rows need it; the encoder's compute-bound maps were ~4 % slower
     without it, and keep no copy). Elsewhere (GPU, float16, float64): plain F.linear."""
 
     def plain(x: Tensor, added: Tensor | None) -> Tensor:
@@ -451,9 +463,9 @@ def fast_linear(weight: Tensor, bias: Tensor | None, gelu: bool = False, prepack
         y = F.gelu(y) if gelu else y
         return y if added is None else added + y
 
-    packable = weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16
-                                                 and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    if weight.device.type == "cpu" and packable and torch.backends.mkldnn.is_available():
+    if weight.device.type == "cpu" and torch.backends.mkldnn.is_available() and (
+            weight.dtype == torch.float32
+            or weight.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         try:
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None) if prepacked else weight.detach()
 
@@ -533,10 +545,11 @@ class _Projections:
 
 def fuse_qkv(attention: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear]) -> Linear:
     """One matrix product for query, key and value. The module's three weights become views
-    of the fused one, so they are not held beside it (and stay the module's own, ordinary
-    tensors even where this runs in inference mode: made there, they could never be trained)."""
+    of the fused one, so they are not held beside it (and stay the module's own, of their
+    kind: ordinary tensors even where this runs in inference mode, where made, they could never
+    be trained; inference tensors where they were made so, which refuse an ordinary one)."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
-    with torch.inference_mode(False), torch.no_grad():
+    with torch.inference_mode(attention.q_proj.weight.is_inference()), torch.no_grad():
         weight = torch.cat([p.weight for p in projections])
         biases = [p.bias if p.bias is not None else weight.new_zeros(p.out_features) for p in projections]
         for p, part in zip(projections, weight.split([p.out_features for p in projections])):

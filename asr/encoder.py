@@ -5,10 +5,10 @@ Its linear maps are the decoder's (fast_linear) over the module's own weights (n
 a CPU through oneDNN, the GELU and the residual additions fused into them; query, key and
 value in one matrix product, attended over as views of it. transformers' layers run the maps
 through the default BLAS, copy the query, key, value and the attention's output to
-contiguous tensors and scale the query in a pass of their own: their encoder took 1.6x as
-long as this one on whisper-base in float32 on a 2-core CPU, 1.1x in bfloat16, where
-attention is most of the time (`python scripts/benchmark_encoder.py --dtypes
-float32,bfloat16`)."""
+contiguous tensors and scale the query in a pass of their own: their encoder took 1.54x as
+long as this one on whisper-base in float32 on a 2-core CPU, 1.04x in bfloat16, where
+attention is most of the time (`python scripts/benchmark_encoder.py --windows 4 --repeats 3
+--dtypes float32,bfloat16`, README's Speed)."""
 
 from __future__ import annotations
 

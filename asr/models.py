@@ -150,13 +150,14 @@ class WhisperModel:
         number), encoded as they are, at the first frames / 2 positions (whisper.cpp's
         audio_ctx): far cheaper for short audio, but not what Whisper was trained on. The
         output is in the decoder's dtype (the encoder may run in another: choose_dtypes)."""
+        weights = self.encoder.conv1.weight
         runner = self._encoder_runner
-        if runner is None or runner.weights != (self.encoder_dtype, self.device):  # made anew after a cast
+        if runner is None or runner.weights != (weights.dtype, weights.device):  # made anew after a cast
             with _ENCODER_BUILT:  # once: two at once left q/k/v views of one and fused in the other
                 runner = self._encoder_runner
-                if runner is None or runner.weights != (self.encoder_dtype, self.device):
+                if runner is None or runner.weights != (weights.dtype, weights.device):
                     runner = self._encoder_runner = EncoderRunner(self.encoder)
-        features = features.to(self.device, self.encoder_dtype)
+        features = features.to(weights.device, weights.dtype)
         # One window at a time. On a CPU a batch's activations overflow the caches (a batch of 4
         # windows took 1.1x as long as 4 single ones in float32, as long in bfloat16,
         # scripts/benchmark_encoder.py); on a GPU a window's 1,500 frames already fill the matrix
@@ -552,12 +553,13 @@ def _load_pair(target: str, draft: str | None, draft_encoder: str, device: str |
 
 
 def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
-    """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a
-    GPU; on a CPU, float32 decoders (speculative output is then the float32 target's) and a
+    """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a GPU;
+    on a CPU, float32 decoders (speculative output is then the float32 target's) and a
     bfloat16 encoder where the CPU computes in bfloat16 natively (avx512_bf16, AMX): the
-    encoder is most of a CPU's time per window, and ran 1.2x faster so on this project's CPU
-    (README, Speed; attention is most of its time in bfloat16, and no faster than in float32). The decoders' cross-attention K/V are then projected from its output
-    in bfloat16 too (WhisperModel.cast_encoder), and kept in float32."""
+    encoder is most of a CPU's time per window, and ran 1.2x faster so on this project's
+    CPU (README, Speed; attention, no faster in bfloat16, is most of its time there). The
+    decoders' cross-attention K/V are then projected from its output in bfloat16 too
+    (WhisperModel.cast_encoder), and kept in float32."""
     if dtype is not None:
         return dtype, dtype
     if torch.device(device).type == "cuda":

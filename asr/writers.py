@@ -9,6 +9,7 @@ import json
 import math
 import os
 import re
+import secrets
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -280,9 +281,13 @@ def unwritable(folder: Path) -> str | None:
         existing = existing.parent
     if not existing.is_dir():
         return f"{existing} is not a folder"
-    try:  # a file made and gone (unnamed where the system can): os.access said yes to root, and to /proc
-        with tempfile.TemporaryFile(dir=existing):
-            return None
+    # A file made and gone: os.access said yes to root, and of /proc. Once, by a name of its own
+    # (tempfile's retries a refusal as a clash on Windows, 2 billion times).
+    probe = existing / f".asr-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        probe.unlink()
+        return None
     except OSError as error:
         return f"{existing} cannot be written to ({error.strerror or error})"
 

@@ -3,10 +3,9 @@ embedded models: fed in 0.5 s chunks on the audio-time clock, as a live micropho
 
 from __future__ import annotations
 
-import math
-
 import itertools
 import json
+import math
 import re
 import time
 from dataclasses import replace
@@ -22,7 +21,7 @@ from asr.audio import SAMPLE_RATE, AudioError, load_audio
 from asr.cli import main
 from asr.metrics import normalize, normalized_wer, read_manifest
 from asr.models import load_pair
-from asr.streaming import StreamingTranscriber, Word, feed_recording, replay, stream_segments, summarize
+from asr.streaming import StreamingTranscriber, StreamUpdate, Word, feed_recording, replay, stream_segments, summarize
 from asr.transcribe import TranscribeOptions, Transcriber, TranscriptionInfo, WindowResult
 from conftest import DEV
 
@@ -894,6 +893,21 @@ def test_a_cli_stream_prints_no_update_that_heard_nothing(tmp_path, capsys):
     lines = capsys.readouterr().out.splitlines()
     assert lines[-1] == "And so my fellow Americans ask..."  # the committed text, after the updates
     assert all(re.fullmatch(r"\[ *[0-9.]+s\]( final)? +\S.*", line) for line in lines[:-1]), lines
+
+
+def test_a_cli_stream_clears_a_guess_it_withdraws(capsys, monkeypatch):
+    """An update that heard nothing is not printed, unless it withdraws the guess shown last
+    (the screen kept showing a "Thank you." heard in noise)."""
+    def update(now, committed=(), tentative="", final=False):
+        words = [Word(text, 0.0, 1.0) for text in committed]
+        return StreamUpdate(words, [], "".join(committed), tentative, now, 1.0, [], 1, 1, 0, 0, 0, 0.1, now, final)
+
+    updates = [update(1.0), update(2.0, tentative="Thank you."), update(3.0), update(4.0), update(5.0, [" And", " so"]),
+               update(6.0, final=True)]
+    monkeypatch.setattr("asr.cli.feed_recording", lambda *_: iter(updates))
+    assert main(["stream", str(DEV / "en_short" / "jfk.flac"), "--language", "en"]) == 0
+    assert capsys.readouterr().out.splitlines()[:-1] == [
+        "[   2.00s]  \u27e8Thank you.\u27e9", "[   3.00s] ", "[   5.00s] And so", "[   6.00s] final "]
 
 
 def test_ctrl_c_in_a_cli_stream_finishes_what_was_heard(capsys, monkeypatch):
