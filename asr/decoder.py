@@ -545,9 +545,9 @@ class _Projections:
 
 def fuse_qkv(attention: nn.Module, linear: Callable[[Tensor, Tensor | None], Linear]) -> Linear:
     """One matrix product for query, key and value. The module's three weights become views
-    of the fused one, so they are not held beside it (and stay the module's own, of their
-    kind: ordinary tensors even where this runs in inference mode, where made, they could never
-    be trained; inference tensors where they were made so, which refuse an ordinary one)."""
+    of the fused one, so they are not held beside it, and stay the module's own and of their
+    kind: made in inference mode, ordinary weights became inference tensors that could never
+    be trained again (and inference weights refuse an ordinary tensor)."""
     projections = (attention.q_proj, attention.k_proj, attention.v_proj)
     with torch.inference_mode(attention.q_proj.weight.is_inference()), torch.no_grad():
         weight = torch.cat([p.weight for p in projections])
