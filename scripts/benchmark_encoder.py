@@ -5,6 +5,7 @@ one process, in each dtype given (float32 against bfloat16: what `--dtype auto` 
 CPU with bf16 arithmetic).
 
     python scripts/benchmark_encoder.py [--preset embedded] [--windows 8] [--repeats 3] [--dtypes float32,bfloat16]
+                                        [--device cuda]
 
 Each dtype has its own copy of the encoder; every repeat runs each dtype's three ways, the
 dtypes and the ways in an order that rotates from repeat to repeat, so that drift in a
@@ -17,10 +18,10 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import time
 
 import torch
 
+from asr.cudagraphs import device_clock
 from asr.encoder import EncoderRunner
 from asr.metrics import load_note, machine_load
 from asr.models import DEFAULT_PRESET, PRESETS, load_model
@@ -35,15 +36,19 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dtypes", default="float32", help="comma-separated, e.g. float32,bfloat16")
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda (timed to the GPU's end of the work)")
     args = parser.parse_args()
     if args.windows < 1 or args.repeats < 1:
         parser.error("--windows and --repeats: whole numbers from 1")
     names = list(dict.fromkeys(args.dtypes.split(",")))  # each once
     if bad := [d for d in names if not isinstance(getattr(torch, d, None), torch.dtype)]:
         parser.error(f"--dtypes: {', '.join(bad)}: not a torch dtype (float32, bfloat16, float16)")
-    model = load_model(PRESETS[args.preset][0])
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: no CUDA device here")
+    device = torch.device(args.device)
+    model = load_model(PRESETS[args.preset][0], device=device)
     print(f"{model.name} encoder, {args.windows} windows, {torch.get_num_threads()} threads, device {model.device}")
-    features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions)
+    features = torch.randn(args.windows, model.config.num_mel_bins, 2 * model.config.max_source_positions, device=device)
     runs = {}
     for name in names:
         encoder = copy.deepcopy(model.encoder).to(getattr(torch, name))
@@ -62,10 +67,10 @@ def main() -> None:
             shift = repeat % len(kinds)
             for name, way in kinds[shift:] + kinds[:shift]:
                 run, batches = runs[name][way]
-                started = time.perf_counter()
+                started = device_clock(device)
                 for batch in batches:
                     run(batch)
-                seconds[name, way].append((time.perf_counter() - started) / args.windows)
+                seconds[name, way].append((device_clock(device) - started) / args.windows)
             load = max(load, machine_load())  # the load average of the run's own minutes, not of the one before
             print(f"repeat {repeat + 1}: " + "; ".join(_line(name, {w: seconds[name, w][-1] for w in WAYS})
                                                      for name in names))

@@ -4,6 +4,9 @@ linear maps it runs (asr/decoder.fast_linear's GELU and additions)."""
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -14,7 +17,7 @@ from asr.decoder import fast_linear
 from asr.encoder import EncoderRunner
 from asr.features import WINDOW_FRAMES, log_mel
 from asr.models import PRESETS, load_model
-from conftest import DEV
+from conftest import DEV, REPO
 
 
 @pytest.fixture(scope="module")
@@ -117,3 +120,17 @@ def test_fused_gelu_and_additions_are_the_plain_ones(dtype):
             torch.testing.assert_close(maps[0](x, added).float(), added.float() + plain, rtol=tolerance, atol=tolerance)
             if dtype == torch.float32:  # tanh's GELU is 1e-4 off here: not what fc1 gives
                 assert not torch.allclose(maps[1](x), F.gelu(plain, approximate="tanh"), rtol=1e-5, atol=1e-5)
+
+
+def test_the_encoder_benchmark_times_ours_beside_transformers():
+    """scripts/benchmark_encoder.py, one window, one repeat: its three ways and ratios."""
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_encoder.py"), "--windows", "1",
+                           "--repeats", "1", "--dtypes", "float32"], capture_output=True, text=True, timeout=300,
+                          cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "float32 ours one at a time" in done.stdout and "transformers one at a time" in done.stdout
+    assert "float32: transformers / ours, one at a time: median" in done.stdout
+    if not torch.cuda.is_available():
+        refused = subprocess.run([sys.executable, str(REPO / "scripts" / "benchmark_encoder.py"), "--device", "cuda"],
+                                 capture_output=True, text=True, timeout=300, cwd=REPO)
+        assert refused.returncode == 2 and "--device cuda: no CUDA device here" in refused.stderr
