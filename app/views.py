@@ -89,7 +89,7 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
     # Below half a second, the fixed cost of a request made a 10 ms file "128x slower than real time".
     rtf = seconds / info.duration if info.duration >= MIN_TIMED_SECONDS else None
     figures = [
-        Figure("Audio", f"{info.duration:.1f} s", clock(info.duration) if info.duration_after_vad is None
+        Figure("Audio", f"{info.duration:.1f} s", clock(info.duration) if info.vad_options is None
                else f"{info.duration_after_vad:.1f} s of it speech (VAD)"),
         Figure("Processing", f"{seconds:.2f} s", f"encoder {info.encoder_seconds:.2f} s · decoder {info.decoder_seconds:.2f} s"),
         Figure("Real-time factor", "–", "too short to tell") if rtf is None else Figure("Real-time factor", f"{rtf:.2f}", speed(rtf)),
@@ -110,6 +110,9 @@ def upload_figures(transcript: Transcript, seconds: float, language_name: str, l
         figures.append(Figure("Target passes", f"{stats.target_passes}", "no draft model: one pass per token"))
     if not info.language:  # Skip silences found no speech: no window was decoded to tell it
         figures.append(Figure("Language", "none", "no speech to detect it from"))
+    elif language_detected and not transcript.segments:  # noise heard as a language, beside "No speech found"
+        figures.append(Figure("Language", "none", f"no speech heard (the likeliest, {language_name}, at "
+                                                  f"{info.language_probability:.0%})"))
     else:
         note = f"detected ({info.language_probability:.0%})" if language_detected else "as chosen"
         figures.append(Figure("Language", language_name, note))

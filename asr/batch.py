@@ -112,6 +112,10 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 **({} if options.hallucination_silence_threshold is None
                    else {"hallucination_silence_threshold": options.hallucination_silence_threshold}),
                 **({} if options.retry_greedy_copies else {"retry_greedy_copies": False}),
+                **({"hotwords": options.hotwords} if options.hotwords else {}),
+                # Only where they change something: ledgers of runs with the defaults still match.
+                **({"vad_parameters": options.vad_parameters.changed()}
+                   if options.vad_parameters is not None and options.vad_parameters.changed() else {}),
                 # Always, even empty: a clipped run's files were taken as done by a whole one after it.
                 "clip_timestamps": list(options.clip_timestamps),
                 **({"seed": options.seed, "best_of": options.best_of} if any(t > 0 for t in options.temperatures)

@@ -140,6 +140,23 @@ def clip_seconds(text: str) -> tuple[float, ...]:
                                          "from 0 up and each after the one before") from None
 
 
+def vad_parameters(text: str) -> vad.VadParameters:
+    """An argparse type: --vad-parameters' NAME=VALUE,... (faster-whisper's VadOptions; none for no neg_threshold)."""
+    given = {}
+    for item in text.split(","):
+        name, equals, value = item.partition("=")
+        if not equals or not name.strip():
+            raise argparse.ArgumentTypeError(f"{item!r}: expected NAME=VALUE, e.g. threshold=0.4,min_silence_duration_ms=500")
+        try:
+            given[name.strip()] = None if value.strip().lower() == "none" else float(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{item!r}: {value!r} is not a number") from None
+    try:
+        return vad.VadParameters.of(given)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error).removeprefix("vad_parameters: ")) from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="asr", description="Speculative Whisper transcription")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -186,6 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "there, as Whisper's and faster-whisper's option of that name (2 is usual; default: off)")
     t.add_argument("--prompt", type=prompt_text, default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
+    t.add_argument("--hotwords", type=prompt_text, default="",
+                   help="words and names to expect, before every window's previous text (faster-whisper's hotwords)")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
                    help="srt/vtt: break each segment's text into lines of at most N characters (a Chinese, Japanese "
                         "or Korean one counts two, as wide on a screen; a longer word has a line of its own)")
@@ -196,6 +215,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vad", action="store_true",
                    help="cut silences out before decoding (Silero VAD, as faster-whisper's vad_filter; needs asr[vad]), "
                         "times stay the recording's")
+    t.add_argument("--vad-parameters", type=vad_parameters, metavar="NAME=VALUE[,...]",
+                   help="implies --vad; faster-whisper's VAD options: threshold (0.5), neg_threshold, "
+                        "min_speech_duration_ms (0), max_speech_duration_s (inf), min_silence_duration_ms (2000), "
+                        "speech_pad_ms (400)")
     t.add_argument("--clip-timestamps", type=clip_seconds, default=(), metavar="START,END[,...]",
                    help="transcribe only these parts: start,end,start,end,... in seconds or [H:]MM:SS, the last end "
                         "left out for the recording's end (as Whisper's option); times stay the recording's")
@@ -226,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="timed runs of each batch per system, in turns; the run of median time is kept (default: 1)")
     e.add_argument("--vad", action="store_true",
                    help="every system decodes the speech kept by faster-whisper's Silero VAD (as asr transcribe --vad)")
+    e.add_argument("--vad-parameters", type=vad_parameters, metavar="NAME=VALUE[,...]",
+                   help="implies --vad; faster-whisper's VAD options: threshold (0.5), neg_threshold, "
+                        "min_speech_duration_ms (0), max_speech_duration_s (inf), min_silence_duration_ms (2000), "
+                        "speech_pad_ms (400)")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
                    help="also run transformers' generate and its assisted generation with the same draft (transformers), "
                         "or faster-whisper on the same target weights (faster-whisper); repeat for both")
@@ -354,10 +381,12 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
         num_draft_tokens=args.num_draft_tokens,
         without_timestamps=args.without_timestamps,
         initial_prompt=args.prompt,
+        hotwords=args.hotwords,
         word_timestamps=args.word_timestamps,
         hallucination_silence_threshold=args.hallucination_silence_threshold,
         retry_greedy_copies=not args.keep_greedy_copies,
-        vad_filter=args.vad,
+        vad_filter=args.vad or args.vad_parameters is not None,
+        vad_parameters=args.vad_parameters,
         clip_timestamps=args.clip_timestamps,
         seed=args.seed,
         best_of=args.best_of,
@@ -455,7 +484,8 @@ def evaluate_command(args: argparse.Namespace) -> int:
     device, dtype, encoder_dtype = device_and_dtypes(args)
     preset = None if args.target else args.preset or DEFAULT_PRESET
     options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
-                              transcribe=TranscribeOptions(vad_filter=args.vad, **engine_options(args)),
+                              transcribe=TranscribeOptions(vad_filter=args.vad or args.vad_parameters is not None,
+                                                           vad_parameters=args.vad_parameters, **engine_options(args)),
                               progress=sys.stderr.isatty(), repeats=args.repeats)
     try:
         # a messy manifest's later rows are not read
@@ -630,7 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     # On a remote Ray cluster the workers' machines decode, not this one: a GPU is theirs to have.
     remote = getattr(args, "ray", None) not in (None, LOCAL_RAY)
     problem = device_problem(getattr(args, "device", "auto"), here=not remote)
-    if getattr(args, "vad", False) and not vad.available():  # said before any model loads, here or on Ray
+    if (getattr(args, "vad", False) or getattr(args, "vad_parameters", None)) and not vad.available():  # said before any model loads, here or on Ray
         problem = vad.NEEDS
     if not problem and (kernel := lengths_of(args)) and not remote:
         device, dtype, _ = device_and_dtypes(args)

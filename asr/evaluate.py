@@ -195,7 +195,7 @@ class OurSystem:
             transcript = transcripts[item.name]
             runs.append(Run(
                 text=transcript.text,
-                tokens=[t for s in transcript.segments for t in s.tokens],
+                tokens=[t for s in transcript.segments for t in s.tokens if t < transcriber.vocab.eot],
                 segment_times=[(s.start, s.end) for s in transcript.segments],
                 # The batch's wall time, shared out as the engine attributes its features, encoder and decoder time.
                 seconds=wall * (spent / sum(busy) if sum(busy) else 1 / len(items)),
@@ -366,7 +366,7 @@ class TransformersSystem(_OneFileAtATime):
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
         counter = _TokenCounter()
         started = time.perf_counter()
-        samples = vad.speech_only(item.samples)[0] if options.vad_filter else item.samples
+        samples = vad.speech_only(item.samples, options.vad_parameters)[0] if options.vad_filter else item.samples
         if not len(samples):  # no speech kept: nothing to decode, as ours and faster-whisper (not 30 s of padding)
             seconds = time.perf_counter() - started
             return Run(seconds=seconds, features_seconds=seconds, encoder_seconds=0.0, decoder_seconds=0.0)
@@ -454,7 +454,8 @@ class FasterWhisperSystem(_OneFileAtATime):
             compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
-            vad_filter=options.vad_filter, word_timestamps=False)
+            vad_filter=options.vad_filter, word_timestamps=False,
+            vad_parameters=None if options.vad_parameters is None else asdict(options.vad_parameters))
         tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
         return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
                    segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds,
@@ -593,6 +594,7 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         # With --vad every system decodes the speech that faster-whisper's Silero VAD keeps
         # (transformers is given those samples), timed from the whole recording.
         "vad": options.transcribe.vad_filter,
+        "vad_parameters": None if options.transcribe.vad_parameters is None else options.transcribe.vad_parameters.changed(),
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,

@@ -90,6 +90,9 @@ class TranscribeOptions:
     # window's previous text, as Whisper's initial_prompt. Later windows follow it as long as
     # they are conditioned on the previous text and not reset by a fallback above 0.5.
     initial_prompt: str = ""
+    # Words and names to expect, put before every window's previous text (faster-whisper's
+    # hotwords): unlike initial_prompt, never left behind by later windows.
+    hotwords: str = ""
     without_timestamps: bool = False
     word_timestamps: bool = False  # each segment's words timed (asr/words.py): one more target pass per window
     # With word_timestamps, a segment whose words look hallucinated (asr.words.anomalous) between
@@ -101,6 +104,9 @@ class TranscribeOptions:
     # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
     # vad_filter); the recording is then read whole, never block by block.
     vad_filter: bool = False
+    # With vad_filter, faster-whisper's vad_parameters: a vad.VadParameters, a dict of its
+    # fields or faster-whisper's VadOptions (None: its defaults).
+    vad_parameters: vad.VadParameters | None = None
     # Only these parts of a recording transcribed: start, end, start, end, ... seconds (the
     # last end left out: to the recording's end), also as text ("60,120"), as Whisper's and
     # faster-whisper's option: each clip decoded window by window apart from the next, the
@@ -132,8 +138,9 @@ class TranscribeOptions:
         if not given:
             raise ValueError("temperatures: give at least one")
         object.__setattr__(self, "temperatures", given)
-        if self.initial_prompt is None:
-            object.__setattr__(self, "initial_prompt", "")
+        for name in ("initial_prompt", "hotwords"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, "")
         object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
         # Checked here, by name: they failed mid-decode with a bare TypeError, or decoded nonsense
         # (max_new_tokens -5 ran a row backwards until the decoder's positions ran out).
@@ -149,6 +156,10 @@ class TranscribeOptions:
         if threshold is not None and (isinstance(threshold, bool) or not (isinstance(threshold, numbers.Real)
                                                                           and 0 <= threshold < math.inf)):
             raise ValueError(f"hallucination_silence_threshold must be seconds from 0 up, or None, not {threshold!r}")
+        if self.vad_parameters is not None:
+            object.__setattr__(self, "vad_parameters", vad.VadParameters.of(self.vad_parameters))
+            if self.vad_filter is not True:  # faster-whisper ignores them then: a filter asked for, not run
+                raise ValueError("vad_parameters are the options of vad_filter (--vad): give vad_filter=True too")
         if self.clip_timestamps and self.vad_filter:
             raise ValueError("clip_timestamps and vad_filter (--clip-timestamps, --vad): one or the other "
                              "(faster-whisper ignores vad_filter with clips)")
@@ -157,12 +168,14 @@ class TranscribeOptions:
         if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
             raise ValueError(f"compression_ratio_threshold must be above 0 (every window fell back), "
                              f"not {self.compression_ratio_threshold!r}")
-        if not isinstance(self.initial_prompt, str):
-            raise ValueError(f"initial_prompt must be text, not {self.initial_prompt!r}")
-        try:  # a Latin-1 byte, as Python passes it from a command line: the tokenizer refused it mid-run
-            self.initial_prompt.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ValueError(f"initial_prompt is not UTF-8 text: {self.initial_prompt!r}") from None
+        for name in ("initial_prompt", "hotwords"):
+            value = getattr(self, name)
+            if not isinstance(value, str):
+                raise ValueError(f"{name} must be text, not {value!r}")
+            try:  # a Latin-1 byte, as Python passes it from a command line: the tokenizer refused it mid-run
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError(f"{name} is not UTF-8 text: {value!r}") from None
         # Flags as flags: "false" is a true value, and was taken for one (speculative="false" drafted).
         for name in ("condition_on_previous_text", "without_timestamps", "word_timestamps", "retry_greedy_copies",
                      "vad_filter", "speculative", "cuda_graphs", "compile", "fused_layers"):
@@ -185,7 +198,7 @@ class Segment:
     start: float
     end: float
     text: str
-    tokens: list[int]
+    tokens: list[int]  # its timestamp tokens included, as Whisper's and faster-whisper's (text: those below eot)
     avg_logprob: float
     compression_ratio: float
     no_speech_prob: float
@@ -208,11 +221,17 @@ class TranscriptionInfo:
     decoder_seconds: float = 0.0
     windows: int = 0
     dtype: str = ""  # the models' dtypes, e.g. "float32, encoder bfloat16"
-    duration_after_vad: float | None = None  # the speech decoded, with vad_filter
+    duration_after_vad: float | None = None  # the speech decoded with vad_filter; else (None given) the duration
     warnings: tuple[str, ...] = ()  # what reading the audio lost (AudioInput.warnings)
     task: str = "transcribe"  # or "translate": then language is the speech's, the text English
     # Detected: every language's probability, likeliest first (faster-whisper's); None where the language was given.
     all_language_probs: list[tuple[str, float]] | None = None
+    transcription_options: TranscribeOptions | None = None  # the Transcriber's
+    vad_options: vad.VadParameters | None = None  # those vad_filter ran with; None where it did not run
+
+    def __post_init__(self) -> None:
+        if self.duration_after_vad is None:  # as faster-whisper's: all of it was decoded
+            self.duration_after_vad = self.duration
 
 
 @dataclass
@@ -505,6 +524,13 @@ class Transcriber:
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
+        hotwords = options.hotwords.strip()  # at most the previous text's room, as faster-whisper cuts them
+        self._hotwords = self.vocab.encode(" " + hotwords)[: self._previous_room] if hotwords else []
+
+    @property
+    def _previous_room(self) -> int:
+        """Tokens of previous text a window reads at most: the last half of the decoder's positions, as Whisper's."""
+        return self.engine.max_positions // 2 - 1
 
     @property
     def speculative(self) -> bool:
@@ -668,7 +694,7 @@ class Transcriber:
         n_mels = self.models.target.config.num_mel_bins
         if self.options.vad_filter:
             kept, speech = vad.speech_only(gathered(_scanned(stream_audio(path, notices=notices), progress),
-                                                     seconds, str(path)))
+                                                     seconds, str(path)), self.options.vad_parameters)
             if len(kept) <= stream_above_seconds * SAMPLE_RATE:
                 return AudioInput(name or str(path), kept, progress, warnings=tuple(notices), speech=speech)
             # Its features are computed window by window, as a long recording's are: an hour's took 1 GB at once.
@@ -839,7 +865,7 @@ class Transcriber:
         else:
             samples, duration = audio.samples, len(audio.samples) / SAMPLE_RATE
             if self.options.vad_filter and not window_only and audio.speech is None:
-                samples, speech = vad.speech_only(samples)
+                samples, speech = vad.speech_only(samples, self.options.vad_parameters)
             started = device_clock(target.device)
             mel = log_mel(samples, target.config.num_mel_bins, device=target.device)
             features_seconds = device_clock(target.device) - started
@@ -854,6 +880,8 @@ class Transcriber:
             speculative=self.speculative,
             dtype=target.dtype_label,
             duration_after_vad=None if speech is None else speech.seconds,
+            vad_options=None if speech is None else self.options.vad_parameters or vad.VadParameters(),
+            transcription_options=self.options,
             features_seconds=features_seconds,
             warnings=audio.warnings,
             task=self.options.task,
@@ -942,14 +970,16 @@ class Transcriber:
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
     def _prompt(self, job: _Job) -> tuple[list[int], int]:
-        """[<|startofprev|> previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
+        """[<|startofprev|> [hotwords] previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
         returns it with the index of <|startoftranscript|>. Every attempt at a window has the
         same previous text, as in Whisper (but those after a greedy copy's retry, which have
         none: _copied_greedily): a fallback above 0.5 resets it for the next window."""
         vocab = self.vocab
+        context = job.context if not job.unprompted else []
         previous: list[int] = []
-        if job.context and not job.unprompted:
-            previous = [vocab.sot_prev] + job.context[-(self.engine.max_positions // 2 - 1) :]
+        if context or self._hotwords:  # the hotwords first, as faster-whisper's; the text keeps the room they leave
+            room = self._previous_room - len(self._hotwords)
+            previous = [vocab.sot_prev] + self._hotwords + (context[-room:] if room > 0 else [])
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
             prompt.append(vocab.no_timestamps)
@@ -1053,7 +1083,7 @@ class Transcriber:
             pieces.append((offset, offset + duration, tokens))
 
         ratio = compression_ratio(self.vocab.decode(tokens).strip())
-        texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]
+        texts = [[t for t in piece if t < self.vocab.eot] for _, _, piece in pieces]  # the words' tokens
         decoded = [self.vocab.decode(piece) for _, _, piece in pieces]
         words: list[list[Word] | None] = [None] * len(pieces)
         if self.options.word_timestamps:
@@ -1082,7 +1112,7 @@ class Transcriber:
         # also one wholly past the recording's end, which its end made instantaneous.
         keep = [start != end and text.strip() != "" for (start, end, _), text in zip(pieces, decoded)]
         kept: list[int] = []
-        for (start, end, piece), text, text_tokens, timed, k in zip(pieces, decoded, texts, words, keep):
+        for (start, end, piece), text, timed, k in zip(pieces, decoded, words, keep):
             if not k:
                 continue
             kept += piece
@@ -1092,7 +1122,7 @@ class Transcriber:
                     start=start,
                     end=end,
                     text=text,
-                    tokens=text_tokens,
+                    tokens=piece,
                     avg_logprob=sequence.avg_logprob,
                     compression_ratio=ratio,
                     no_speech_prob=sequence.no_speech_prob,
@@ -1104,8 +1134,8 @@ class Transcriber:
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.
         reset = temperature > 0.5 or not self.options.condition_on_previous_text
         # Only the last half of the decoder's positions conditions a window (_prompt): no more is kept.
-        job.context = [] if reset else (job.context + kept)[-(self.engine.max_positions // 2 - 1) :]
-        job.heard = [] if reset else (job.heard + kept)[-(self.engine.max_positions // 2 - 1) :]
+        job.context = [] if reset else (job.context + kept)[-self._previous_room :]
+        job.heard = [] if reset else (job.heard + kept)[-self._previous_room :]
 
 
 class _Decoding:

@@ -8,7 +8,11 @@ optional dependency, so the filtered audio is the audio faster-whisper would dec
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import importlib.util
+import math
+import numbers
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -20,6 +24,57 @@ if TYPE_CHECKING:
     from asr.transcribe import Segment
 
 NEEDS = "voice activity detection (--vad) needs faster-whisper's Silero VAD: pip install 'asr[vad]'"
+
+
+@dataclass(frozen=True)
+class VadParameters:
+    """faster-whisper's VadOptions (its vad_parameters), checked when made: what Silero's
+    probabilities make speech, and how chunks are joined, split and padded."""
+
+    threshold: float = 0.5  # a frame's speech probability above it is speech
+    neg_threshold: float | None = None  # below it always silence (None: threshold - 0.15, as Silero's)
+    min_speech_duration_ms: int = 0  # shorter chunks of speech dropped
+    max_speech_duration_s: float = float("inf")  # longer chunks split at a silence (or cut)
+    min_silence_duration_ms: int = 2000  # shorter silences kept inside a chunk
+    speech_pad_ms: int = 400  # silence kept each side of a chunk
+
+    def __post_init__(self) -> None:
+        def number(name: str, low: float, high: float, whole: bool = False) -> None:
+            value = getattr(self, name)
+            if (isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isnan(value)
+                    or not low <= value <= high or whole and value != int(value)):
+                kind = "a whole number" if whole else "a number"
+                raise ValueError(f"vad_parameters: {name} must be {kind} from {low} to {high}, not {value!r}")
+            object.__setattr__(self, name, int(value) if whole else float(value))
+
+        number("threshold", 0.0, 1.0)
+        if self.neg_threshold is not None:
+            number("neg_threshold", 0.0, 1.0)
+        number("max_speech_duration_s", 0.0, math.inf)
+        if self.max_speech_duration_s == 0:
+            raise ValueError("vad_parameters: max_speech_duration_s must be above 0, not 0")
+        for name in ("min_speech_duration_ms", "min_silence_duration_ms", "speech_pad_ms"):
+            number(name, 0, 3_600_000, whole=True)
+
+    def changed(self) -> dict:
+        """The fields set to other than their defaults (as a ledger or report records them: JSON has no inf)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
+    @classmethod
+    def of(cls, given: object) -> "VadParameters":
+        """From a VadParameters, a mapping of its fields, or faster-whisper's VadOptions."""
+        if isinstance(given, cls):
+            return given
+        if type(given).__name__ == "VadOptions" and dataclasses.is_dataclass(given):
+            given = dataclasses.asdict(given)
+        if not isinstance(given, Mapping):
+            raise ValueError(f"vad_parameters must be a dict of VAD options or a VadParameters, not {given!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"vad_parameters: no option named {', '.join(map(repr, unknown))}; "
+                             f"they are {', '.join(sorted(names))}")
+        return cls(**given)
 
 
 def available() -> bool:
@@ -94,11 +149,11 @@ QUIET_PEAK = 0.1
 MAX_GAIN = 1000.0  # 60 dB: dither alone is not raised to speech's level (a peak near 0 overflowed to inf)
 
 
-def speech_only(samples: np.ndarray) -> tuple[np.ndarray, SpeechMap]:
-    """The recording's speech chunks, concatenated, and where they were."""
+def speech_only(samples: np.ndarray, parameters: VadParameters | None = None) -> tuple[np.ndarray, SpeechMap]:
+    """The recording's speech chunks, concatenated, and where they were (parameters None: the defaults)."""
     from faster_whisper.vad import VadOptions, get_speech_timestamps  # optional: see available()
 
-    options = VadOptions()
+    options = VadOptions(**dataclasses.asdict(parameters or VadParameters()))
     peak = max(float(samples.max()), -float(samples.min())) if len(samples) else 0.0  # no copy of an hour's samples
     heard = samples * np.float32(min(QUIET_PEAK / peak, MAX_GAIN)) if 0 < peak < QUIET_PEAK else samples
     chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(heard, options, SAMPLE_RATE))

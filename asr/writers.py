@@ -211,7 +211,7 @@ def to_json(transcript: Transcript) -> str:
         "task": info.task,  # translate: the language is the speech's, the text English
         "language_probability": round(info.language_probability, 4),
         "duration": round(info.duration, 3),
-        **({} if info.duration_after_vad is None else {"duration_after_vad": round(info.duration_after_vad, 3)}),
+        **({} if info.vad_options is None else {"duration_after_vad": round(info.duration_after_vad, 3)}),
         **({"warnings": list(info.warnings)} if info.warnings else {}),  # damaged audio skipped in reading
         "segments": [_segment(s) for s in transcript.segments],
         "stats": {

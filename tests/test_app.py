@@ -735,6 +735,20 @@ def test_a_file_too_short_to_time_shows_no_real_time_factor() -> None:
     assert rtf(0.01) == "– too short to tell" and rtf(26.0) == "0.05 " + speed(0.05)
 
 
+def test_noise_heard_as_a_language_shows_no_language_beside_no_speech() -> None:
+    """5 s of noise: "No speech found" beside "Language: Nynorsk, detected (73%)"."""
+    from asr.transcribe import Segment, TranscriptionInfo
+
+    def language(segments: list, detected: bool) -> tuple[str, str]:
+        transcript = Transcript("a.wav", segments, TranscriptionInfo("nn", 0.73, 5.0, True))
+        figure = next(f for f in upload_figures(transcript, 1.0, "Nynorsk", detected) if f.label == "Language")
+        return figure.value, figure.note
+
+    assert language([], True) == ("none", "no speech heard (the likeliest, Nynorsk, at 73%)")
+    said = Segment(0, 0.0, 1.0, " Hei.", [], -0.2, 1.0, 0.1, 0.0)
+    assert language([said], True) == ("Nynorsk", "detected (73%)") and language([], False) == ("Nynorsk", "as chosen")
+
+
 def test_times_are_rounded_before_they_are_split_into_minutes() -> None:
     assert [clock(t) for t in (0.04, 59.94, 59.96, 61.26, 3599.96, 3723.4)] == [
         "0:00.0", "0:59.9", "1:00.0", "1:01.3", "1:00:00.0", "1:02:03.4"]  # 59.96 s was "0:60.0"

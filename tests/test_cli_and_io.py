@@ -974,6 +974,23 @@ def test_a_gpu_too_small_for_the_models_is_said_in_a_line(tmp_path: Path, capsys
         assert "asr: CUDA out of memory. Tried to allocate 2.00 GiB" in capsys.readouterr().err
 
 
+def test_vad_parameters_and_hotwords_reach_the_options_and_the_ledger():
+    """--vad-parameters implies --vad; what it changes is recorded beside a file's outputs (a
+    later run with others says so), and so are hotwords; the defaults record nothing new."""
+    from asr.batch import transcript_settings
+    from asr.cli import transcribe_options
+    from asr.vad import VadParameters
+
+    def options(*flags: str):
+        return transcribe_options(build_parser().parse_args(["transcribe", "a.wav", *flags]))
+
+    tuned = options("--vad-parameters", "threshold=0.3, min_silence_duration_ms=500,neg_threshold=none", "--hotwords", "Kenobi")
+    assert tuned.vad_filter and tuned.vad_parameters == VadParameters(threshold=0.3, min_silence_duration_ms=500)
+    settings = transcript_settings("t", tuned)
+    assert settings["vad_parameters"] == {"threshold": 0.3, "min_silence_duration_ms": 500} and settings["hotwords"] == "Kenobi"
+    assert not {"vad_parameters", "hotwords"} & set(transcript_settings("t", options("--vad", "--vad-parameters", "threshold=0.5")))
+
+
 def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
     assert main(["transcribe", str(SAMPLES), "--formats", "docx"]) == 2
     assert "unknown format" in capsys.readouterr().err
@@ -1037,6 +1054,10 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
         # A traceback, exit 1; every file failed as a TypeError blamed on its audio; refused once the models had loaded.
         ("transcribe", "--compression-ratio-threshold", "0", "0 is not above 0"),
         ("transcribe", "--prompt", "Caf\udce9 Concord", "is not UTF-8 text"),  # a Latin-1 byte, as Python passes it
+        ("transcribe", "--hotwords", "Caf\udce9", "is not UTF-8 text"),
+        ("transcribe", "--vad-parameters", "threshold", "'threshold': expected NAME=VALUE"),
+        ("transcribe", "--vad-parameters", "threshold=high", "'threshold=high': 'high' is not a number"),
+        ("evaluate", "--vad-parameters", "speech_pad=100", "no option named 'speech_pad'"),
         ("transcribe", "--language", "klingon", "klingon is not a language Whisper knows"),
         ("stream", "--language", "auto-detect", "auto-detect is not a language Whisper knows"),
         ("evaluate", "--language", "auto", "evaluation needs the clips' language, to normalise their text (not auto)"),

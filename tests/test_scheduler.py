@@ -264,6 +264,16 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(seed="abc"), "seed must be a whole number, not 'abc'"),
         (dict(initial_prompt=5), "initial_prompt must be text, not 5"),
         (dict(initial_prompt="Caf\udce9"), "initial_prompt is not UTF-8 text"),
+        (dict(hotwords=["Concord"]), r"hotwords must be text, not \['Concord'\]"),
+        (dict(hotwords="Caf\udce9"), "hotwords is not UTF-8 text"),
+        # faster-whisper's vad_parameters: ignored there without vad_filter, a filter asked for and not run.
+        (dict(vad_parameters={"threshold": 0.4}), "vad_parameters are the options of vad_filter .--vad.: give vad_filter=True"),
+        (dict(vad_filter=True, vad_parameters={"treshold": 0.4}), "vad_parameters: no option named 'treshold'; they are "
+                                                                  "max_speech_duration_s, min_silence_duration_ms"),
+        (dict(vad_filter=True, vad_parameters={"threshold": 1.5}), "vad_parameters: threshold must be a number from 0.0 to 1.0, not 1.5"),
+        (dict(vad_filter=True, vad_parameters={"speech_pad_ms": 10.5}), "speech_pad_ms must be a whole number from 0 to"),
+        (dict(vad_filter=True, vad_parameters={"max_speech_duration_s": 0}), "max_speech_duration_s must be above 0"),
+        (dict(vad_filter=True, vad_parameters=0.5), "vad_parameters must be a dict of VAD options or a VadParameters, not 0.5"),
         (dict(no_speech_threshold="none"), "no_speech_threshold must be a number, or None for no threshold, not 'none'"),
         (dict(compression_ratio_threshold=-1), "compression_ratio_threshold must be above 0"),
         # "false" is a true value: it drafted, timed words, cut silences (speculative="false" decoded speculatively).
@@ -278,6 +288,15 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
     accepted = TranscribeOptions(temperatures=np.float32(0.2), seed=np.int64(3), best_of=np.int32(2),
                                  no_speech_threshold=None, initial_prompt=None)
     assert accepted.temperatures == (pytest.approx(0.2),) and accepted.initial_prompt == ""
+    # faster-whisper's VadOptions, or a dict of its fields (whole numbers as numbers of milliseconds).
+    from faster_whisper.vad import VadOptions
+
+    from asr.vad import VadParameters
+
+    theirs = TranscribeOptions(vad_filter=True, vad_parameters=VadOptions(threshold=0.3, min_silence_duration_ms=500))
+    assert theirs.vad_parameters == VadParameters(threshold=0.3, min_silence_duration_ms=500)
+    assert TranscribeOptions(vad_filter=True, vad_parameters={"speech_pad_ms": 200.0}).vad_parameters.speech_pad_ms == 200
+    assert theirs.vad_parameters.changed() == {"threshold": 0.3, "min_silence_duration_ms": 500}
     # "auto" as the commands take it; numpy's booleans as flags.
     assert TranscribeOptions(language="Auto").language is None and TranscribeOptions(language="German").language == "de"
     assert TranscribeOptions(speculative=np.bool_(False)).speculative is False
