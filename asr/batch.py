@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import unicodedata
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -57,6 +58,11 @@ SUBTITLE_FORMATS = {"srt", "vtt"}
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
 DEFAULT_BATCH_SIZE = 8
 WORKER_TRIES = 3  # on Ray: a batch whose worker dies is tried this many times in all
+
+
+def _amount(seconds: float) -> str:
+    """Audio's length in the unit that shows it (a clip was "0.000 h")."""
+    return f"{seconds / 3600:.3f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
 
 
 @dataclass(frozen=True)
@@ -191,7 +197,7 @@ class FolderSummary:
                      "were: --overwrite redoes those too)" if self.completed else "")
         line = f"{self.ok} transcribed{beside}{completed}, {self.failed} failed, {self.skipped} skipped (already done{other}); "
         # Nothing decoded (all done already, or every file failed): no speed to tell.
-        line += (f"{self.audio_seconds / 3600:.3f} h of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}"
+        line += (f"{_amount(self.audio_seconds)} of audio in {self.wall_seconds:.1f} s, RTFx {self.rtfx:.1f}"
                  if self.audio_seconds else "no audio decoded")
         if self.load_seconds:
             line += f", after loading the models in {self.load_seconds:.1f} s"
@@ -551,20 +557,33 @@ class Sources:
         return None if same else str(record.get("source"))
 
     def settings(self, item: PlannedFile, fmt: str) -> dict | None:
-        """The settings item's output in this format was made with (transcript_settings), where recorded."""
+        """The settings item's output in this format was made with (transcript_settings), where
+        recorded. Of a run stopped while it wrote, an output it had not replaced yet (the same
+        file as when it began) keeps the settings it had: it was taken for the stopped run's,
+        then skipped as done with those (a German txt recorded as detected)."""
         record = self._record(item)
-        return None if record is None else record.get("kept", {}).get(fmt, record.get("settings"))
+        if record is None:
+            return None
+        before = record.get("replacing", {}).get(fmt) if record.get("writing") else None
+        if before is not None and before["file"] == file_identity(item.output(fmt)):
+            return before["settings"]
+        return record.get("kept", {}).get(fmt, record.get("settings"))
 
     def add(self, item: PlannedFile, recording: dict | None, settings: dict, formats: Iterable[str],
-            writing: bool = False, kept: dict[str, dict | None] | None = None) -> None:
-        """item's outputs in these formats are complete (writing: are about to be written), of
-        this recording (recording_of, taken as the file was read: one replaced since, a
-        recorder reusing its name mid-run, is not the one transcribed), made with these
-        settings, but for those kept from an earlier run with others (format: its settings)."""
+            writing: Iterable[str] | None = None, kept: dict[str, dict | None] | None = None) -> None:
+        """item's outputs in these formats are complete (writing: those of them about to be
+        written, not yet), of this recording (recording_of, taken as the file was read: one
+        replaced since, a recorder reusing its name mid-run, is not the one transcribed), made
+        with these settings, but for those kept from an earlier run with others (format: its
+        settings)."""
+        replacing = {} if writing is None else {  # each output there now, as it is, with its settings
+            fmt: {"file": identity, "settings": self.settings(item, fmt)}
+            for fmt in sorted(writing) if (identity := file_identity(item.output(fmt))) is not None}
         record = {"stem": self._stem(item), "source": str(item.source),
                   **(recording or {"stat": None, "fingerprint": None}),  # unreadable since: it says nothing
                   "formats": sorted(formats), "settings": settings, **({"kept": kept} if kept else {}),
-                  **({"writing": True} if writing else {}), "time": round(time.time(), 3)}
+                  **({"writing": True} if writing is not None else {}), **({"replacing": replacing} if replacing else {}),
+                  "time": round(time.time(), 3)}
         self._append(record)
 
     def _append(self, record: dict) -> None:
@@ -589,6 +608,15 @@ class Sources:
         if self._handle is not None:
             with contextlib.suppress(OSError):
                 self._handle.close()
+
+
+def file_identity(path: Path) -> list[int] | None:
+    """A file as it is (inode, modification time, size): a file renamed over it is another; None where none is."""
+    try:
+        stat = path.stat()
+    except OSError:
+        return None
+    return [stat.st_ino, stat.st_mtime_ns, stat.st_size]
 
 
 def _alive(pid: int) -> bool:
@@ -1022,11 +1050,12 @@ class _Recorder:
                 kept = {fmt: was for fmt in sorted((formats - asked) | present)
                         if (was := self.sources.settings(item, fmt)) != self.run.settings}
                 # Recorded first: outputs a kill leaves half written are then known for this file's.
-                self.sources.add(item, result.recording, self.run.settings, formats, writing=True, kept=kept)
+                written = [fmt for fmt in self.run.formats if fmt not in present]
+                self.sources.add(item, result.recording, self.run.settings, formats, writing=written, kept=kept)
                 for fmt in replaced - asked:  # another recording's, in formats not rewritten: first, as recorded
                     item.output(fmt).unlink(missing_ok=True)
                 # All written before any replaces its old one: a full disk leaves the old set whole.
-                write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in self.run.formats if fmt not in present})
+                write_files_atomic({item.output(fmt): result.texts[fmt] for fmt in written})
                 self.sources.add(item, result.recording, self.run.settings, formats, kept=kept)
                 self.summary.beside_other_settings += any(self._differs(was, fmt) for fmt, was in kept.items())
                 self.summary.completed += bool(present)
@@ -1151,8 +1180,14 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
             # "local": a cluster of its own, as README says, not one a `ray start` left running
             # here; but RAY_ADDRESS (set by `ray job submit`) is the cluster the run is on.
             address = options.address or (None if os.environ.get("RAY_ADDRESS") else "local")
-            ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-                     runtime_env={"env_vars": env} if env else None)
+            try:
+                ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+                         runtime_env={"env_vars": env} if env else None)
+            except ConnectionError as error:  # Ray's own message told to set "the --address flag", which asr has not
+                if address != "auto":
+                    raise
+                raise WorkerError("--ray auto: no Ray cluster runs on this machine (`ray start --head` starts one; "
+                                  "--ray alone starts one for this run)") from error
         resources = ray.cluster_resources()
         node_cpus = max((int(node["Resources"].get("CPU", 0)) for node in ray.nodes() if node.get("Alive")), default=0)
         workers, cpus_per_worker, gpu = _pool(resources, node_cpus, options, spec.device)
@@ -1183,16 +1218,19 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
         def run_pool(sources: list[str], per_call: int) -> None:
             rows = [{"source": source, "typed": absolute[source]} for source in sources]
             dataset = ray.data.from_items(rows, override_num_blocks=max(1, -(-len(rows) // per_call)))
-            results = dataset.map_batches(
-                _RayWorker, fn_constructor_kwargs=arguments, batch_size=per_call,
-                # One batch at a time per worker: one queued behind a batch that kills its worker died with
-                # it, and used up its own tries (a file that never crashed was reported lost).
-                compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows)), max_tasks_in_flight_per_actor=1),
-                num_cpus=cpus_per_worker, num_gpus=gpu,
-                # A worker that dies is restarted, and its batch tried again, WORKER_TRIES times in
-                # all: Ray's default, without limit, held the run on a file that kills its worker.
-                max_task_retries=WORKER_TRIES - 1,
-            )
+            with warnings.catch_warnings():
+                # max_task_retries has no named parameter yet (Ray 2.60): a warning on every run, read as an error.
+                warnings.filterwarnings("ignore", message="`ray_remote_args` is deprecated")
+                results = dataset.map_batches(
+                    _RayWorker, fn_constructor_kwargs=arguments, batch_size=per_call,
+                    # One batch at a time per worker: one queued behind a batch that kills its worker died with
+                    # it, and used up its own tries (a file that never crashed was reported lost).
+                    compute=ray.data.ActorPoolStrategy(size=min(workers, len(rows)), max_tasks_in_flight_per_actor=1),
+                    num_cpus=cpus_per_worker, num_gpus=gpu,
+                    # A worker that dies is restarted, and its batch tried again, WORKER_TRIES times in
+                    # all: Ray's default, without limit, held the run on a file that kills its worker.
+                    max_task_retries=WORKER_TRIES - 1,
+                )
             try:
                 for row in results.iter_rows():
                     result = FileResult(**json.loads(row["result"]))

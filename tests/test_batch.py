@@ -64,7 +64,8 @@ def as_written_by_a_run(source: Path, out: Path, stem: str, writing: bool = Fals
     """Records outputs made here as a run's (.sources.jsonl): outputs it has no line for are
     a user's own."""
     item = PlannedFile(source, out / stem)
-    batch.Sources(out, fold_case=False).add(item, batch.recording_of(source), {}, formats, writing=writing)
+    batch.Sources(out, fold_case=False).add(item, batch.recording_of(source), {}, formats,
+                                            writing=formats if writing else None)
 
 
 def errors_of(out: Path) -> dict[str, str]:
@@ -1203,6 +1204,18 @@ def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named
                                      PipelineSpec("packaged:whisper-base", None), RayOptions(address=address))
         assert time.monotonic() - started < 15 and not (tmp_path / "out").exists()
     monkeypatch.delenv("RAY_ADDRESS")
+    # --ray=auto where no cluster runs: Ray's own message told to set "the --address flag", which asr has not.
+    import ray
+
+    def none_here(**_):
+        raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
+                              "setting the `--address` flag or `RAY_ADDRESS` environment variable.")
+
+    monkeypatch.setattr(ray, "init", none_here)
+    with pytest.raises(batch.WorkerError, match=r"--ray auto: no Ray cluster runs on this machine \(`ray start --head`"):
+        transcribe_folder_on_ray(FolderRun((source,), tmp_path / "auto", **quiet()),
+                                 PipelineSpec("packaged:whisper-base", None), RayOptions(address="auto"))
+    monkeypatch.undo()
     cluster = {"CPU": 16.0, "GPU": 2.0}
     assert batch._pool(cluster, 16, RayOptions(), "auto") == (2, 1, 1)
     assert batch._pool(cluster, 16, RayOptions(), "cpu") == (4, 4, 0)
@@ -1352,6 +1365,48 @@ def test_a_format_asked_for_later_is_written_beside_the_outputs_kept_as_they_are
     assert (other.ok, other.completed) == (1, 0) and (out / "a.srt").read_text() != edited
     assert (out / "a.txt").read_bytes() == txt  # not asked for: kept, and said to be of other settings
     assert other.beside_other_settings == 1
+
+
+def test_a_runs_summary_tells_the_audio_in_a_unit_that_shows_it():
+    def audio(seconds: float) -> str:
+        return batch.FolderSummary(ok=1, audio_seconds=seconds, wall_seconds=2.0).describe().split("; ")[1].split(" of audio")[0]
+
+    assert [audio(s) for s in (5.24, 59.9, 754.0, 3600.0, 9000.0)] == ["5.2 s", "59.9 s", "12.6 min", "1.000 h", "2.500 h"]
+
+
+def test_an_output_a_stopped_run_had_not_replaced_keeps_its_settings(tmp_path: Path, pair, monkeypatch):
+    """A German txt; a run into json,txt without a language stopped (a kill) after its json
+    was renamed into place, before its txt: the German txt was recorded as the stopped run's,
+    detected, and then skipped as done with those settings by a later run."""
+    source, out = tmp_path / "in", tmp_path / "out"
+    source.mkdir()
+    shutil.copy(SHORT / "7902-96591-0000.wav", source / "a.wav")
+    german, detected = [batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language=language))
+                        for language in ("de", None)]
+
+    def run(formats: tuple[str, ...], settings: dict) -> batch.FolderSummary:
+        language = None if settings is detected else "de"
+        return transcribe_folder(FolderRun((source,), out, formats, echo=False, progress=False, settings=settings),
+                                 lambda: Transcriber(pair, TranscribeOptions(language=language)))
+
+    run(("txt",), german)
+    txt = (out / "a.txt").read_text()
+    written = batch.write_files_atomic
+
+    def stopped(files: dict[Path, str]) -> None:
+        first = next(iter(files))
+        written({first: files[first]})
+        raise KeyboardInterrupt  # as a kill between two renames: no line says the outputs are complete
+
+    monkeypatch.setattr(batch, "write_files_atomic", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run(("json", "txt"), detected)
+    monkeypatch.undo()
+    assert (out / "a.txt").read_text() == txt and (out / "a.json").is_file()
+    resumed = run(("json",), detected)  # the json redone; the txt, not asked for, kept as it is: German
+    assert resumed.ok == 1 and resumed.beside_other_settings == 1 and (out / "a.txt").read_text() == txt
+    skipped = run(("json", "txt"), detected)
+    assert (skipped.skipped, skipped.skipped_other_settings) == (1, 1)
 
 
 def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Path, pair, capsys):
