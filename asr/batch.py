@@ -119,6 +119,7 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                    else {"hallucination_silence_threshold": options.hallucination_silence_threshold}),
                 **({} if options.retry_greedy_copies else {"retry_greedy_copies": False}),
                 **({"hotwords": options.hotwords} if options.hotwords else {}),
+                **({"multilingual": True} if options.multilingual else {}),
                 # Only where they change something: ledgers of runs with the defaults still match.
                 **({"vad_parameters": options.vad_parameters.changed()}
                    if options.vad_parameters is not None and options.vad_parameters.changed() else {}),

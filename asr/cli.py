@@ -203,6 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "there, as Whisper's and faster-whisper's option of that name (2 is usual; default: off)")
     t.add_argument("--prompt", type=prompt_text, default="",
                    help="text said before the audio (names and spellings to expect): the first window's previous text")
+    t.add_argument("--multilingual", action="store_true",
+                   help="detect each 30 s window's language (speakers who change language; not with --language), as "
+                        "faster-whisper's multilingual; the JSON's segments say theirs")
     t.add_argument("--hotwords", type=prompt_text, default="",
                    help="words and names to expect, before every window's previous text (faster-whisper's hotwords)")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
@@ -371,6 +374,7 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
     """`asr transcribe`'s options (a ValueError where a value is refused)."""
     return TranscribeOptions(
         language=args.language,
+        multilingual=args.multilingual,
         task=args.task,
         temperatures=temperatures(args.temperature, args.temperature_increment),
         compression_ratio_threshold=args.compression_ratio_threshold,

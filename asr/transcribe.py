@@ -80,6 +80,9 @@ def check_whole(name: str, value: object, least: int | None) -> None:
 @dataclass(frozen=True)
 class TranscribeOptions:
     language: str | None = None  # None: detect from the first window
+    # Each window's language detected (faster-whisper's multilingual): a recording whose speakers
+    # change language; each segment says its window's. Not with a language given.
+    multilingual: bool = False
     task: str = "transcribe"  # or "translate" (to English)
     temperatures: tuple[float, ...] = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
     compression_ratio_threshold: float | None = 2.4
@@ -178,7 +181,7 @@ class TranscribeOptions:
                 raise ValueError(f"{name} is not UTF-8 text: {value!r}") from None
         # Flags as flags: "false" is a true value, and was taken for one (speculative="false" drafted).
         for name in ("condition_on_previous_text", "without_timestamps", "word_timestamps", "retry_greedy_copies",
-                     "vad_filter", "speculative", "cuda_graphs", "compile", "fused_layers"):
+                     "vad_filter", "speculative", "cuda_graphs", "compile", "fused_layers", "multilingual"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
@@ -190,6 +193,8 @@ class TranscribeOptions:
             object.__setattr__(self, "language", None)
         if self.language is not None:  # "English" or "EN" as Whisper's command line takes them
             object.__setattr__(self, "language", language_code(self.language))
+        if self.multilingual and self.language is not None:  # faster-whisper's detection overrides the language given
+            raise ValueError(f"multilingual detects each window's language: give no language (not {self.language!r})")
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,7 @@ class Segment:
     no_speech_prob: float
     temperature: float
     words: list[Word] | None = None  # with word_timestamps
+    language: str | None = None  # with multilingual: its window's, as detected
     # Where its window started, in frames (10 ms) of the audio decoded (the speech alone with
     # vad_filter), as Whisper's and faster-whisper's seek.
     seek: int = 0
@@ -422,6 +428,7 @@ class _Job:
     rows: int = 0  # the current attempt's rows still decoding
     max_new_tokens: int | None = None  # a lower limit than the options'
     window_only: bool = False  # one window decoded, not the recording's seek loop
+    detect_each: bool = False  # every window's language detected (TranscribeOptions.multilingual)
     # clip_timestamps' (start, end) frames within the audio (None: all of it), the seek in one of them
     clips: tuple[tuple[int, int], ...] | None = None
     result: WindowResult | None = None  # a window_only job's, once decoded
@@ -524,6 +531,8 @@ class Transcriber:
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
+        if not self.vocab.multilingual and options.multilingual:
+            raise ValueError(f"{target.name} is English-only: it has no languages to tell apart (multilingual)")
         hotwords = options.hotwords.strip()  # at most the previous text's room, as faster-whisper cuts them
         self._hotwords = self.vocab.encode(" " + hotwords)[: self._previous_room] if hotwords else []
 
@@ -889,7 +898,7 @@ class Transcriber:
         prompt = self.options.initial_prompt.strip()
         context = self.vocab.encode(" " + prompt) if prompt else []
         job = _Job(self, audio, mel, frames, info, language=info.language or None, context=context, speech=speech,
-                   window_only=window_only)
+                   window_only=window_only, detect_each=self.options.multilingual and not window_only)
         if self.options.clip_timestamps and not window_only:  # frames as faster-whisper rounds them
             bounds = [min(round(t * (SAMPLE_RATE // HOP_LENGTH)), frames) for t in self.options.clip_timestamps]
             bounds += [frames] * (len(bounds) % 2)  # the last clip's end left out: the audio's
@@ -1129,6 +1138,7 @@ class Transcriber:
                     temperature=temperature,
                     words=timed,
                     seek=window_seek,
+                    language=job.language if job.detect_each else None,
                 )
             )
         # Whisper conditions the next window on the kept segments' tokens, timestamps included.
@@ -1207,14 +1217,15 @@ class _Decoding:
         draft_encoded = draft.encode(features) if o.speculative and o.models.draft_has_own_encoder else None
         encoder_seconds = (device_clock(target.device) - started) / len(jobs)
         started = time.perf_counter()
-        undetected = [i for i, job in enumerate(jobs) if job.language is None]
+        undetected = [i for i, job in enumerate(jobs) if job.language is None or job.detect_each]
         cross: dict[int, tuple[list[Tensor], list[Tensor]]] = {}
         if undetected:
             guesses, cache = o.detect_language(encoded[undetected])
             for row, (i, ranked) in enumerate(zip(undetected, guesses)):
-                jobs[i].language = jobs[i].info.language = ranked[0][0]
-                jobs[i].info.language_probability = ranked[0][1]
-                jobs[i].info.all_language_probs = ranked
+                jobs[i].language = ranked[0][0]
+                if not jobs[i].info.language:  # the first window's, as faster-whisper's info with multilingual
+                    jobs[i].info.language, jobs[i].info.language_probability = ranked[0]
+                    jobs[i].info.all_language_probs = ranked
                 # In fixed shapes a row's K/V are computed alone (Slots._write_rows), not batched as here.
                 if not o.engine.fixed_shapes:
                     cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])

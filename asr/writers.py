@@ -252,6 +252,8 @@ def _segment(s: Segment) -> dict:
     document = {"id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text, "tokens": s.tokens,
                 "temperature": s.temperature, "avg_logprob": round(s.avg_logprob, 4),
                 "compression_ratio": round(s.compression_ratio, 4), "no_speech_prob": round(s.no_speech_prob, 4)}
+    if s.language is not None:  # multilingual: the language detected in its window
+        document["language"] = s.language
     if s.words is not None:
         document["words"] = [{"start": round(w.start, 3), "end": round(w.end, 3), "word": w.text,
                               "probability": round(w.probability, 4)} for w in s.words]

@@ -499,6 +499,8 @@ def test_writers_render_every_format(tmp_path: Path):
         "no_speech_prob": 0.02}
     assert document["stats"]["draft_tokens_proposed"] == 10 and document["stats"]["target_forward_passes"] == 3
     assert document["stats"]["hint_tokens_proposed"] == 12  # a retry's, proposed from its failed attempt
+    spanish = replace(transcript, segments=[replace(segment, language="es")])  # multilingual: its window's language
+    assert json.loads(writers.to_json(spanish))["segments"][0]["language"] == "es"
 
 
 def test_a_cue_of_no_time_is_shown_at_its_own_time():

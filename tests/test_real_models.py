@@ -181,6 +181,24 @@ def test_hotwords_condition_every_window_as_faster_whispers_do(base_pair, faster
         load_audio(DEV / "en_short/6930-75918-0000.flac")).text
 
 
+def test_multilingual_detects_each_windows_language_as_faster_whisper_does(base_pair, faster_whisper_base):
+    """German, 26 s of silence, Spanish: without multilingual the Spanish window is decoded as
+    German (into German words); with it, in Spanish, each segment saying its window's
+    language, and the tokens are faster-whisper's with multilingual; the info keeps the first
+    window's language."""
+    folder = DEV / "multilingual"
+    recording = np.concatenate([load_audio(folder / "picovoice_test_de.wav"), np.zeros(26 * SAMPLE_RATE, np.float32),
+                                load_audio(folder / "picovoice_test_es.wav")])
+    once = Transcriber(base_pair, TranscribeOptions()).transcribe(recording)
+    each = Transcriber(base_pair, TranscribeOptions(multilingual=True)).transcribe(recording)
+    assert [s.language for s in once.segments] == [None, None] and "arenas" not in once.text
+    assert [s.language for s in each.segments] == ["de", "es"] and "Las arenas son" in each.text
+    assert each.info.language == once.info.language == "de"
+    assert each.segments[0].tokens == once.segments[0].tokens
+    segments, info = faster_whisper_base.transcribe(recording, beam_size=1, best_of=1, multilingual=True, vad_filter=False)
+    assert [s.tokens for s in each.segments] == [s.tokens for s in segments] and info.language == "de"
+
+
 def test_every_attempt_at_a_window_has_the_same_previous_text(base_pair, monkeypatch):
     """Whisper's and faster-whisper's rule: a window's retries, above temperature 0.5 too, are
     conditioned on the text before it; a window kept at a temperature above 0.5 resets it for
@@ -625,6 +643,8 @@ def test_english_only_packaged_model():
     assert "ask not what your country" in transcript.text.lower()
     with pytest.raises(ValueError, match="English-only: it cannot translate"):
         Transcriber(pair, TranscribeOptions(task="translate"))
+    with pytest.raises(ValueError, match=r"English-only: it has no languages to tell apart \(multilingual\)"):
+        Transcriber(pair, TranscribeOptions(multilingual=True))
     with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="de"))
     # A name or a code in any case, as Whisper's command line takes them: "English" was refused.

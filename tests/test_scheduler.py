@@ -280,6 +280,8 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(speculative="false"), "speculative must be True or False, not 'false'"),
         (dict(word_timestamps="no"), "word_timestamps must be True or False, not 'no'"),
         (dict(vad_filter=1), "vad_filter must be True or False, not 1"),
+        (dict(multilingual="yes"), "multilingual must be True or False, not 'yes'"),
+        (dict(multilingual=True, language="German"), "multilingual detects each window's language: give no language .not 'de'."),
         (dict(language=123), "language must be a language's code or name, or None to detect it, not 123"),
         (dict(lengths_attention="cudnn"), "attention by row lengths runs flash or triton's kernel, not 'cudnn'"),
     ]:
