@@ -32,12 +32,12 @@ from app.views import (PLACEHOLDER, Figure, error_html, figures_html, live_figur
 from asr import vad
 from asr.audio import AUDIO_EXTENSIONS, AudioError
 from asr.streaming import stream_segments
-from asr.transcribe import AudioInput, Cancelled, Progress, Transcriber, Transcript, TranscriptionInfo
+from asr.transcribe import AudioInput, Cancelled, Progress, TranscribeOptions, Transcriber, Transcript, TranscriptionInfo
 from asr.writers import DEFAULT_FORMATS, SubtitleLayout, write_transcript
 
 T = TypeVar("T")
 
-MAX_DRAFT_LENGTH = 8
+MAX_DRAFT_LENGTH = TranscribeOptions().max_draft_tokens  # a fixed k above it would build an engine of its own
 # Each live recording holds a queue slot for as long as it lasts, so this is how many
 # people can speak at once; their windows decode in the scheduler's batches.
 LIVE_SESSIONS = 8

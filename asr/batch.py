@@ -44,7 +44,7 @@ import torch
 from tqdm import tqdm
 
 from asr.audio import AUDIO_EXTENSIONS, AudioError, audio_seconds
-from asr.models import TARGET_AS_DRAFT, choose_dtypes, load_pair
+from asr.models import TARGET_AS_DRAFT, choose_dtypes, load_pair, resolve_device
 from asr.transcribe import STREAM_ABOVE_SECONDS, AudioInput, Progress, TranscribeOptions, Transcriber, Transcript
 from asr.writers import (DEFAULT_FORMATS, FORMATS, NAME_MAX, NAME_UNIT, TEMPORARY_END, SubtitleLayout, name_length, render,
                          temporary_prefix, unwritable, write_atomic, write_files_atomic)
@@ -78,7 +78,7 @@ class PipelineSpec:
     batch_size: int = DEFAULT_BATCH_SIZE
 
     def build(self) -> Transcriber:
-        device = ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        device = resolve_device(self.device)
         dtype, encoder_dtype = choose_dtypes(device, self.dtype)
         pair = load_pair(self.target, self.draft, draft_encoder=self.draft_encoder, device=device, dtype=dtype,
                          encoder_dtype=encoder_dtype)

@@ -30,7 +30,7 @@ from asr.batch import (
 )
 from asr.evaluate import PEERS, EvaluateOptions, evaluate, system_names, write_report
 from asr.metrics import read_manifest
-from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, device_problem, load_pair
+from asr.models import DEFAULT_PRESET, PRESETS, choose_dtypes, device_problem, load_pair, resolve_device
 from asr.audio import AudioWarning, load_audio
 from asr.features import WINDOW_SECONDS
 from asr.streaming import MIN_STEP_SECONDS, StreamingTranscriber, StreamUpdate, feed_recording, summarize
@@ -90,29 +90,25 @@ def ratio_threshold(text: str) -> float | None:
     return value
 
 
-def language(text: str) -> str | None:
+def language(text: str, auto: bool = True) -> str | None:
     """An argparse type: a language as Whisper's command line takes it (a code or a name, in
-    any case), or "auto" to detect; one Whisper does not know is told before any model loads."""
+    any case), or "auto" to detect where `auto`; one Whisper does not know is told before any
+    model loads."""
     from transformers.models.whisper.tokenization_whisper import LANGUAGES
 
     if text.strip().lower() == "auto":
-        return None
+        if auto:
+            return None
+        raise argparse.ArgumentTypeError("evaluation needs the clips' language, to normalise their text (not auto)")
     if (code := language_code(text)) not in LANGUAGES:
         raise argparse.ArgumentTypeError(f"{text} is not a language Whisper knows (a code such as en or de, a name "
-                                         "such as German, or auto to detect)")
+                                         f"such as German{', or auto to detect' if auto else ''})")
     return code
 
 
 def evaluated_language(text: str) -> str:
     """An argparse type: a language (not auto: a clip is scored with its language's normaliser)."""
-    from transformers.models.whisper.tokenization_whisper import LANGUAGES
-
-    if text.strip().lower() == "auto":
-        raise argparse.ArgumentTypeError("evaluation needs the clips' language, to normalise their text (not auto)")
-    if (code := language_code(text)) not in LANGUAGES:
-        raise argparse.ArgumentTypeError(f"{text} is not a language Whisper knows (a code such as en or de, or a name "
-                                         "such as German)")
-    return code
+    return language(text, auto=False)
 
 
 def prompt_text(text: str) -> str:
@@ -352,7 +348,7 @@ CANNOT_RUN = (ValueError, OSError, getattr(torch, "OutOfMemoryError", torch.cuda
 
 def device_and_dtypes(args: argparse.Namespace) -> tuple[str, torch.dtype, torch.dtype]:
     """The device, the decoders' dtype and the encoders' (choose_dtypes)."""
-    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     return device, *choose_dtypes(device, DTYPES.get(args.dtype))
 
 

@@ -552,6 +552,11 @@ def _load_pair(target: str, draft: str | None, draft_encoder: str, device: str |
     return ModelPair(target_model, draft_model, draft_has_own_encoder=own)
 
 
+def resolve_device(device: str) -> str:
+    """--device as given, "auto" as cuda where a GPU is, else cpu."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 def choose_dtypes(device: str | torch.device, dtype: torch.dtype | None = None) -> tuple[torch.dtype, torch.dtype]:
     """The decoders' and the encoders' dtype for --dtype (None: auto). Auto is float16 on a GPU;
     on a CPU, float32 decoders (speculative output is then the float32 target's) and a

@@ -127,9 +127,7 @@ class State:
     prefill_row: Tensor  # [1] the row a captured prefill reads
     step: Tensor  # [1] the draft step under way: a captured draft step reads (and advances) it
     k: Tensor  # [1] the proposals a captured verification checks
-    # [6, R] a round's summary: kept, accepted, finished, draft's gap, ended on end-of-text, proposals
-    # that count (up to the row's first end-of-text among them, and that its limit leaves room for)
-    out: Tensor
+    out: Tensor  # [6, R] a round's summary, RoundSummary's fields in their order
     target: KVCache
     draft: KVCache | None
     graphs: dict = field(default_factory=dict)
@@ -141,6 +139,23 @@ class State:
     def changed(self) -> list[Tensor]:
         """What a step may change besides the caches: put back after a capture's warm-up."""
         return [getattr(self, name) for name in self.PER_ROW] + [self.step, self.out]
+
+
+@dataclass(frozen=True)
+class RoundSummary:
+    """A round's State.out, read on the host: per slot of the batch."""
+
+    kept: list[int]  # tokens kept
+    accepted: list[int]  # proposals accepted
+    finished: list[int]  # 1 where the row finished
+    gap: list[int]  # kept tokens the draft has not cached yet
+    ended: list[int]  # 1 where it ended on end-of-text
+    # Proposals that count: up to the row's first end-of-text among them, and that its limit leaves room for.
+    counted: list[int]
+
+    @classmethod
+    def of(cls, out: Tensor) -> "RoundSummary":
+        return cls(*out.tolist())
 
 
 @dataclass
@@ -409,11 +424,11 @@ class Slots:
         if not self.engine.fixed_shapes and 2 * self.live <= len(self.slots) and self.live < len(self.slots):
             self._resize(self.live)
 
-    def _record(self, out: list[list[int]], drafted: list[int], hinted: list[int] | None, seconds: float) -> list[int]:
-        """Books a round's summary (State.out, read on the host) on its rows: tokens kept,
-        proposals accepted (per slot, those the draft proposed, or its hint), where the
-        draft's cache ends, the round's time shared; returns the slots whose rows finished."""
-        kept, accepted, finished, gap, _, counted = out
+    def _record(self, out: RoundSummary, drafted: list[int], hinted: list[int] | None, seconds: float) -> list[int]:
+        """Books a round's summary on its rows: tokens kept, proposals accepted (per slot, those
+        the draft proposed, or its hint), where the draft's cache ends, the round's time shared;
+        returns the slots whose rows finished."""
+        kept, accepted, finished, gap, counted = out.kept, out.accepted, out.finished, out.gap, out.counted
         share = seconds / self.live
         done = []
         for i, row in enumerate(self.slots):

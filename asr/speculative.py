@@ -30,7 +30,7 @@ from asr.cudagraphs import CompiledSteps, StepGraphs, compilations, device_clock
 from asr.decoder import DecoderRunner, attention_without_cudnn, lengths_attention_unavailable, lengths_kernel
 from asr.draft_length import DraftLength
 from asr.rules import DecodingRules
-from asr.slots import Row, Sequence, Slots, States, Window, prefill_width
+from asr.slots import RoundSummary, Row, Sequence, Slots, States, Window, prefill_width
 
 
 USUAL_GAP = 3  # kept tokens the draft has not cached at a round's start: 1 or 2, 3 after a plain round
@@ -177,21 +177,21 @@ class Batch(Slots):
         if e.verify_width:
             s.k.fill_(k)
         representative &= self._run_verify(width, sample, rows)
-        out = s.out.tolist()  # the round's summary, read on the host
+        out = RoundSummary.of(s.out)
         seconds = time.perf_counter() - started
         # A greedy round the adaptive length chose: sampled rows accept at rates of their own.
         measured = self.use_draft and not sample and hinted is None
         if measured and representative:
             self.draft_length.update(k, seconds, len(self.slots), [
                 (row.language, min(accepted, counted), counted)
-                for row, accepted, counted in zip(self.slots, out[1], out[5]) if row is not None])
+                for row, accepted, counted in zip(self.slots, out.accepted, out.counted) if row is not None])
         elif measured:
             self.draft_length.unmeasured(len(self.slots))
         drafted = [k] * len(self.slots) if hinted is None else hinted.drafted
         done = self._record(out, drafted, None if hinted is None else hinted.proposed, seconds)
-        looped = self._looping(done, out[0])
+        looped = self._looping(done, out.kept)
         done += [slot for slot in looped if slot not in done]
-        return self._finish(done, out[4], looped) if done else []
+        return self._finish(done, out.ended, looped) if done else []
 
     def _draft_k(self, languages: list[str | None], explore: bool) -> int:
         """The draft's proposals a row this round, for rows drafting in these languages: none
@@ -332,4 +332,5 @@ class Batch(Slots):
         s.draft_cached.clamp_(max=s.length - 1)
         finished = s.live & (eot_kept | (s.length >= s.limit))
         s.live.logical_and_(~finished)
-        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long(), counted]))  # not stack(out=): Dynamo breaks there
+        # RoundSummary's fields, in order (not stack(out=): Dynamo breaks there)
+        s.out.copy_(torch.stack([new, accepted, finished.long(), s.length - s.draft_cached, eot_kept.long(), counted]))

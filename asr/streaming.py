@@ -68,7 +68,7 @@ from asr.features import FRAME_SECONDS, WINDOW_SECONDS
 from asr.slots import DecodeStats
 from asr.transcribe import TIMESTAMP_SECONDS, Segment, Transcriber, WindowResult, text_runs
 from asr.words import Word as TimedWord
-from asr.words import NOT_WORD, copied_at, split_words, word_key, word_keys
+from asr.words import NOT_WORD, copied_at, shared_times, split_words, word_key, word_keys
 
 SAMPLES_PER_TIMESTAMP = round(TIMESTAMP_SECONDS * SAMPLE_RATE)
 FRAMES_PER_SECOND = round(1 / FRAME_SECONDS)
@@ -880,7 +880,7 @@ def _split_word(word: Word, chars: int) -> list[Word]:
 
 
 def _aligned_words(texts: list[str], timed: list[TimedWord], offset: float) -> list[list[Word]] | None:
-    """The words of each text (_split), timed by the timed words (asr/words.py: the texts'
+    """The words of each text (split_words), timed by the timed words (asr/words.py: the texts'
     words, split and grouped otherwise) their first and last characters fall in; None where
     the timed words do not spell the texts."""
     if "".join(w.text for w in timed) != "".join(texts):
@@ -903,13 +903,7 @@ def _aligned_words(texts: list[str], timed: list[TimedWord], offset: float) -> l
 def _timed_words(text: str, start: float, end: float) -> list[Word]:
     """Words with leading spaces, sharing [start, end] by their characters."""
     pieces = split_words(text)
-    sizes = [len(p.strip()) for p in pieces]
-    total = sum(sizes) or 1
-    words, before = [], 0
-    for piece, size in zip(pieces, sizes):
-        words.append(Word(piece, start + (end - start) * before / total, start + (end - start) * (before + size) / total))
-        before += size
-    return words
+    return [Word(piece, begin, finish) for piece, (begin, finish) in zip(pieces, shared_times(start, end, pieces))]
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ class TranscribeOptions:
     # (Transcriber._copied_greedily); False: kept as Whisper and faster-whisper keep it.
     retry_greedy_copies: bool = True
     # Silences cut out before decoding and times mapped back (asr/vad.py, faster-whisper's
-    # vad_filter); the recording is then read whole, never block by block.
+    # vad_filter); the filter reads the whole recording first (a long file's block by block).
     vad_filter: bool = False
     # With vad_filter, faster-whisper's vad_parameters: a vad.VadParameters, a dict of its
     # fields or faster-whisper's VadOptions (None: its defaults).

@@ -11,6 +11,7 @@ import re
 import string
 import unicodedata
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,6 +73,18 @@ def columns(text: str) -> int:
     """The width of text on a screen: a Chinese, Japanese or Korean character (East Asian
     wide or full-width) takes two columns, a combining mark none, any other character one."""
     return sum(_columns(char) for char in text)
+
+
+def shared_times(start: float, end: float, parts: list[str], size: Callable[[str], int] = len) -> list[tuple[float, float]]:
+    """[start, end] shared among parts said in turn, each by the size of its text without
+    spaces (len: characters; columns: as wide as on a screen), the last ending at end."""
+    sizes = [size(part.strip()) for part in parts]
+    total, done, times = sum(sizes), 0, []
+    for part_size in sizes:
+        begin = start + (end - start) * done / total if total else start
+        done += part_size
+        times.append((begin, end if done == total else start + (end - start) * done / total))
+    return times
 
 
 def _columns(char: str) -> int:

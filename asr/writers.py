@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Callable
 
 from asr.transcribe import Segment, Transcript
-from asr.words import columns, cut_unspaced, joined
+from asr.words import columns, cut_unspaced, joined, shared_times
 
 FORMATS = ("txt", "srt", "vtt", "json", "tsv")
 DEFAULT_FORMATS = FORMATS[:4]  # what a run writes unless told: tsv only where asked for
@@ -148,13 +148,7 @@ def _pieces(segment: Segment, width: int) -> list[Piece]:
 
 def _shared(start: float, end: float, parts: list[str]) -> list[Piece]:
     """Parts of a text said from start to end, each timed by its share of the columns."""
-    sizes = [columns(part.strip()) for part in parts]
-    total, done, pieces = sum(sizes), 0, []
-    for part, size in zip(parts, sizes):
-        begin = start + (end - start) * done / total if total else start
-        done += size
-        pieces.append((begin, end if done == total else start + (end - start) * done / total, part))
-    return pieces
+    return [(begin, finish, part) for (begin, finish), part in zip(shared_times(start, end, parts, columns), parts)]
 
 
 def _laid_out(words: list[Piece], width: int, count: int | None = None) -> list[Piece]:

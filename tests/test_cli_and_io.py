@@ -1063,7 +1063,7 @@ def test_cli_rejects_bad_arguments(tmp_path: Path, capsys, monkeypatch):
         ("transcribe", "--language", "klingon", "klingon is not a language Whisper knows"),
         ("stream", "--language", "auto-detect", "auto-detect is not a language Whisper knows"),
         ("evaluate", "--language", "auto", "evaluation needs the clips' language, to normalise their text (not auto)"),
-        ("evaluate", "--language", "klingon", "klingon is not a language Whisper knows (a code such as en or de, or a name "
+        ("evaluate", "--language", "klingon", "klingon is not a language Whisper knows (a code such as en or de, a name "
                                               "such as German)"),
     ]:
         with pytest.raises(SystemExit):
