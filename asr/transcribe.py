@@ -17,7 +17,7 @@ import traceback
 import weakref
 import zlib
 from concurrent.futures import FIRST_COMPLETED, Future, InvalidStateError, wait
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -1316,19 +1316,25 @@ class _Decoding:
         return done
 
 
-@dataclass(frozen=True)
-class SchedulerLoad:
-    """What a Scheduler is doing now and has done (its counters)."""
+@dataclass
+class Served:
+    """A Scheduler's counters of what it has done."""
 
-    queued: int  # jobs waiting for a row
-    recordings: int  # recordings in progress
-    windows: int  # single windows (live updates) in progress
-    rows: int  # rows in the engine batches now
-    recordings_served: int
-    windows_served: int
-    audio_seconds_served: float  # of recordings served
-    failures: int
-    cancelled: int  # recordings whose Progress was cancelled (stopped mid-decode, or never started)
+    recordings_served: int = 0
+    windows_served: int = 0
+    audio_seconds_served: float = 0.0  # of recordings served
+    failures: int = 0
+    cancelled: int = 0  # recordings whose Progress was cancelled (stopped mid-decode, or never started)
+
+
+@dataclass
+class SchedulerLoad(Served):
+    """What a Scheduler is doing now, and has done (Served's counters): a copy, as of its worker's last round."""
+
+    queued: int = 0  # jobs waiting for a row
+    recordings: int = 0  # recordings in progress
+    windows: int = 0  # single windows (live updates) in progress
+    rows: int = 0  # rows in the engine batches now
 
 
 class Scheduler:
@@ -1347,7 +1353,7 @@ class Scheduler:
         self._queue: list[tuple[_Job, int | None, float]] = []  # (job, encoder frames, arrival)
         self._futures: dict[int, Future] = {}  # by id(job), for every job queued or decoding
         self._decodings: dict[tuple, _Decoding] = {}
-        self._served = [0, 0, 0.0, 0, 0]  # recordings, windows, audio seconds, failures, cancelled
+        self._served = Served()
         self._closed = False
         self._measure()
         self._worker = threading.Thread(target=self._run, name="asr-scheduler", daemon=True)
@@ -1378,8 +1384,8 @@ class Scheduler:
         jobs = [job for d in self._decodings.values() for job in d.members()]
         with self._wake:
             self._load = SchedulerLoad(
-                len(self._queue), sum(not j.window_only for j in jobs), sum(j.window_only for j in jobs),
-                sum(len(d.jobs) for d in self._decodings.values()), *self._served)
+                **asdict(self._served), queued=len(self._queue), recordings=sum(not j.window_only for j in jobs),
+                windows=sum(j.window_only for j in jobs), rows=sum(len(d.jobs) for d in self._decodings.values()))
 
     def close(self) -> None:
         """Stops the worker; work not done fails with RuntimeError. Done at exit for a scheduler
@@ -1431,7 +1437,7 @@ class Scheduler:
         with self._wake:
             futures, decodings = list(self._futures.values()), list(self._decodings.values())
             self._futures, self._decodings, self._queue = {}, {}, []
-            self._served[3] += len(futures) if failures else 0
+            self._served.failures += len(futures) if failures else 0
         for future in futures:
             _settle(future, error=error)
         for decoding in decodings:
@@ -1484,7 +1490,7 @@ class Scheduler:
 
     def _cancel(self, job: _Job) -> None:
         """Fails a cancelled job's caller (under the lock)."""
-        self._served[4] += 1
+        self._served.cancelled += 1
         _settle(self._futures.pop(id(job)), error=Cancelled(job.audio.name))
 
     def _guarded(self, key: tuple, work: Callable[..., list[_Job] | None], *args: list[_Job]) -> None:
@@ -1504,7 +1510,7 @@ class Scheduler:
                     if job.audio.cancelled:
                         self._cancel(job)
                     elif len(members) == 1 or key[-1] is not None:
-                        self._served[3] += 1
+                        self._served.failures += 1
                         _settle(self._futures.pop(id(job)), error=error)
                     else:
                         job.alone = True
@@ -1516,8 +1522,11 @@ class Scheduler:
                 if not job.done:  # dropped
                     self._cancel(job)
                     continue
-                self._served[1 if job.window_only else 0] += 1
-                self._served[2] += 0.0 if job.window_only else job.info.duration
+                if job.window_only:
+                    self._served.windows_served += 1
+                else:
+                    self._served.recordings_served += 1
+                    self._served.audio_seconds_served += job.info.duration
                 _settle(self._futures.pop(id(job)), job)
 
 
