@@ -53,6 +53,10 @@ ERRORS_FILE = "errors.jsonl"
 SOURCES_FILE = ".sources.jsonl"  # which recording each finished file's outputs are of
 LOCK_FILE = ".asr-run.lock"  # held by the run writing into OUT
 LAYOUT_SETTINGS = {"max_line_width", "max_line_count"}  # transcript_settings that only subtitles depend on
+# transcript_settings recorded only where set: missing, they are these (the options' defaults,
+# which a ledger from before an option holds too), so that setting one, or no longer, differs.
+UNSET_SETTINGS = {"hotwords": "", "multilingual": False, "vad_parameters": {}, "hallucination_silence_threshold": None,
+                  "retry_greedy_copies": True}
 SUBTITLE_FORMATS = {"srt", "vtt"}
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
@@ -61,8 +65,10 @@ WORKER_TRIES = 3  # on Ray: a batch whose worker dies is tried this many times i
 
 
 def _amount(seconds: float) -> str:
-    """Audio's length in the unit that shows it (a clip was "0.000 h")."""
-    return f"{seconds / 3600:.3f} h" if seconds >= 3600 else f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.1f} s"
+    """Audio's length in the unit that shows it (a clip was "0.000 h"), chosen as rounded (not "60.0 s")."""
+    if round(seconds / 60, 1) >= 60:
+        return f"{seconds / 3600:.3f} h"
+    return f"{seconds / 60:.1f} min" if round(seconds, 1) >= 60 else f"{seconds:.1f} s"
 
 
 @dataclass(frozen=True)
@@ -114,13 +120,12 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 "without_timestamps": options.without_timestamps, "word_timestamps": options.word_timestamps,
                 "vad": options.vad_filter, "max_line_width": layout.max_line_width,
                 "max_line_count": layout.max_line_count,
-                # Only where set: the ledgers of runs from before the option still match.
+                # Only where set (UNSET_SETTINGS): the ledgers of runs from before the option still match.
                 **({} if options.hallucination_silence_threshold is None
                    else {"hallucination_silence_threshold": options.hallucination_silence_threshold}),
                 **({} if options.retry_greedy_copies else {"retry_greedy_copies": False}),
-                **({"hotwords": options.hotwords} if options.hotwords else {}),
+                **({"hotwords": options.hotwords.strip()} if options.hotwords.strip() else {}),
                 **({"multilingual": True} if options.multilingual else {}),
-                # Only where they change something: ledgers of runs with the defaults still match.
                 **({"vad_parameters": options.vad_parameters.changed()}
                    if options.vad_parameters is not None and options.vad_parameters.changed() else {}),
                 # Always, even empty: a clipped run's files were taken as done by a whole one after it.
@@ -1003,7 +1008,8 @@ class _Recorder:
         self.summary.skipped_other_settings += 1
         for names in differ.values():
             for name in names:
-                changed.setdefault(name, f"{name} {json.dumps(names[name])}, now {json.dumps(self.run.settings[name])}")
+                now = self.run.settings.get(name, UNSET_SETTINGS.get(name))
+                changed.setdefault(name, f"{name} {json.dumps(names[name])}, now {json.dumps(now)}")
 
     def _differs(self, was: dict | None, fmt: str) -> dict:
         """The settings that an output in this format, made with `was` (recorded), was made
@@ -1012,7 +1018,8 @@ class _Recorder:
         subtitles."""
         if not was or not self.run.settings:
             return {}
-        return {name: was[name] for name, value in self.run.settings.items() if name in was and was[name] != value
+        was, now = {**UNSET_SETTINGS, **was}, {**UNSET_SETTINGS, **self.run.settings}
+        return {name: was[name] for name, value in now.items() if name in was and was[name] != value
                 and (fmt in SUBTITLE_FORMATS or name not in LAYOUT_SETTINGS)}
 
     def advanced(self, source: Path, seconds: float) -> None:
@@ -1185,7 +1192,7 @@ def transcribe_folder_on_ray(run: FolderRun, spec: PipelineSpec, options: RayOpt
                 ray.init(address=address, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
                          runtime_env={"env_vars": env} if env else None)
             except ConnectionError as error:  # Ray's own message told to set "the --address flag", which asr has not
-                if address != "auto":
+                if address != "auto" or not str(error).startswith("Could not find any running Ray instance"):
                     raise
                 raise WorkerError("--ray auto: no Ray cluster runs on this machine (`ray start --head` starts one; "
                                   "--ray alone starts one for this run)") from error

@@ -110,6 +110,13 @@ class EvaluateOptions:
     # (a GPU decodes the dev set in under a second, where one run's noise outweighs a difference).
     repeats: int = 1
 
+    def __post_init__(self) -> None:
+        # Each clip is decoded and scored in its manifest's language, and the peers take neither
+        # option: every file failed (multilingual with a language), or the systems decoded unlike.
+        if self.transcribe.multilingual or self.transcribe.hotwords.strip():
+            raise ValueError("an evaluation decodes each clip in its manifest's language, as every system does: "
+                             "without multilingual or hotwords")
+
 
 @dataclass
 class Run:

@@ -188,6 +188,8 @@ class StreamingTranscriber:
             raise ValueError(f"encoder_padding_seconds must be a number of seconds, at least 0, not {encoder_padding_seconds}")
         if transcriber.options.without_timestamps:
             raise ValueError("a stream cuts its buffer at segment timestamps: it cannot decode without_timestamps")
+        if transcriber.options.multilingual:  # it would have done nothing, unsaid
+            raise ValueError("a stream keeps the language detected first (or given): it does not take multilingual")
         self._conditioned = transcriber.options.condition_on_previous_text
         self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)),
                                        scheduler=transcriber.scheduler)

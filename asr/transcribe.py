@@ -159,10 +159,6 @@ class TranscribeOptions:
         if threshold is not None and (isinstance(threshold, bool) or not (isinstance(threshold, numbers.Real)
                                                                           and 0 <= threshold < math.inf)):
             raise ValueError(f"hallucination_silence_threshold must be seconds from 0 up, or None, not {threshold!r}")
-        if self.vad_parameters is not None:
-            object.__setattr__(self, "vad_parameters", vad.VadParameters.of(self.vad_parameters))
-            if self.vad_filter is not True:  # faster-whisper ignores them then: a filter asked for, not run
-                raise ValueError("vad_parameters are the options of vad_filter (--vad): give vad_filter=True too")
         if self.clip_timestamps and self.vad_filter:
             raise ValueError("clip_timestamps and vad_filter (--clip-timestamps, --vad): one or the other "
                              "(faster-whisper ignores vad_filter with clips)")
@@ -185,6 +181,10 @@ class TranscribeOptions:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise ValueError(f"{name} must be True or False, not {getattr(self, name)!r}")
             object.__setattr__(self, name, bool(getattr(self, name)))
+        if self.vad_parameters is not None:
+            object.__setattr__(self, "vad_parameters", vad.VadParameters.of(self.vad_parameters))
+            if self.vad_filter is not True:  # faster-whisper ignores them then: a filter asked for, not run
+                raise ValueError("vad_parameters are the options of vad_filter (--vad): give vad_filter=True too")
         # One value per engine (ModelPair.engine's key): True is flash's kernel.
         object.__setattr__(self, "lengths_attention", lengths_kernel(self.lengths_attention) or False)
         if self.language is not None and not isinstance(self.language, str):
@@ -889,7 +889,7 @@ class Transcriber:
             speculative=self.speculative,
             dtype=target.dtype_label,
             duration_after_vad=None if speech is None else speech.seconds,
-            vad_options=None if speech is None else self.options.vad_parameters or vad.VadParameters(),
+            vad_options=None if speech is None else speech.parameters,
             transcription_options=self.options,
             features_seconds=features_seconds,
             warnings=audio.warnings,
@@ -1377,8 +1377,8 @@ class Scheduler:
         return future
 
     def load(self) -> SchedulerLoad:
-        """As of the worker's last round."""
-        return self._load
+        """As of the worker's last round (a copy of the caller's own)."""
+        return replace(self._load)
 
     def _measure(self) -> None:
         jobs = [job for d in self._decodings.values() for job in d.members()]

@@ -45,16 +45,24 @@ class VadParameters:
                     or not low <= value <= high or whole and value != int(value)):
                 kind = "a whole number" if whole else "a number"
                 raise ValueError(f"vad_parameters: {name} must be {kind} from {low} to {high}, not {value!r}")
-            object.__setattr__(self, name, int(value) if whole else float(value))
+            # numpy's float32 0.3 as 0.3, not 0.30000001192092896 (a ledger then told other settings)
+            number = float(str(value)) if isinstance(value, np.floating) else float(value)
+            object.__setattr__(self, name, int(number) if whole else number)
 
         number("threshold", 0.0, 1.0)
         if self.neg_threshold is not None:
             number("neg_threshold", 0.0, 1.0)
         number("max_speech_duration_s", 0.0, math.inf)
-        if self.max_speech_duration_s == 0:
-            raise ValueError("vad_parameters: max_speech_duration_s must be above 0, not 0")
         for name in ("min_speech_duration_ms", "min_silence_duration_ms", "speech_pad_ms"):
             number(name, 0, 3_600_000, whole=True)
+        if self.neg_threshold is not None and self.neg_threshold > self.threshold:  # speech would hardly ever end
+            raise ValueError(f"vad_parameters: neg_threshold ({self.neg_threshold}) must not be above threshold "
+                             f"({self.threshold})")
+        # Silero's chunks hold a 32 ms frame and the padding each side: a shorter limit cut speech into frames.
+        shortest = (512 / SAMPLE_RATE) + 2 * self.speech_pad_ms / 1000
+        if self.max_speech_duration_s <= shortest:
+            raise ValueError(f"vad_parameters: max_speech_duration_s must be above {shortest:g} (a 32 ms frame and "
+                             f"speech_pad_ms each side), not {self.max_speech_duration_s:g}")
 
     def changed(self) -> dict:
         """The fields set to other than their defaults (as a ledger or report records them: JSON has no inf)."""
@@ -70,9 +78,9 @@ class VadParameters:
         if not isinstance(given, Mapping):
             raise ValueError(f"vad_parameters must be a dict of VAD options or a VadParameters, not {given!r}")
         names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(given) - names)
+        unknown = sorted(map(repr, set(given) - names))
         if unknown:
-            raise ValueError(f"vad_parameters: no option named {', '.join(map(repr, unknown))}; "
+            raise ValueError(f"vad_parameters: no option named {', '.join(unknown)}; "
                              f"they are {', '.join(sorted(names))}")
         return cls(**given)
 
@@ -88,6 +96,7 @@ class SpeechMap:
     chunks: tuple[tuple[int, int], ...]  # (start, end) of each speech chunk, in samples of the recording
     pad: int = 0  # samples of silence the filter keeps before (and after) each chunk's speech, at most
     length: int = 0  # of the recording, in samples
+    parameters: VadParameters = VadParameters()  # the filter's that found the chunks
     ends: tuple[int, ...] = field(init=False)  # each chunk's end in the filtered audio, in samples
     cut: tuple[int, ...] = field(init=False)  # samples cut out before each chunk
 
@@ -153,9 +162,11 @@ def speech_only(samples: np.ndarray, parameters: VadParameters | None = None) ->
     """The recording's speech chunks, concatenated, and where they were (parameters None: the defaults)."""
     from faster_whisper.vad import VadOptions, get_speech_timestamps  # optional: see available()
 
-    options = VadOptions(**dataclasses.asdict(parameters or VadParameters()))
+    parameters = parameters or VadParameters()
+    options = VadOptions(**dataclasses.asdict(parameters))
     peak = max(float(samples.max()), -float(samples.min())) if len(samples) else 0.0  # no copy of an hour's samples
     heard = samples * np.float32(min(QUIET_PEAK / peak, MAX_GAIN)) if 0 < peak < QUIET_PEAK else samples
     chunks = tuple((c["start"], c["end"]) for c in get_speech_timestamps(heard, options, SAMPLE_RATE))
     kept = np.concatenate([samples[start:end] for start, end in chunks]) if chunks else samples[:0]
-    return kept, SpeechMap(chunks, pad=options.speech_pad_ms * SAMPLE_RATE // 1000, length=len(samples))
+    return kept, SpeechMap(chunks, pad=options.speech_pad_ms * SAMPLE_RATE // 1000, length=len(samples),
+                           parameters=parameters)

@@ -1211,10 +1211,15 @@ def test_a_ray_cluster_that_does_not_answer_a_gpu_left_unused_and_a_folder_named
         raise ConnectionError("Could not find any running Ray instance. Please specify the one to connect to by "
                               "setting the `--address` flag or `RAY_ADDRESS` environment variable.")
 
-    monkeypatch.setattr(ray, "init", none_here)
-    with pytest.raises(batch.WorkerError, match=r"--ray auto: no Ray cluster runs on this machine \(`ray start --head`"):
-        transcribe_folder_on_ray(FolderRun((source,), tmp_path / "auto", **quiet()),
-                                 PipelineSpec("packaged:whisper-base", None), RayOptions(address="auto"))
+    def stale(**_):  # a crashed session's files: not "no cluster", which would send the user to start one
+        raise ConnectionError("Failed to connect to Ray cluster at 10.0.0.1:6379")
+
+    for init, raised, message in [(none_here, batch.WorkerError, r"--ray auto: no Ray cluster runs on this machine \("),
+                                  (stale, ConnectionError, "Failed to connect to Ray cluster at 10.0.0.1:6379")]:
+        monkeypatch.setattr(ray, "init", init)
+        with pytest.raises(raised, match=message):
+            transcribe_folder_on_ray(FolderRun((source,), tmp_path / init.__name__, **quiet()),
+                                     PipelineSpec("packaged:whisper-base", None), RayOptions(address="auto"))
     monkeypatch.undo()
     cluster = {"CPU": 16.0, "GPU": 2.0}
     assert batch._pool(cluster, 16, RayOptions(), "auto") == (2, 1, 1)
@@ -1371,7 +1376,8 @@ def test_a_runs_summary_tells_the_audio_in_a_unit_that_shows_it():
     def audio(seconds: float) -> str:
         return batch.FolderSummary(ok=1, audio_seconds=seconds, wall_seconds=2.0).describe().split("; ")[1].split(" of audio")[0]
 
-    assert [audio(s) for s in (5.24, 59.9, 754.0, 3600.0, 9000.0)] == ["5.2 s", "59.9 s", "12.6 min", "1.000 h", "2.500 h"]
+    assert [audio(s) for s in (5.24, 59.9, 59.96, 754.0, 3599.96, 9000.0)] == [
+        "5.2 s", "59.9 s", "1.0 min", "12.6 min", "1.000 h", "2.500 h"]
 
 
 def test_an_output_a_stopped_run_had_not_replaced_keeps_its_settings(tmp_path: Path, pair, monkeypatch):
@@ -1428,6 +1434,13 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     same = again(batch.transcript_settings("packaged:whisper-base", TranscribeOptions(language="en")))
     assert (same.skipped, same.skipped_other_settings) == (1, 0) and "note" not in capsys.readouterr().err
     assert same.describe().endswith("1 skipped (already done); no audio decoded")  # not "0.000 h ... RTFx 0.0"
+    # Settings recorded only where set: setting one differs too (it was skipped without a word).
+    for options, said in [(TranscribeOptions(language="en", hotwords="Kenobi"), 'hotwords "", now "Kenobi"'),
+                          (TranscribeOptions(multilingual=True), "multilingual false, now true"),
+                          (TranscribeOptions(language="en", vad_filter=True, vad_parameters={"threshold": 0.3}),
+                           'vad_parameters {}, now {"threshold": 0.3}')]:
+        assert again(batch.transcript_settings("packaged:whisper-base", options)).skipped_other_settings == 1
+        assert said in capsys.readouterr().err
     german_options = TranscribeOptions(language="de", initial_prompt="Hallo")
     german = batch.transcript_settings("packaged:whisper-base", german_options)
     summary = again(german)

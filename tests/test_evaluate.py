@@ -1021,3 +1021,10 @@ def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs
     assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out)]) == 2
     assert f"does not know the language 'klingon' (first in {tmp_path / CLIPS[0]})" in capsys.readouterr().err
     assert not out.exists() or not list(out.iterdir())
+
+
+def test_an_evaluation_refuses_options_no_system_decodes_alike():
+    """multilingual failed every file (a clip's language with it); hotwords reached ours alone."""
+    for options in (TranscribeOptions(multilingual=True), TranscribeOptions(hotwords="Concord")):
+        with pytest.raises(ValueError, match="an evaluation decodes each clip in its manifest's language"):
+            EvaluateOptions(transcribe=options)

@@ -245,6 +245,23 @@ def test_a_window_whose_word_alignment_fails_in_a_shared_batch_is_decoded_again_
         scheduler.close()
 
 
+def test_hotwords_come_first_and_the_previous_text_keeps_the_room_they_leave(pair):
+    """Whisper reads at most 223 tokens of previous text; hotwords (faster-whisper's, which
+    puts up to 223 of each and can pass the decoder's 448 positions) take their share first."""
+    transcriber = Transcriber(pair, TranscribeOptions(language="en", hotwords="Kenobi " * 40))
+    hot = transcriber._hotwords
+    job = transcriber._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
+    job.context = list(range(1000, 1300))  # 300 tokens of previous text
+    prompt, sot = transcriber._prompt(job)
+    assert 40 < len(hot) < 223 and sot == 224 and prompt[:sot] == [transcriber.vocab.sot_prev, *hot, *range(1300 - (223 - len(hot)), 1300)]
+    job.unprompted = True  # a greedy copy decoded again without its previous text keeps the hotwords
+    assert transcriber._prompt(job)[0][: 1 + len(hot)] == [transcriber.vocab.sot_prev, *hot]
+    many = Transcriber(pair, TranscribeOptions(language="en", hotwords="Kenobi " * 300))
+    job.unprompted = False
+    prompt, sot = many._prompt(job)
+    assert len(many._hotwords) == 223 and prompt[:sot] == [transcriber.vocab.sot_prev, *many._hotwords]  # no room left
+
+
 def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_path):
     """As keyword arguments, as faster-whisper users pass them: max_new_tokens -5 decoded a row
     backwards into nonsense, a NaN temperature wrote JSON no reader takes, "0.2" was read as the
@@ -272,7 +289,10 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
                                                                   "max_speech_duration_s, min_silence_duration_ms"),
         (dict(vad_filter=True, vad_parameters={"threshold": 1.5}), "vad_parameters: threshold must be a number from 0.0 to 1.0, not 1.5"),
         (dict(vad_filter=True, vad_parameters={"speech_pad_ms": 10.5}), "speech_pad_ms must be a whole number from 0 to"),
-        (dict(vad_filter=True, vad_parameters={"max_speech_duration_s": 0}), "max_speech_duration_s must be above 0"),
+        (dict(vad_filter=True, vad_parameters={"max_speech_duration_s": 0.5}), r"max_speech_duration_s must be above 0.832 "),
+        (dict(vad_filter=True, vad_parameters={"threshold": 0.3, "neg_threshold": 0.4}),
+         r"neg_threshold \(0.4\) must not be above threshold \(0.3\)"),
+        (dict(vad_filter=True, vad_parameters={1: 2}), "vad_parameters: no option named 1;"),
         (dict(vad_filter=True, vad_parameters=0.5), "vad_parameters must be a dict of VAD options or a VadParameters, not 0.5"),
         (dict(no_speech_threshold="none"), "no_speech_threshold must be a number, or None for no threshold, not 'none'"),
         (dict(compression_ratio_threshold=-1), "compression_ratio_threshold must be above 0"),
@@ -299,6 +319,9 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
     assert theirs.vad_parameters == VadParameters(threshold=0.3, min_silence_duration_ms=500)
     assert TranscribeOptions(vad_filter=True, vad_parameters={"speech_pad_ms": 200.0}).vad_parameters.speech_pad_ms == 200
     assert theirs.vad_parameters.changed() == {"threshold": 0.3, "min_silence_duration_ms": 500}
+    # numpy's numbers as Python's (float32 0.3 is 0.3 in a ledger), numpy's True as a flag.
+    numpy = TranscribeOptions(vad_filter=np.bool_(True), vad_parameters={"threshold": np.float32(0.3)})
+    assert numpy.vad_parameters.changed() == {"threshold": 0.3} and numpy.vad_filter is True
     # "auto" as the commands take it; numpy's booleans as flags.
     assert TranscribeOptions(language="Auto").language is None and TranscribeOptions(language="German").language == "de"
     assert TranscribeOptions(speculative=np.bool_(False)).speculative is False

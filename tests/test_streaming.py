@@ -871,6 +871,8 @@ def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transc
     assert stream._buffer_start > 0 and contexts[-1] == []
     with pytest.raises(ValueError, match="cannot decode without_timestamps"):
         StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, without_timestamps=True)))
+    with pytest.raises(ValueError, match="does not take multilingual"):
+        StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, language=None, multilingual=True)))
 
 
 def test_ctrl_c_while_a_cli_stream_loads_its_models_says_so(capsys, monkeypatch):
