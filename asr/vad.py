@@ -46,8 +46,8 @@ class VadParameters:
                 kind = "a whole number" if whole else "a number"
                 raise ValueError(f"vad_parameters: {name} must be {kind} from {low} to {high}, not {value!r}")
             # numpy's float32 0.3 as 0.3, not 0.30000001192092896 (a ledger then told other settings)
-            number = float(str(value)) if isinstance(value, np.floating) else float(value)
-            object.__setattr__(self, name, int(number) if whole else number)
+            plain = float(str(value)) if isinstance(value, np.floating) else float(value)
+            object.__setattr__(self, name, int(plain) if whole else plain)
 
         number("threshold", 0.0, 1.0)
         if self.neg_threshold is not None:
