@@ -674,3 +674,6 @@ def serve(engine: Engine, host: str, port: int, keep_seconds: float = 3600.0) ->
             demo.block_thread()
         finally:
             stop_sweeping.set()
+            # Gradio removes its files as it stops, and leaves their folders and its empty
+            # files (hundreds after a day of uploads): all of them, whatever their age.
+            sweep_cache(Path(gr.utils.get_upload_folder()), 0.0)

@@ -103,6 +103,8 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Python's default for it left them on disk for good.
     assert process.returncode == 0, (scratch / "server.log").read_text()[-3000:]
     assert not list((scratch / "tmp").glob("asr-app-*"))
+    # Nor the folders and empty files Gradio leaves in its cache (80 files, 100 folders after a review's uploads).
+    assert not [p.name for p in scratch.iterdir() if re.fullmatch(r"[0-9a-f]{64}|tmp[a-z0-9_]{8}", p.name)]
     said = (scratch / "server.log").read_text()  # not Gradio's "To create a public link, set `share=True`"
     assert f"asr app: serving {url} (no public link" in said and "share=True" not in said, said[-3000:]
 
