@@ -56,7 +56,7 @@ LAYOUT_SETTINGS = {"max_line_width", "max_line_count"}  # transcript_settings th
 # transcript_settings recorded only where set: missing, they are these (the options' defaults,
 # which a ledger from before an option holds too), so that setting one, or no longer, differs.
 UNSET_SETTINGS = {"hotwords": "", "multilingual": False, "vad_parameters": {}, "hallucination_silence_threshold": None,
-                  "retry_greedy_copies": True}
+                  "retry_greedy_copies": True, "prefix": "", "suppress_tokens": [-1], "language_detection": [1, 0.5]}
 SUBTITLE_FORMATS = {"srt", "vtt"}
 # Windows of different files decoded together: of 1, 8 and 16, 8 was the fastest on 2 CPU
 # cores (scripts/benchmark_folder.py --batch-sizes 1,8,16).
@@ -126,6 +126,11 @@ def transcript_settings(target: str, options: TranscribeOptions, layout: Subtitl
                 **({} if options.retry_greedy_copies else {"retry_greedy_copies": False}),
                 **({"hotwords": options.hotwords.strip()} if options.hotwords.strip() else {}),
                 **({"multilingual": True} if options.multilingual else {}),
+                **({"prefix": options.prefix.strip()} if options.prefix.strip() else {}),
+                **({"language_detection": [options.language_detection_segments, options.language_detection_threshold]}
+                   if options.language_detection_segments > 1 else {}),
+                **({"suppress_tokens": sorted(set(options.suppress_tokens))}
+                   if set(options.suppress_tokens) != {-1} else {}),
                 **({"vad_parameters": options.vad_parameters.changed()}
                    if options.vad_parameters is not None and options.vad_parameters.changed() else {}),
                 # Always, even empty: a clipped run's files were taken as done by a whole one after it.

@@ -136,6 +136,15 @@ def clip_seconds(text: str) -> tuple[float, ...]:
                                          "from 0 up and each after the one before") from None
 
 
+def token_ids(text: str) -> tuple[int, ...]:
+    """An argparse type: --suppress-tokens' ids between commas ("" for none)."""
+    try:
+        return TranscribeOptions(suppress_tokens=text).suppress_tokens
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected token ids between commas, -1 for the model's "
+                                         "own list, or '' for none") from None
+
+
 def vad_parameters(text: str) -> vad.VadParameters:
     """An argparse type: --vad-parameters' NAME=VALUE,... (faster-whisper's VadOptions; none for no neg_threshold)."""
     given = {}
@@ -167,6 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="windows (of different files) decoded together (default: %(default)s)")
     t.add_argument("--num-draft-tokens", type=count(0), help="fixed k (default: adaptive)")
     t.add_argument("--language", type=language, help="e.g. en, de, German (default, or auto: detect)")
+    t.add_argument("--language-detection-segments", type=count(1), default=1, metavar="N",
+                   help="detecting the language, hear up to N windows of 30 s while the likeliest language of one is "
+                        "no more than --language-detection-threshold likely (a recording that starts with silence or "
+                        "music; faster-whisper's option; default: %(default)s)")
+    t.add_argument("--language-detection-threshold", type=number(0), default=0.5, metavar="P",
+                   help="a window's likeliest language above this probability is taken (default: %(default)s)")
     t.add_argument("--task", choices=["transcribe", "translate"], default="transcribe",
                    help="translate: into English (default: %(default)s)")
     t.add_argument("--temperature", type=number(0), default=0.0, help="first temperature (default 0: greedy)")
@@ -204,6 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "faster-whisper's multilingual; the JSON's segments say theirs")
     t.add_argument("--hotwords", type=prompt_text, default="",
                    help="words and names to expect, before every window's previous text (faster-whisper's hotwords)")
+    t.add_argument("--prefix", type=prompt_text, default="",
+                   help="text the transcript starts with, forced, then decoded on from (faster-whisper's prefix; the "
+                        "first window's alone, which then reads no --hotwords)")
+    t.add_argument("--suppress-tokens", type=token_ids, default=(-1,), metavar="IDS",
+                   help="token ids never decoded, between commas: -1 stands for the model's own list of symbols "
+                        "speech is not written with, '' for none (Whisper's option; default: -1)")
     t.add_argument("--max-line-width", type=count(1), metavar="N",
                    help="srt/vtt: break each segment's text into lines of at most N characters (a Chinese, Japanese "
                         "or Korean one counts two, as wide on a screen; a longer word has a line of its own)")
@@ -252,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="implies --vad; faster-whisper's VAD options: threshold (0.5), neg_threshold, "
                         "min_speech_duration_ms (0), max_speech_duration_s (inf), min_silence_duration_ms (2000), "
                         "speech_pad_ms (400)")
+    e.add_argument("--keep-greedy-copies", action="store_true",
+                   help="keep a greedy window heard as silence that copies its previous text, as Whisper and the peers "
+                        "do (default: decode it again without that text; `asr transcribe`'s option)")
     e.add_argument("--peers", choices=sorted(PEERS), action="append", default=[],
                    help="also run transformers' generate and its assisted generation with the same draft (transformers), "
                         "or faster-whisper on the same target weights (faster-whisper); repeat for both")
@@ -370,6 +394,8 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
     """`asr transcribe`'s options (a ValueError where a value is refused)."""
     return TranscribeOptions(
         language=args.language,
+        language_detection_segments=args.language_detection_segments,
+        language_detection_threshold=args.language_detection_threshold,
         multilingual=args.multilingual,
         task=args.task,
         temperatures=temperatures(args.temperature, args.temperature_increment),
@@ -382,6 +408,8 @@ def transcribe_options(args: argparse.Namespace) -> TranscribeOptions:
         without_timestamps=args.without_timestamps,
         initial_prompt=args.prompt,
         hotwords=args.hotwords,
+        prefix=args.prefix,
+        suppress_tokens=args.suppress_tokens,
         word_timestamps=args.word_timestamps,
         hallucination_silence_threshold=args.hallucination_silence_threshold,
         retry_greedy_copies=not args.keep_greedy_copies,
@@ -485,7 +513,9 @@ def evaluate_command(args: argparse.Namespace) -> int:
     preset = None if args.target else args.preset or DEFAULT_PRESET
     options = EvaluateOptions(batch_size=args.batch_size, peers=tuple(dict.fromkeys(args.peers)), preset=preset,
                               transcribe=TranscribeOptions(vad_filter=args.vad or args.vad_parameters is not None,
-                                                           vad_parameters=args.vad_parameters, **engine_options(args)),
+                                                           vad_parameters=args.vad_parameters,
+                                                           retry_greedy_copies=not args.keep_greedy_copies,
+                                                           **engine_options(args)),
                               progress=sys.stderr.isatty(), repeats=args.repeats)
     try:
         # a messy manifest's later rows are not read

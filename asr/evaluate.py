@@ -35,7 +35,7 @@ from asr.metrics import (NORMALIZER, SCORED_BY_LETTER, LabelledClip, load_note, 
 from asr.models import ModelPair, ctranslate2_directory, quiet_transformers
 from asr.peer_process import FasterWhisperProcess
 from asr.slots import DecodeStats
-from asr.transcribe import AudioInput, TranscribeOptions, Transcriber
+from asr.transcribe import AudioInput, TranscribeOptions, Transcriber, check_whole
 from asr.writers import write_files_atomic
 
 TARGET, SPECULATIVE = "target", "speculative"
@@ -46,6 +46,9 @@ FASTER_WHISPER = "faster_whisper"
 PEER_SECONDS, PEER_SECONDS_PER_AUDIO_SECOND = 120.0, 10.0
 PEER_LOAD_SECONDS = 600.0  # a model read that hangs (a stalled network drive) fails after this
 PEERS = {"transformers": (TRANSFORMERS_TARGET, TRANSFORMERS_ASSISTED), "faster-whisper": (FASTER_WHISPER,)}
+# TranscribeOptions the transformers peers cannot decode with, and their defaults (faster-whisper takes all).
+TRANSFORMERS_LACKS = {"initial_prompt": "", "hotwords": "", "prefix": "", "clip_timestamps": (), "word_timestamps": False,
+                      "hallucination_silence_threshold": None}
 SPECULATIVE_SYSTEMS = (SPECULATIVE, TRANSFORMERS_ASSISTED)
 LABELS = {
     TARGET: "ours, target only",
@@ -62,6 +65,11 @@ NOTES = [
     "beforehand too (Transcriber.warm_up), also untimed.",
     "identical: speculative and target-only transcripts have the same text tokens and segment times.",
 ]
+# In the report where a peer ran: where ours decodes otherwise than Whisper's rules (README, Retries).
+RULES_NOTE = ("Ours follows Whisper's rules and two more, which the peers lack: a greedy window heard as silence that "
+              "copies its previous text is decoded again without it (retry_greedy_copies; --keep-greedy-copies turns it "
+              "off), and a sampled attempt repeating 6 words in a row of its previous text fails. Where they apply, the "
+              "peers' text repeats what ours does not.")
 # Notes on a peer, in the report where it ran.
 PEER_NOTES = {
     "transformers": [
@@ -85,7 +93,8 @@ PEER_NOTES = {
     "faster-whisper": [
         "faster-whisper decodes one file at a time on the same target weights (a CTranslate2 directory), float32 on a "
         "CPU and on a GPU in our decoders' dtype (float16 unless --dtype), greedy (beam_size=1), with the same language, task, temperatures, best_of, "
-        "thresholds, previous-text conditioning and voice activity filter (vad_filter, with --vad) as ours, on as many "
+        "thresholds, previous-text conditioning and options as ours (with --vad given the speech our filter keeps: "
+        "faster-whisper's Silero VAD, after raising a quiet recording, which its own does not), on as many "
         "CPU threads as ours, in a process of its own (in ours, CTranslate2's threads slowed our decoding); it computes "
         "its own log-mel features from the same samples; its time is end to end only (no encoder / decoder split); "
         "a window of ours ends at 224 new tokens (Whisper's), one of faster-whisper's at 448 with its prompt "
@@ -111,11 +120,16 @@ class EvaluateOptions:
     repeats: int = 1
 
     def __post_init__(self) -> None:
-        # Each clip is decoded and scored in its manifest's language, and the peers take neither
-        # option: every file failed (multilingual with a language), or the systems decoded unlike.
-        if self.transcribe.multilingual or self.transcribe.hotwords.strip():
-            raise ValueError("an evaluation decodes each clip in its manifest's language, as every system does: "
-                             "without multilingual or hotwords")
+        check_whole("batch_size", self.batch_size, 1)  # 0 and -1 failed mid-run, naming nothing
+        check_whole("repeats", self.repeats, 1)
+        # Each clip is decoded and scored in its manifest's language: multilingual failed every file.
+        if self.transcribe.multilingual:
+            raise ValueError("an evaluation decodes each clip in its manifest's language: without multilingual")
+        # Options transformers' generate has no equal of reached ours alone, and the systems decoded unlike.
+        if "transformers" in self.peers and (unlike := [name for name, default in TRANSFORMERS_LACKS.items()
+                                                        if getattr(self.transcribe, name) != default]):
+            raise ValueError(f"--peers transformers decodes without {', '.join(unlike)}: "
+                             "evaluate with these options without it (faster-whisper takes them)")
 
 
 @dataclass
@@ -454,19 +468,33 @@ class FasterWhisperSystem(_OneFileAtATime):
 
     def _one(self, item: AudioInput, language: str) -> Run:
         options, vocab = self.options, self.target.vocab
+        # Given the speech our filter keeps, as transformers is: its own filter skips the step
+        # that first raises a quiet recording (vad.speech_only), and kept other audio (JFK at
+        # -53 dBFS: 73 % WER against our 5 %).
+        started = time.perf_counter()
+        samples, speech = vad.speech_only(item.samples, options.vad_parameters) if options.vad_filter else (item.samples, None)
+        filtered = time.perf_counter() - started
+        if not len(samples):  # no speech kept: nothing to decode
+            return Run(seconds=filtered, features_seconds=None, encoder_seconds=None, decoder_seconds=None)
         segments, seconds = self.process.transcribe(
-            timeout=PEER_SECONDS + PEER_SECONDS_PER_AUDIO_SECOND * len(item.samples) / SAMPLE_RATE,
-            audio=item.samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1,
+            timeout=PEER_SECONDS + PEER_SECONDS_PER_AUDIO_SECOND * len(samples) / SAMPLE_RATE,
+            audio=samples, language=language if vocab.multilingual else "en", task=options.task, beam_size=1,
             best_of=options.best_of, temperature=list(options.temperatures),
             compression_ratio_threshold=options.compression_ratio_threshold,
             log_prob_threshold=options.log_prob_threshold, no_speech_threshold=options.no_speech_threshold,
             condition_on_previous_text=options.condition_on_previous_text, without_timestamps=options.without_timestamps,
-            vad_filter=options.vad_filter, word_timestamps=False,
-            vad_parameters=None if options.vad_parameters is None else asdict(options.vad_parameters))
+            vad_filter=False, suppress_tokens=list(options.suppress_tokens),
+            initial_prompt=options.initial_prompt or None, hotwords=options.hotwords or None,
+            prefix=options.prefix or None, clip_timestamps=list(options.clip_timestamps) or "0",
+            word_timestamps=options.word_timestamps,
+            hallucination_silence_threshold=options.hallucination_silence_threshold)
         tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
+        times = [(start, end) if speech is None else  # in the recording, as faster-whisper maps its own
+                 (speech.original(start, speech.chunk_of(start)), speech.original(end, speech.chunk_of(end, is_end=True)))
+                 for _, _, start, end in segments]
         return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
-                   segment_times=[(round(start, 3), round(end, 3)) for _, _, start, end in segments], seconds=seconds,
-                   features_seconds=None, encoder_seconds=None, decoder_seconds=None)
+                   segment_times=[(round(start, 3), round(end, 3)) for start, end in times],
+                   seconds=filtered + seconds, features_seconds=None, encoder_seconds=None, decoder_seconds=None)
 
 
 def system_names(peers: tuple[str, ...]) -> list[str]:
@@ -605,7 +633,9 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "peers_batch_size": 1,
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
-        "notes": NOTES + [note for peer in options.peers for note in PEER_NOTES[peer]] + _precision_notes(pair, options),
+        "retry_greedy_copies": options.transcribe.retry_greedy_copies,
+        "notes": NOTES + ([RULES_NOTE] if options.peers else []) + [note for peer in options.peers for note in PEER_NOTES[peer]]
+        + _precision_notes(pair, options),
     }
 
 

@@ -114,17 +114,19 @@ class WhisperModel:
         encoder = self.encoder_dtype
         return name if encoder in (None, self.dtype) else f"{name}, encoder {str(encoder).removeprefix('torch.')}"
 
-    def rules(self, timestamps: bool) -> DecodingRules:
+    def rules(self, timestamps: bool, suppress_tokens: tuple[int, ...] = (-1,)) -> DecodingRules:
         """Whisper's decoding rules for this model as a target, one instance per setting for
         everyone decoding with it: graphs captured on a GPU hold its tensors and are keyed
-        by it, so a new Transcriber (the web page makes one per request) replays them."""
-        if timestamps not in self._rules:
+        by it, so a new Transcriber (the web page makes one per request) replays them.
+        suppress_tokens: TranscribeOptions'; -1 stands for the checkpoint's list."""
+        suppress = {t for t in suppress_tokens if t >= 0} | set(self.suppress if -1 in suppress_tokens else [])
+        key = (timestamps, tuple(sorted(suppress | set(self.vocab.non_speech_specials()))))
+        if key not in self._rules:
             rules = DecodingRules(vocab_size=self.config.vocab_size, eot=self.vocab.eot,
-                                  no_timestamps=self.vocab.no_timestamps,
-                                  suppress=self.suppress + self.vocab.non_speech_specials(),
+                                  no_timestamps=self.vocab.no_timestamps, suppress=list(key[1]),
                                   begin_suppress=self.begin_suppress, timestamps=timestamps, device=self.device)
-            self._rules.setdefault(timestamps, rules)  # two threads at once end up sharing one
-        return self._rules[timestamps]
+            self._rules.setdefault(key, rules)  # two threads at once end up sharing one
+        return self._rules[key]
 
     @cached_property
     def runner(self) -> DecoderRunner:

@@ -21,16 +21,21 @@ class Prefix:
     last: Tensor | None = None  # [N] previous token (meaningful when generated >= 1)
     penultimate: Tensor | None = None  # [N] token before it (meaningful when generated >= 2)
     last_timestamp: Tensor | None = None  # [N] last timestamp token generated, -1 if none
+    # [N] bool: the first token decoded freely, past a forced prefix (None: generated == 0):
+    # where begin_suppress applies, as CTranslate2's after a prefix.
+    first_free: Tensor | None = None
 
     @classmethod
     def at(cls, tokens: Tensor, sample_begin: Tensor, positions: Tensor, timestamp_begin: int,
-           timestamps: bool = True) -> "Prefix":
+           timestamps: bool = True, free_begin: Tensor | None = None) -> "Prefix":
         """tokens [B, L] with proposals written in place; sample_begin [B]; positions [B, q]
-        are the indices being predicted. Returns one entry per (row, position), row-major;
-        without timestamps only what the rules without them read."""
+        are the indices being predicted; free_begin [B]: where the tokens decoded freely start,
+        past the generated ones forced (None: at sample_begin). Returns one entry per (row,
+        position), row-major; without timestamps only what the rules without them read."""
         generated = (positions - sample_begin[:, None]).reshape(-1)
+        first_free = None if free_begin is None else (positions == free_begin[:, None]).reshape(-1)
         if not timestamps:
-            return cls(generated)
+            return cls(generated, first_free=first_free)
         columns = torch.arange(tokens.shape[1], device=tokens.device)
         generated_region = columns >= sample_begin[:, None]
         timestamps = torch.where(generated_region & (tokens >= timestamp_begin), tokens, -1)
@@ -44,6 +49,7 @@ class Prefix:
             last=last[:, 0],
             penultimate=last[:, 1],
             last_timestamp=last_timestamp.gather(1, before[:, :, 0]).reshape(-1),
+            first_free=first_free,
         )
 
 
@@ -75,9 +81,9 @@ class DecodingRules:
         self.begin_suppress = torch.tensor(sorted(begin_suppress), dtype=torch.long, device=device)
         self._timestamp_offsets = torch.arange(vocab_size - self.timestamp_begin, device=device)
 
-    def prefix(self, tokens: Tensor, sample_begin: Tensor, positions: Tensor) -> Prefix:
+    def prefix(self, tokens: Tensor, sample_begin: Tensor, positions: Tensor, free_begin: Tensor | None = None) -> Prefix:
         """Prefix.at, with what these rules read."""
-        return Prefix.at(tokens, sample_begin, positions, self.timestamp_begin, self.timestamps)
+        return Prefix.at(tokens, sample_begin, positions, self.timestamp_begin, self.timestamps, free_begin)
 
     def apply(self, logits: Tensor, prefix: Prefix) -> Tensor:
         """Filters logits [N, V] in place and returns them."""
@@ -87,7 +93,8 @@ class DecodingRules:
             logits.index_fill_(1, self.suppress, NEG_INF)
         at_begin = prefix.generated == 0
         if self.begin_suppress.numel():
-            columns = logits.index_select(1, self.begin_suppress).masked_fill_(at_begin[:, None], NEG_INF)
+            first_free = at_begin if prefix.first_free is None else prefix.first_free
+            columns = logits.index_select(1, self.begin_suppress).masked_fill_(first_free[:, None], NEG_INF)
             logits.index_copy_(1, self.begin_suppress, columns)
         if self.timestamps:
             self._timestamp_rules(logits, prefix, at_begin)

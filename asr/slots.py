@@ -101,6 +101,9 @@ class Window:
     # Stop at a loop (LOOP_TOKENS), the sequence marked looped: for a caller to whom a loop is
     # a failed decode whatever its length (Whisper's compression-ratio test needs it long).
     stop_loops: bool = False
+    # The prompt's last tokens that are the sequence's first (a prefix the caller forces): the
+    # rules take them as decoded, and the sequence returned starts with them.
+    forced: int = 0
 
 
 @dataclass
@@ -112,6 +115,7 @@ class State:
     tokens: Tensor  # [R, C] prompt, kept tokens, then proposals
     length: Tensor  # [R] tokens kept, prompt included
     sample_begin: Tensor  # [R] where generated tokens start
+    free_begin: Tensor  # [R] where those decoded freely start: past a forced prefix (Window.forced)
     limit: Tensor  # [R] the length at which a row stops
     draft_cached: Tensor  # [R] leading positions the draft has cached
     live: Tensor  # [R] bool: a row being decoded
@@ -133,7 +137,7 @@ class State:
     graphs: dict = field(default_factory=dict)
 
     # The per-row tensors a row's move carries over.
-    PER_ROW = ("tokens", "length", "sample_begin", "limit", "draft_cached", "live", "temperature", "seed",
+    PER_ROW = ("tokens", "length", "sample_begin", "free_begin", "limit", "draft_cached", "live", "temperature", "seed",
                "logprob", "no_speech", "sot", "hint", "hint_length", "hint_shift", "hint_on")
 
     def changed(self) -> list[Tensor]:
@@ -199,7 +203,7 @@ class States:
             draft = e.draft.empty_cache(R, draft_frames or frames, C, e.dtype, e.device,
                                         cross_from=target if shared else None, cross_layers=shared)
         # An empty slot is a row of one token: its (unused) steps then index nothing out of range.
-        return State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), limit=zeros(R),
+        return State(key, tokens=zeros(R, C), length=zeros(R) + 1, sample_begin=zeros(R), free_begin=zeros(R), limit=zeros(R),
                      draft_cached=zeros(R), live=zeros(R, dtype=torch.bool),
                      temperature=zeros(R, dtype=torch.float32), seed=zeros(R), logprob=zeros(R, C, dtype=torch.float32),
                      no_speech=zeros(R, dtype=torch.float32), sot=zeros(R), hint=zeros(R, C), hint_length=zeros(R),
@@ -279,7 +283,7 @@ class Slots:
         tags = []
         for slot, w in zip(slots, windows):
             length = len(w.prompt)
-            self.slots[slot] = Row(self._tags, length, length + w.max_new_tokens, length, w.temperature, bool(w.hint),
+            self.slots[slot] = Row(self._tags, length, length + w.max_new_tokens, length - w.forced, w.temperature, bool(w.hint),
                                    w.language, stop_loops=w.stop_loops)
             tags.append(self._tags)
             self._tags += 1
@@ -331,11 +335,13 @@ class Slots:
             hint[i, : len(w.hint)] = torch.tensor(w.hint[:C], dtype=torch.long)
         lengths = torch.tensor([len(w.prompt) for w in windows])
         values = {
-            "tokens": tokens, "length": lengths, "sample_begin": lengths, "draft_cached": lengths - 1,
+            "tokens": tokens, "length": lengths, "sample_begin": lengths - torch.tensor([w.forced for w in windows]),
+            "free_begin": lengths, "draft_cached": lengths - 1,
+            "logprob": torch.zeros(n, C),  # a forced token's counts as 0, as CTranslate2's
             "limit": lengths + torch.tensor([w.max_new_tokens for w in windows]), "live": torch.ones(n, dtype=torch.bool),
             "temperature": torch.tensor([w.temperature for w in windows]),
             "seed": torch.tensor([w.seed & sampling.MASK for w in windows]),
-            "sot": torch.tensor([w.sot_index for w in windows]),  # (logprob: each position is written as it is kept)
+            "sot": torch.tensor([w.sot_index for w in windows]),
             "hint": hint, "hint_length": torch.tensor([min(len(w.hint), C) for w in windows]),
             "hint_shift": torch.zeros(n, dtype=torch.long), "hint_on": torch.tensor([bool(w.hint) for w in windows]),
         }

@@ -268,7 +268,7 @@ class Batch(Slots):
         with attention_without_cudnn(e.device):
             logits = e.draft.forward(feed, start, s.draft, logits_at=(position - 1 - start)[:, None], window=window,
                                      by_lengths=e.lengths_attention, fused=e.fused_layers)[:, 0]
-        self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None]))
+        self.rules.apply(logits, self.rules.prefix(s.tokens, s.sample_begin, position[:, None], s.free_begin))
         # Sampling, with the noise the target verifies this position with: where the two agree, the same token.
         proposal = sampling.choose(logits, s.temperature, s.seed, position) if sample else logits.argmax(-1)
         s.tokens.scatter_(1, position[:, None], proposal[:, None])
@@ -299,7 +299,7 @@ class Batch(Slots):
             logits = e.target.forward(s.tokens.gather(1, positions - 1), s.length - 1, s.target, window=window,
                                       by_lengths=e.lengths_attention, fused=e.fused_layers)
         n, _, vocab = logits.shape
-        rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions))
+        rules.apply(logits.view(n * width, vocab), rules.prefix(s.tokens, s.sample_begin, positions, s.free_begin))
         proposals = s.tokens.gather(1, positions[:, :k])
         proposed = (steps[:k] < s.k)[None] if width > 1 and e.verify_width == width else None
         # The proposals a row's acceptance counts: up to its first end-of-text (a batch drafts on

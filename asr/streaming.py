@@ -190,6 +190,11 @@ class StreamingTranscriber:
             raise ValueError("a stream cuts its buffer at segment timestamps: it cannot decode without_timestamps")
         if transcriber.options.multilingual:  # it would have done nothing, unsaid
             raise ValueError("a stream keeps the language detected first (or given): it does not take multilingual")
+        if transcriber.options.language_detection_segments > 1:  # its buffer is one window: it would do nothing, unsaid
+            raise ValueError("a stream detects the language from its first buffer: it does not take "
+                             "language_detection_segments")
+        if transcriber.options.prefix.strip():  # every update would have started with it
+            raise ValueError("a stream decodes its buffer again and again: it does not take a prefix")
         self._conditioned = transcriber.options.condition_on_previous_text
         self.transcriber = Transcriber(transcriber.models, replace(transcriber.options, temperatures=(0.0,)),
                                        scheduler=transcriber.scheduler)

@@ -71,6 +71,22 @@ def _clips(value: object) -> tuple[float, ...]:
     return clips
 
 
+def _token_ids(value: object) -> tuple[int, ...]:
+    """suppress_tokens as whole numbers from -1 up: any iterable of them, or text of them between commas."""
+    wrong = f"suppress_tokens must be token ids (-1: the model's own list), not {value!r}"
+    if value is None:
+        return ()
+    try:
+        items = ([t for t in value.split(",") if t.strip()] if isinstance(value, str)
+                 else [value] if isinstance(value, numbers.Integral) else list(value))
+        ids = tuple(int(t) if isinstance(t, str) else t for t in items)
+    except (TypeError, ValueError):
+        raise ValueError(wrong) from None
+    if not all(isinstance(t, numbers.Integral) and not isinstance(t, bool) and t >= -1 for t in ids):
+        raise ValueError(wrong)
+    return tuple(int(t) for t in ids)
+
+
 def check_whole(name: str, value: object, least: int | None) -> None:
     """Refuses, naming it, a value that is no whole number (of Python or numpy; not a bool) of at least `least`."""
     if not isinstance(value, numbers.Integral) or isinstance(value, bool) or (least is not None and value < least):
@@ -79,7 +95,12 @@ def check_whole(name: str, value: object, least: int | None) -> None:
 
 @dataclass(frozen=True)
 class TranscribeOptions:
-    language: str | None = None  # None: detect from the first window
+    language: str | None = None  # None: detect from the first window (or more, below)
+    # Where the first window's likeliest language is no more than language_detection_threshold
+    # likely, the next 30 s are heard too, up to this many windows (faster-whisper's options):
+    # the first sure one's language, else the one likeliest in most of them. Not with a language.
+    language_detection_segments: int = 1
+    language_detection_threshold: float = 0.5
     # Each window's language detected (faster-whisper's multilingual): a recording whose speakers
     # change language; each segment says its window's. Not with a language given.
     multilingual: bool = False
@@ -96,6 +117,13 @@ class TranscribeOptions:
     # Words and names to expect, put before every window's previous text (faster-whisper's
     # hotwords): unlike initial_prompt, never left behind by later windows.
     hotwords: str = ""
+    # Text the first window's transcript starts with (faster-whisper's prefix): forced, then
+    # decoded on from. That window reads no hotwords, as faster-whisper's.
+    prefix: str = ""
+    # Token ids never decoded (faster-whisper's suppress_tokens): -1 stands for the model's own
+    # list (symbols speech is not written with); () suppresses none of it. The control tokens
+    # (<|startoftranscript|>, <|translate|>, ...) are suppressed whatever is given.
+    suppress_tokens: tuple[int, ...] = (-1,)
     without_timestamps: bool = False
     word_timestamps: bool = False  # each segment's words timed (asr/words.py): one more target pass per window
     # With word_timestamps, a segment whose words look hallucinated (asr.words.anomalous) between
@@ -141,20 +169,24 @@ class TranscribeOptions:
         if not given:
             raise ValueError("temperatures: give at least one")
         object.__setattr__(self, "temperatures", given)
-        for name in ("initial_prompt", "hotwords"):
+        object.__setattr__(self, "suppress_tokens", _token_ids(self.suppress_tokens))
+        for name in ("initial_prompt", "hotwords", "prefix"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, "")
         object.__setattr__(self, "clip_timestamps", _clips(self.clip_timestamps))
         # Checked here, by name: they failed mid-decode with a bare TypeError, or decoded nonsense
         # (max_new_tokens -5 ran a row backwards until the decoder's positions ran out).
         for name, least in [("max_new_tokens", 1), ("best_of", 1), ("max_draft_tokens", 0), ("seed", None),
-                            ("num_draft_tokens", 0)]:
+                            ("num_draft_tokens", 0), ("language_detection_segments", 1)]:
             if not (name == "num_draft_tokens" and self.num_draft_tokens is None):
                 check_whole(name, getattr(self, name), least)
         for name in ("compression_ratio_threshold", "log_prob_threshold", "no_speech_threshold"):
             value = getattr(self, name)
             if value is not None and not (isinstance(value, numbers.Real) and not math.isnan(value)):
                 raise ValueError(f"{name} must be a number, or None for no threshold, not {value!r}")
+        sure = self.language_detection_threshold
+        if isinstance(sure, bool) or not (isinstance(sure, numbers.Real) and 0 <= sure <= 1):
+            raise ValueError(f"language_detection_threshold must be a probability from 0 to 1, not {sure!r}")
         threshold = self.hallucination_silence_threshold
         if threshold is not None and (isinstance(threshold, bool) or not (isinstance(threshold, numbers.Real)
                                                                           and 0 <= threshold < math.inf)):
@@ -167,7 +199,7 @@ class TranscribeOptions:
         if self.compression_ratio_threshold is not None and self.compression_ratio_threshold <= 0:
             raise ValueError(f"compression_ratio_threshold must be above 0 (every window fell back), "
                              f"not {self.compression_ratio_threshold!r}")
-        for name in ("initial_prompt", "hotwords"):
+        for name in ("initial_prompt", "hotwords", "prefix"):
             value = getattr(self, name)
             if not isinstance(value, str):
                 raise ValueError(f"{name} must be text, not {value!r}")
@@ -195,6 +227,9 @@ class TranscribeOptions:
             object.__setattr__(self, "language", language_code(self.language))
         if self.multilingual and self.language is not None:  # faster-whisper's detection overrides the language given
             raise ValueError(f"multilingual detects each window's language: give no language (not {self.language!r})")
+        if self.language_detection_segments > 1 and self.language is not None:  # it would have done nothing, unsaid
+            raise ValueError(f"language_detection_segments hears windows to detect the language: give no language "
+                             f"(not {self.language!r})")
 
 
 @dataclass(frozen=True)
@@ -535,6 +570,11 @@ class Transcriber:
             raise ValueError(f"{target.name} is English-only: it has no languages to tell apart (multilingual)")
         hotwords = options.hotwords.strip()  # at most the previous text's room, as faster-whisper cuts them
         self._hotwords = self.vocab.encode(" " + hotwords)[: self._previous_room] if hotwords else []
+        prefix = options.prefix.strip()  # as faster-whisper cuts it
+        self._prefix = self.vocab.encode(" " + prefix)[: self._previous_room] if prefix else []
+        vocab_size = target.config.vocab_size
+        if outside := [t for t in options.suppress_tokens if t >= vocab_size]:
+            raise ValueError(f"suppress_tokens: {outside[0]} is no token of {target.name} (its ids end at {vocab_size - 1})")
 
     @property
     def _previous_room(self) -> int:
@@ -552,11 +592,11 @@ class Transcriber:
     def batch_key(self) -> tuple:
         """Transcribers with equal keys can decode in one batch: same engine, rules and draft length."""
         o = self.options
-        return id(self.engine), o.without_timestamps, o.num_draft_tokens, o.max_draft_tokens
+        return id(self.engine), id(self.rules(not o.without_timestamps)), o.num_draft_tokens, o.max_draft_tokens
 
     def rules(self, timestamps: bool) -> DecodingRules:
-        """Whisper's decoding rules for this target (shared by every Transcriber over it)."""
-        return self.models.target.rules(timestamps)
+        """Whisper's decoding rules for this target (shared by every Transcriber over it with these suppress_tokens)."""
+        return self.models.target.rules(timestamps, self.options.suppress_tokens)
 
     def warm_up(self, rows: int | None = None) -> None:
         """Readies the engine for batches of `rows` windows (default: the scheduler's rows, else
@@ -922,6 +962,30 @@ class Transcriber:
         return [[(codes[c], p) for c, p in zip(row_order, row_probs)]
                 for row_order, row_probs in zip(order.tolist(), probs.tolist())], cache
 
+    def _language_over_windows(self, job: _Job, ranked: list[tuple[str, float]]
+                               ) -> tuple[str, float, list[tuple[str, float]]]:
+        """faster-whisper's language_detection_segments, given the first window's guess `ranked`:
+        while a window's likeliest language is no more than language_detection_threshold
+        likely, the next 30 s of the recording are heard, up to that many windows. Returns the
+        language chosen, its probability and the last window heard's ranking: the first sure
+        window's language, else the one likeliest in most windows (the first such), at its
+        highest probability there."""
+        options, target = self.options, self.models.target
+        votes: dict[str, list[float]] = {}
+        for index in range(options.language_detection_segments):
+            seek = job.seek + index * WINDOW_FRAMES
+            if seek >= job.frames:
+                break
+            if index:  # the recording's next 30 s, past a clip's end too (as faster-whisper hears them)
+                mel = job.mel.window(seek) if isinstance(job.mel, StreamedMel) else window_at(job.mel, seek, job.frames)
+                ranked = self.detect_language(target.encode(mel[None].to(target.device)))[0][0]
+            language, probability = ranked[0]
+            if probability > options.language_detection_threshold:
+                return language, probability, ranked
+            votes.setdefault(language, []).append(probability)
+        language = max(votes, key=lambda code: len(votes[code]))
+        return language, max(votes[language]), ranked
+
     def _needs_fallback(self, sequence: Sequence, temperature: float, previous: list[int]) -> bool:
         options = self.options
         low_logprob = options.log_prob_threshold is not None and sequence.avg_logprob < options.log_prob_threshold
@@ -978,21 +1042,28 @@ class Transcriber:
                  and not (t > 0 and self._copies(s, previous))]
         return max(plain or attempts, key=lambda s: s.avg_logprob)
 
-    def _prompt(self, job: _Job) -> tuple[list[int], int]:
-        """[<|startofprev|> [hotwords] previous text] <|startoftranscript|> <|lang|> <|task|> [<|notimestamps|>];
-        returns it with the index of <|startoftranscript|>. Every attempt at a window has the
-        same previous text, as in Whisper (but those after a greedy copy's retry, which have
-        none: _copied_greedily): a fallback above 0.5 resets it for the next window."""
+    def _prompt(self, job: _Job) -> tuple[list[int], int, int]:
+        """[<|startofprev|> [hotwords] previous text] <|startoftranscript|> <|lang|> <|task|>
+        [<|notimestamps|>] [[<|0.00|>] prefix]; returns it with the index of
+        <|startoftranscript|> and the number of its last tokens forced as the transcript's
+        first (the prefix, the first window's alone: its hotwords left out, as faster-whisper
+        does). Every attempt at a window has the same previous text, as in Whisper (but those
+        after a greedy copy's retry, which have none: _copied_greedily): a fallback above 0.5
+        resets it for the next window."""
         vocab = self.vocab
         context = job.context if not job.unprompted else []
+        forced = self._prefix if job.info.windows == 0 else []
+        hotwords = self._hotwords if not forced else []
         previous: list[int] = []
-        if context or self._hotwords:  # the hotwords first, as faster-whisper's; the text keeps the room they leave
-            room = self._previous_room - len(self._hotwords)
-            previous = [vocab.sot_prev] + self._hotwords + (context[-room:] if room > 0 else [])
+        if context or hotwords:  # the hotwords first, as faster-whisper's; the text keeps the room they leave
+            room = self._previous_room - len(hotwords)
+            previous = [vocab.sot_prev] + hotwords + (context[-room:] if room > 0 else [])
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:
             prompt.append(vocab.no_timestamps)
-        return prompt, len(previous)
+        elif forced:  # the prefix is the text of a segment starting at the window's start
+            forced = [vocab.timestamp_begin] + forced
+        return prompt + forced, len(previous), len(forced)
 
     def _silent(self, sequence: Sequence, unprompted: bool = False) -> bool:
         """Whisper's no-speech skip: a window heard as silence, unless its text is confident;
@@ -1222,10 +1293,16 @@ class _Decoding:
         if undetected:
             guesses, cache = o.detect_language(encoded[undetected])
             for row, (i, ranked) in enumerate(zip(undetected, guesses)):
-                jobs[i].language = ranked[0][0]
-                if not jobs[i].info.language:  # the first window's, as faster-whisper's info with multilingual
-                    jobs[i].info.language, jobs[i].info.language_probability = ranked[0]
-                    jobs[i].info.all_language_probs = ranked
+                job = jobs[i]
+                job.language = ranked[0][0]
+                if not job.info.language:  # the first window's, as faster-whisper's info with multilingual
+                    language, probability = ranked[0]
+                    if not job.window_only and job.transcriber.options.language_detection_segments > 1:
+                        language, probability, ranked = job.transcriber._language_over_windows(job, ranked)
+                        if not job.detect_each:  # else the window's own, as faster-whisper's
+                            job.language = language
+                    job.info.language, job.info.language_probability, job.info.all_language_probs = (
+                        language, probability, ranked)
                 # In fixed shapes a row's K/V are computed alone (Slots._write_rows), not batched as here.
                 if not o.engine.fixed_shapes:
                     cross[i] = ([k[row] for k in cache.cross_k], [v[row] for v in cache.cross_v])
@@ -1247,7 +1324,7 @@ class _Decoding:
         for job, known in zip(jobs, cross or [None] * len(jobs)):
             t = job.transcriber
             temperature = t.options.temperatures[job.attempt]
-            prompt, sot_index = t._prompt(job)
+            prompt, sot_index, forced = t._prompt(job)
             limit = min(job.max_new_tokens or t.options.max_new_tokens, t.options.max_new_tokens)  # None: the options'
             max_new = min(limit, self.owner.engine.max_positions - 1 - len(prompt))
             # A retry at a higher temperature mostly repeats the failed attempt (a repetition
@@ -1263,7 +1340,7 @@ class _Decoding:
             for sample in range(job.rows):
                 seed = sampling.seed_of(t.options.seed, job.seek, job.attempt, *([sample] if sample else []))
                 windows.append(Window(job.encoded, prompt, sot_index, max_new, temperature, hint, job.draft_encoded,
-                                      known, accepts_as, seed, stop_loops=job.window_only))
+                                      known, accepts_as, seed, stop_loops=job.window_only, forced=forced))
                 owners.append(job)
         for job, tag in zip(owners, self.batch.add(windows)):
             self.jobs[tag] = job

@@ -1437,6 +1437,9 @@ def test_a_file_done_with_other_settings_is_skipped_and_said_to_be(tmp_path: Pat
     # Settings recorded only where set: setting one differs too (it was skipped without a word).
     for options, said in [(TranscribeOptions(language="en", hotwords="Kenobi"), 'hotwords "", now "Kenobi"'),
                           (TranscribeOptions(multilingual=True), "multilingual false, now true"),
+                          (TranscribeOptions(language="en", prefix="And so"), 'prefix "", now "And so"'),
+                          (TranscribeOptions(language="en", suppress_tokens=(-1, 11)), "suppress_tokens [-1], now [-1, 11]"),
+                          (TranscribeOptions(language_detection_segments=2), "language_detection [1, 0.5], now [2, 0.5]"),
                           (TranscribeOptions(language="en", vad_filter=True, vad_parameters={"threshold": 0.3}),
                            'vad_parameters {}, now {"threshold": 0.3}')]:
         assert again(batch.transcript_settings("packaged:whisper-base", options)).skipped_other_settings == 1

@@ -33,6 +33,7 @@ from asr.evaluate import (
     FASTER_WHISPER,
     _precision_notes,
     PLOTS,
+    RULES_NOTE,
     SPECULATIVE,
     TARGET,
     TRANSFORMERS_ASSISTED,
@@ -585,6 +586,23 @@ def test_faster_whisper_runs_beside_ours_on_the_same_weights(embedded, evaluated
     assert len(list((tmp_path / "cache").iterdir())) == 1
 
 
+def test_faster_whisper_is_given_our_options(embedded, tmp_path: Path, monkeypatch):
+    """The prompt (and the other options it shares with ours) reached ours alone: on the
+    Concord clip ours heard "Concord returned" with it and faster-whisper "Concorde"."""
+    monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
+    clip = DEV / "en_short" / "6930-75918-0000.flac"
+    audio = [AudioInput(str(clip), load_audio(clip))]
+    options = TranscribeOptions(language="en", initial_prompt="The town of Concord.", suppress_tokens=(-1, 11))
+    system = FasterWhisperSystem(embedded, options)
+    try:
+        [run] = system.run(audio, "en")
+    finally:
+        system.process.close()
+    ours = Transcriber(embedded, replace(options, speculative=False)).transcribe(audio[0].samples)
+    assert run.tokens == [t for s in ours.segments for t in s.tokens if t < embedded.target.vocab.eot]
+    assert "Concord returned" in run.text
+
+
 def test_a_cache_folder_that_cannot_be_made_is_said_for_faster_whisper(embedded, tmp_path: Path, monkeypatch):
     """ASR_CACHE naming a file: "[Errno 20] Not a directory", naming neither faster-whisper nor ASR_CACHE."""
     (tmp_path / "a-file").write_text("")
@@ -729,19 +747,24 @@ def test_long_form_follows_whispers_rules_as_faster_whisper_does(embedded, tmp_p
 
 
 def test_cli_evaluates_with_the_voice_activity_filter(tmp_path: Path, monkeypatch):
-    """--vad: every system decodes the speech the filter keeps (ours, faster-whisper with its
-    vad_filter, transformers given those samples), so all give our target-only tokens on a
-    recording that is mostly silence, and the report says the silences were cut."""
+    """--vad: every system decodes the speech the filter keeps (ours; faster-whisper and
+    transformers given those samples), so all give our target-only tokens on a recording
+    that is mostly silence, and the report says the silences were cut. At -53 dBFS: given the
+    recording with its own vad_filter, faster-whisper (whose filter does not first raise a
+    quiet recording, as ours) kept other speech."""
     monkeypatch.setattr("asr.models.CT2_CACHE", tmp_path / "cache")
     references = {c.path.name: c.reference for c in read_manifest(DEV / "manifest.tsv")}
-    soundfile.write(tmp_path / "pauses.flac", speech_between_silences(), SAMPLE_RATE)
+    recording = speech_between_silences()
+    soundfile.write(tmp_path / "pauses.flac", recording * (10 ** (-53 / 20) / np.abs(recording).max()), SAMPLE_RATE)
     reference = f"{references['jfk.flac']} {references['2412-153948-0000.flac']}"
     (tmp_path / "manifest.tsv").write_text(f"file\treference\npauses.flac\t{reference}\n")
     out = tmp_path / "out"
-    assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out), "--vad",
+    assert main(["evaluate", str(tmp_path / "manifest.tsv"), "--out", str(out), "--vad", "--keep-greedy-copies",
                  "--peers", "faster-whisper", "--peers", "transformers"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["environment"]["vad"] is True and report["identical_fraction"] == 1.0
+    # Our rule beyond Whisper's, which the peers lack, as asked and said
+    assert report["environment"]["retry_greedy_copies"] is False and RULES_NOTE in report["environment"]["notes"]
     systems = report["systems"]
     assert all(systems[name]["identical_to_target_fraction"] == 1.0 for name in (FASTER_WHISPER, TRANSFORMERS_TARGET))
     assert systems[TARGET]["wer"] == systems[FASTER_WHISPER]["wer"] < 0.05
@@ -1024,7 +1047,14 @@ def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs
 
 
 def test_an_evaluation_refuses_options_no_system_decodes_alike():
-    """multilingual failed every file (a clip's language with it); hotwords reached ours alone."""
-    for options in (TranscribeOptions(multilingual=True), TranscribeOptions(hotwords="Concord")):
-        with pytest.raises(ValueError, match="an evaluation decodes each clip in its manifest's language"):
-            EvaluateOptions(transcribe=options)
+    """multilingual failed every file (a clip's language with it); options transformers' generate
+    has no equal of reached ours alone (faster-whisper is given them); counts are checked."""
+    with pytest.raises(ValueError, match="an evaluation decodes each clip in its manifest's language"):
+        EvaluateOptions(transcribe=TranscribeOptions(multilingual=True))
+    options = TranscribeOptions(hotwords="Concord", initial_prompt="The town.", clip_timestamps="0,2")
+    with pytest.raises(ValueError, match="--peers transformers decodes without initial_prompt, hotwords, clip_timestamps"):
+        EvaluateOptions(transcribe=options, peers=("faster-whisper", "transformers"))
+    assert EvaluateOptions(transcribe=options, peers=("faster-whisper",)).transcribe is options
+    for wrong in (dict(repeats=0), dict(batch_size=-1)):
+        with pytest.raises(ValueError, match="must be a whole number of at least 1"):
+            EvaluateOptions(**wrong)

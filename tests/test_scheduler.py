@@ -252,14 +252,34 @@ def test_hotwords_come_first_and_the_previous_text_keeps_the_room_they_leave(pai
     hot = transcriber._hotwords
     job = transcriber._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
     job.context = list(range(1000, 1300))  # 300 tokens of previous text
-    prompt, sot = transcriber._prompt(job)
-    assert 40 < len(hot) < 223 and sot == 224 and prompt[:sot] == [transcriber.vocab.sot_prev, *hot, *range(1300 - (223 - len(hot)), 1300)]
+    prompt, sot, forced = transcriber._prompt(job)
+    assert forced == 0 and 40 < len(hot) < 223 and sot == 224 and prompt[:sot] == [transcriber.vocab.sot_prev, *hot, *range(1300 - (223 - len(hot)), 1300)]
     job.unprompted = True  # a greedy copy decoded again without its previous text keeps the hotwords
     assert transcriber._prompt(job)[0][: 1 + len(hot)] == [transcriber.vocab.sot_prev, *hot]
     many = Transcriber(pair, TranscribeOptions(language="en", hotwords="Kenobi " * 300))
     job.unprompted = False
-    prompt, sot = many._prompt(job)
+    prompt, sot, _ = many._prompt(job)
     assert len(many._hotwords) == 223 and prompt[:sot] == [transcriber.vocab.sot_prev, *many._hotwords]  # no room left
+
+
+def test_a_prefix_is_forced_in_the_first_window_alone_which_reads_no_hotwords(pair):
+    """faster-whisper's prefix: <|0.00|> and its text end the first window's prompt, as the
+    sequence's first tokens (forced); that window reads no hotwords, as faster-whisper's;
+    later windows have no prefix, and the hotwords again. Without timestamps, no <|0.00|>."""
+    transcriber = Transcriber(pair, TranscribeOptions(language="en", hotwords="Kenobi", prefix="  And so my "))
+    vocab, said = transcriber.vocab, transcriber.vocab.encode(" And so my")
+    job = transcriber._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
+    job.context = vocab.encode(" Hello there.")
+    prompt, sot, forced = transcriber._prompt(job)
+    start = vocab.sot_sequence("en", "transcribe")
+    assert prompt == [vocab.sot_prev, *job.context, *start, vocab.timestamp_begin, *said] and sot == 1 + len(job.context)
+    assert forced == 1 + len(said)
+    job.info.windows = 1
+    prompt, sot, forced = transcriber._prompt(job)
+    assert prompt == [vocab.sot_prev, *transcriber._hotwords, *job.context, *start] and forced == 0
+    plain = Transcriber(pair, TranscribeOptions(language="en", prefix="And so my", without_timestamps=True))
+    job = plain._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
+    assert plain._prompt(job) == ([*start, vocab.no_timestamps, *said], 0, len(said))
 
 
 def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_path):
@@ -304,12 +324,22 @@ def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_pa
         (dict(multilingual=True, language="German"), "multilingual detects each window's language: give no language .not 'de'."),
         (dict(language=123), "language must be a language's code or name, or None to detect it, not 123"),
         (dict(lengths_attention="cudnn"), "attention by row lengths runs flash or triton's kernel, not 'cudnn'"),
+        (dict(prefix=3), "prefix must be text, not 3"),
+        (dict(suppress_tokens=[-2]), r"suppress_tokens must be token ids \(-1: the model's own list\), not \[-2\]"),
+        (dict(suppress_tokens="1, x"), "suppress_tokens must be token ids"),
+        (dict(suppress_tokens=[True]), "suppress_tokens must be token ids"),
+        (dict(language_detection_segments=0), "language_detection_segments must be a whole number of at least 1"),
+        (dict(language_detection_threshold=1.5), "language_detection_threshold must be a probability from 0 to 1"),
     ]:
         with pytest.raises(ValueError, match=message):
             TranscribeOptions(**given)
     accepted = TranscribeOptions(temperatures=np.float32(0.2), seed=np.int64(3), best_of=np.int32(2),
                                  no_speech_threshold=None, initial_prompt=None)
     assert accepted.temperatures == (pytest.approx(0.2),) and accepted.initial_prompt == ""
+    # As Whisper's command line and faster-whisper take them; None (or "") suppresses none of the model's list.
+    assert TranscribeOptions(suppress_tokens="-1, 220").suppress_tokens == (-1, 220)
+    assert TranscribeOptions(suppress_tokens=np.array([5, 7])).suppress_tokens == (5, 7)
+    assert TranscribeOptions(suppress_tokens=None).suppress_tokens == TranscribeOptions(suppress_tokens="").suppress_tokens == ()
     # faster-whisper's VadOptions, or a dict of its fields (whole numbers as numbers of milliseconds).
     from faster_whisper.vad import VadOptions
 

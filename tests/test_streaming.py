@@ -873,6 +873,11 @@ def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transc
         StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, without_timestamps=True)))
     with pytest.raises(ValueError, match="does not take multilingual"):
         StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, language=None, multilingual=True)))
+    with pytest.raises(ValueError, match="does not take a prefix"):
+        StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, prefix="And so")))
+    with pytest.raises(ValueError, match="does not take language_detection_segments"):
+        StreamingTranscriber(Transcriber(transcriber.models, replace(transcriber.options, language=None,
+                                                                     language_detection_segments=2)))
 
 
 def test_ctrl_c_while_a_cli_stream_loads_its_models_says_so(capsys, monkeypatch):
