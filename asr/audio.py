@@ -71,6 +71,9 @@ def load_audio(path: str | Path, seconds: float | None = None, allow_silence: bo
         raise MissingAudio(f"{path}: no such file")
     if path.is_dir():
         raise AudioError(f"{path}: is a directory, not an audio file")
+    if not path.is_file():  # a pipe (stdin, <(...)) has no size: it was called an empty file
+        raise AudioError(f"{path}: not a regular file (a named pipe, socket or device): audio is read from a "
+                         "file, more than once; save it to one first")
     if path.stat().st_size == 0:
         raise AudioError(f"{path}: empty file")
     check_whole(path)

@@ -516,13 +516,18 @@ class StreamingTranscriber:
         shown = self._tentative
         segments = [] if window.silent else self._split_at_committed(self._segments(window))
         words = [w for s in segments for w in s.words]
+        backlog = bool(self._waiting)
+        if words and not (final or backlog) and self.transcriber.loops("".join(w.text for w in words), window.looped):
+            # A loop ("Thou hast chosen to die," 13 times) says nothing of the words committed
+            # or shown: heard as none of them, it wiped the committed ones from the buffer's
+            # record, and the next hypothesis committed them again. The next update decodes again.
+            return []
         unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(segments)
         new = words[done:]
         before = (word_keys(self._context_text) if prompted else []) + [word_key(w.text) for w in words[:done]]
         kept = _before_repeats([word_key(w.text) for w in new], before)
-        backlog = bool(self._waiting)
         if (kept < len(new) and (final or backlog)
                 and not self.transcriber.loops("".join(w.text for w in new), window.looped)):
             kept = len(new)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 import time
 from dataclasses import replace
@@ -848,6 +849,30 @@ def test_a_second_finish_after_a_final_decode_with_words_held_back_adds_nothing(
     assert again.committed == [] and again.committed_text == text and again.target_passes == 0
 
 
+def test_a_looping_hypothesis_leaves_the_committed_words_as_they_were(transcriber, jfk_stream):
+    """A hypothesis that loops hears none of the words committed: taken as one, it wiped them
+    from the buffer's record, and the next hypothesis committed them again (the sonnet, its
+    buffer trimmed at 3 s: "Thyself thy foe, to thy sweet self, to Thou, Thy self thy foe,
+    to thy sweet self, to cruel."). Now the update commits nothing and the stream goes on."""
+    samples, updates = jfk_stream
+    stream = StreamingTranscriber(transcriber, timer=keeping_up())
+    decode, vocab, looped_at = stream._transcribe, transcriber.vocab, []
+
+    def one_loop(context, hint=None):  # the first decode once three words are committed loops
+        window = decode(context, hint)
+        if len(stream._committed) >= 3 and not looped_at:
+            looped_at.append(len(stream._committed))
+            loop = vocab.encode(" Thou hast chosen to die,") * 13
+            return replace(window, tokens=[vocab.timestamp_begin, *loop, vocab.timestamp_begin + 50])
+        return window
+
+    stream._transcribe = one_loop
+    looped = list(feed_recording(stream, samples, 0.5))
+    assert looped_at and "chosen" not in looped[-1].committed_text
+    assert_append_only(looped)
+    assert normalize(looped[-1].committed_text) == normalize(updates[-1].committed_text)
+
+
 def test_a_stream_without_previous_text_decodes_without_a_prompt_once_cut(transcriber):
     """condition_on_previous_text=False was ignored: every decode after a cut had the
     committed text as its prompt."""
@@ -888,6 +913,15 @@ def test_ctrl_c_while_a_cli_stream_loads_its_models_says_so(capsys, monkeypatch)
     monkeypatch.setattr("asr.cli.load_pair", interrupted)
     assert main(["stream", str(DEV / "en_short" / "jfk.flac"), "--language", "en"]) == 130
     assert capsys.readouterr().err == "asr: interrupted\n"
+
+
+def test_a_cli_stream_of_a_pipe_says_it_needs_a_file(tmp_path, capsys):
+    """`cat talk.flac | asr stream /dev/stdin` said "empty file" (a pipe has no size)."""
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    assert main(["stream", str(pipe), "--language", "en"]) == 2
+    assert capsys.readouterr().err == (f"asr: {pipe}: not a regular file (a named pipe, socket or device): audio is read "
+                                       "from a file, more than once; save it to one first\n")
 
 
 def test_a_cli_stream_prints_no_update_that_heard_nothing(tmp_path, capsys):
