@@ -220,8 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--hotwords", type=prompt_text, default="",
                    help="words and names to expect, before every window's previous text (faster-whisper's hotwords)")
     t.add_argument("--prefix", type=prompt_text, default="",
-                   help="text the transcript starts with, forced, then decoded on from (faster-whisper's prefix; the "
-                        "first window's alone, which then reads no --hotwords)")
+                   help="text the transcript starts with, forced, then decoded on from (faster-whisper's prefix: at "
+                        "0 s, not where --clip-timestamps start later; that window reads no --hotwords)")
     t.add_argument("--suppress-tokens", type=token_ids, default=(-1,), metavar="IDS",
                    help="token ids never decoded, between commas: -1 stands for the model's own list of symbols "
                         "speech is not written with, '' for none (Whisper's option; default: -1)")

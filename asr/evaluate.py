@@ -70,6 +70,8 @@ RULES_NOTE = ("Ours follows Whisper's rules and two more, which the peers lack: 
               "copies its previous text is decoded again without it (retry_greedy_copies; --keep-greedy-copies turns it "
               "off), and a sampled attempt repeating 6 words in a row of its previous text fails. Where they apply, the "
               "peers' text repeats what ours does not.")
+RULES_KEPT_NOTE = ("Ours follows Whisper's rules and one more, which the peers lack: a sampled attempt repeating 6 words "
+                   "in a row of its previous text fails (greedy copies kept, as the peers keep them: --keep-greedy-copies).")
 # Notes on a peer, in the report where it ran.
 PEER_NOTES = {
     "transformers": [
@@ -122,9 +124,11 @@ class EvaluateOptions:
     def __post_init__(self) -> None:
         check_whole("batch_size", self.batch_size, 1)  # 0 and -1 failed mid-run, naming nothing
         check_whole("repeats", self.repeats, 1)
-        # Each clip is decoded and scored in its manifest's language: multilingual failed every file.
-        if self.transcribe.multilingual:
-            raise ValueError("an evaluation decodes each clip in its manifest's language: without multilingual")
+        # Each clip is decoded and scored in its manifest's language: multilingual (and language
+        # detection over windows) failed every file.
+        if self.transcribe.multilingual or self.transcribe.language_detection_segments > 1:
+            raise ValueError("an evaluation decodes each clip in its manifest's language: without multilingual "
+                             "or language_detection_segments")
         # Options transformers' generate has no equal of reached ours alone, and the systems decoded unlike.
         if "transformers" in self.peers and (unlike := [name for name, default in TRANSFORMERS_LACKS.items()
                                                         if getattr(self.transcribe, name) != default]):
@@ -472,7 +476,7 @@ class FasterWhisperSystem(_OneFileAtATime):
         # that first raises a quiet recording (vad.speech_only), and kept other audio (JFK at
         # -53 dBFS: 73 % WER against our 5 %).
         started = time.perf_counter()
-        samples, speech = vad.speech_only(item.samples, options.vad_parameters) if options.vad_filter else (item.samples, None)
+        samples = vad.speech_only(item.samples, options.vad_parameters)[0] if options.vad_filter else item.samples
         filtered = time.perf_counter() - started
         if not len(samples):  # no speech kept: nothing to decode
             return Run(seconds=filtered, features_seconds=None, encoder_seconds=None, decoder_seconds=None)
@@ -489,12 +493,7 @@ class FasterWhisperSystem(_OneFileAtATime):
             word_timestamps=options.word_timestamps,
             hallucination_silence_threshold=options.hallucination_silence_threshold)
         tokens = [t for _, segment_tokens, _, _ in segments for t in segment_tokens if t < vocab.eot]
-        times = [(start, end) if speech is None else  # in the recording, as faster-whisper maps its own
-                 (speech.original(start, speech.chunk_of(start)), speech.original(end, speech.chunk_of(end, is_end=True)))
-                 for _, _, start, end in segments]
-        return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens,
-                   segment_times=[(round(start, 3), round(end, 3)) for start, end in times],
-                   seconds=filtered + seconds, features_seconds=None, encoder_seconds=None, decoder_seconds=None)
+        return Run(text="".join(text for text, _, _, _ in segments).strip(), tokens=tokens, seconds=filtered + seconds, features_seconds=None, encoder_seconds=None, decoder_seconds=None)
 
 
 def system_names(peers: tuple[str, ...]) -> list[str]:
@@ -634,7 +633,8 @@ def describe_environment(pair: ModelPair, options: EvaluateOptions) -> dict:
         "threads": torch.get_num_threads(),
         "normalizer": NORMALIZER,
         "retry_greedy_copies": options.transcribe.retry_greedy_copies,
-        "notes": NOTES + ([RULES_NOTE] if options.peers else []) + [note for peer in options.peers for note in PEER_NOTES[peer]]
+        "notes": NOTES + ([RULES_NOTE if options.transcribe.retry_greedy_copies else RULES_KEPT_NOTE] if options.peers else [])
+        + [note for peer in options.peers for note in PEER_NOTES[peer]]
         + _precision_notes(pair, options),
     }
 

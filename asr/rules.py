@@ -21,23 +21,25 @@ class Prefix:
     last: Tensor | None = None  # [N] previous token (meaningful when generated >= 1)
     penultimate: Tensor | None = None  # [N] token before it (meaningful when generated >= 2)
     last_timestamp: Tensor | None = None  # [N] last timestamp token generated, -1 if none
-    # [N] bool: the first token decoded freely, past a forced prefix (None: generated == 0):
-    # where begin_suppress applies, as CTranslate2's after a prefix.
-    first_free: Tensor | None = None
+    # [N] bool: a row whose first generated tokens were forced (a prefix): its first free
+    # token may be text, as CTranslate2 decodes after a prefix (None: no row's were).
+    forced: Tensor | None = None
 
     @classmethod
     def at(cls, tokens: Tensor, sample_begin: Tensor, positions: Tensor, timestamp_begin: int,
            timestamps: bool = True, free_begin: Tensor | None = None) -> "Prefix":
         """tokens [B, L] with proposals written in place; sample_begin [B]; positions [B, q]
-        are the indices being predicted; free_begin [B]: where the tokens decoded freely start,
-        past the generated ones forced (None: at sample_begin). Returns one entry per (row,
-        position), row-major; without timestamps only what the rules without them read."""
-        generated = (positions - sample_begin[:, None]).reshape(-1)
-        first_free = None if free_begin is None else (positions == free_begin[:, None]).reshape(-1)
+        are the indices being predicted; free_begin [B]: where the tokens decoded freely
+        start, past the generated ones forced (None: at sample_begin). The rules read the
+        tokens decoded freely alone, as CTranslate2's after a prefix. Returns one entry per
+        (row, position), row-major; without timestamps only what the rules without them read."""
+        begin = sample_begin if free_begin is None else free_begin
+        generated = (positions - begin[:, None]).reshape(-1)
         if not timestamps:
-            return cls(generated, first_free=first_free)
+            return cls(generated)
+        forced = None if free_begin is None else (free_begin > sample_begin)[:, None].expand_as(positions).reshape(-1)
         columns = torch.arange(tokens.shape[1], device=tokens.device)
-        generated_region = columns >= sample_begin[:, None]
+        generated_region = columns >= begin[:, None]
         timestamps = torch.where(generated_region & (tokens >= timestamp_begin), tokens, -1)
         # Timestamps never decrease under the rules, so the running max is the last one.
         last_timestamp = timestamps.cummax(dim=1).values
@@ -49,7 +51,7 @@ class Prefix:
             last=last[:, 0],
             penultimate=last[:, 1],
             last_timestamp=last_timestamp.gather(1, before[:, :, 0]).reshape(-1),
-            first_free=first_free,
+            forced=forced,
         )
 
 
@@ -75,10 +77,9 @@ class DecodingRules:
         self.timestamps = timestamps
         self.max_initial_timestamp_index = max_initial_timestamp_index
         self.suppress = torch.tensor(sorted(set(suppress)), dtype=torch.long, device=device)
-        # With timestamps every text token is suppressed at the beginning (_timestamp_rules):
-        # those of begin_suppress need no step of their own.
-        begin_suppress = {t for t in begin_suppress if not (timestamps and t < self.timestamp_begin)}
-        self.begin_suppress = torch.tensor(sorted(begin_suppress), dtype=torch.long, device=device)
+        # (With timestamps every text token is suppressed at the beginning, _timestamp_rules,
+        # but after a forced prefix: begin_suppress's text tokens, the blank and end-of-text, then count.)
+        self.begin_suppress = torch.tensor(sorted(set(begin_suppress)), dtype=torch.long, device=device)
         self._timestamp_offsets = torch.arange(vocab_size - self.timestamp_begin, device=device)
 
     def prefix(self, tokens: Tensor, sample_begin: Tensor, positions: Tensor, free_begin: Tensor | None = None) -> Prefix:
@@ -93,8 +94,7 @@ class DecodingRules:
             logits.index_fill_(1, self.suppress, NEG_INF)
         at_begin = prefix.generated == 0
         if self.begin_suppress.numel():
-            first_free = at_begin if prefix.first_free is None else prefix.first_free
-            columns = logits.index_select(1, self.begin_suppress).masked_fill_(first_free[:, None], NEG_INF)
+            columns = logits.index_select(1, self.begin_suppress).masked_fill_(at_begin[:, None], NEG_INF)
             logits.index_copy_(1, self.begin_suppress, columns)
         if self.timestamps:
             self._timestamp_rules(logits, prefix, at_begin)
@@ -104,6 +104,10 @@ class DecodingRules:
         # Row-wise masks over column slices: no [N, V] temporaries on this hot path.
         ts_begin = self.timestamp_begin
         text, timestamps = logits[:, :ts_begin], logits[:, ts_begin:]
+        # A row's first token is a timestamp, unless a prefix (with its <|0.00|>) was forced
+        # before it: then, as CTranslate2 decodes, any token but begin_suppress's (apply).
+        after_prefix = None if prefix.forced is None else at_begin & prefix.forced
+        opening = at_begin if after_prefix is None else at_begin & ~after_prefix
         logits.select(1, self.no_timestamps).fill_(NEG_INF)
         last_is_ts = (prefix.generated >= 1) & (prefix.last >= ts_begin)
         penultimate_is_ts = (prefix.generated < 2) | (prefix.penultimate >= ts_begin)
@@ -118,7 +122,7 @@ class DecodingRules:
         timestamps.masked_fill_(self._timestamp_offsets < lowest[:, None], NEG_INF)
         # The first generated token is a timestamp (text is barred below), no later than max_initial_timestamp.
         if self.max_initial_timestamp_index is not None:
-            timestamps[:, self.max_initial_timestamp_index + 1 :].masked_fill_(at_begin[:, None], NEG_INF)
+            timestamps[:, self.max_initial_timestamp_index + 1 :].masked_fill_(opening[:, None], NEG_INF)
         # If the timestamps together are likelier than any text token, emit a timestamp
         # (log-softmax's normaliser cancels out of this comparison): logsumexp(timestamps) >
         # best_text computed as sum(exp(timestamps - best_text)) > 1, in float32 (the
@@ -129,4 +133,5 @@ class DecodingRules:
         # fill over the text logits for both rules (each is a pass over [N, 50k] on a CPU).
         best_text = text.amax(dim=-1).float()
         timestamp_mass = (timestamps - best_text[:, None]).exp_().sum(-1)  # relative to best_text
-        text.masked_fill_((at_begin | (timestamp_mass > 1))[:, None], NEG_INF)
+        likelier = timestamp_mass > 1 if after_prefix is None else (timestamp_mass > 1) & ~after_prefix
+        text.masked_fill_((opening | likelier)[:, None], NEG_INF)

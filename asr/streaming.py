@@ -517,14 +517,17 @@ class StreamingTranscriber:
         segments = [] if window.silent else self._split_at_committed(self._segments(window))
         words = [w for s in segments for w in s.words]
         backlog = bool(self._waiting)
-        if words and not (final or backlog) and self.transcriber.loops("".join(w.text for w in words), window.looped):
-            # A loop ("Thou hast chosen to die," 13 times) says nothing of the words committed
-            # or shown: heard as none of them, it wiped the committed ones from the buffer's
-            # record, and the next hypothesis committed them again. The next update decodes again.
-            return []
         unheard = not words and not self._in_buffer and not self._tentative  # nothing heard in the buffer yet
         cut_clean = not self._in_buffer  # no committed word left in the buffer: those done are heard again
         done = self._already_committed(segments)
+        if (done < len(self._in_buffer) and not (final or backlog)
+                and self.transcriber.loops("".join(w.text for w in words), window.looped)):
+            # A loop ("Thou hast chosen to die," 13 times) that does not hear the committed
+            # words says nothing of them: taken as a hypothesis, it wiped them from the buffer's
+            # record, and the next one committed them again. Nothing changes; its words wait
+            # (held back: a last decode hears the buffer again).
+            self._held_back = True
+            return []
         new = words[done:]
         before = (word_keys(self._context_text) if prompted else []) + [word_key(w.text) for w in words[:done]]
         kept = _before_repeats([word_key(w.text) for w in new], before)

@@ -117,8 +117,9 @@ class TranscribeOptions:
     # Words and names to expect, put before every window's previous text (faster-whisper's
     # hotwords): unlike initial_prompt, never left behind by later windows.
     hotwords: str = ""
-    # Text the first window's transcript starts with (faster-whisper's prefix): forced, then
-    # decoded on from. That window reads no hotwords, as faster-whisper's.
+    # Text the transcript starts with (faster-whisper's prefix): forced at the window at 0 s
+    # (none where clips start later, as faster-whisper's), then decoded on from. That window
+    # reads no hotwords, as faster-whisper's.
     prefix: str = ""
     # Token ids never decoded (faster-whisper's suppress_tokens): -1 stands for the model's own
     # list (symbols speech is not written with); () suppresses none of it. The control tokens
@@ -566,8 +567,9 @@ class Transcriber:
             raise ValueError(vad.NEEDS)
         if not self.vocab.multilingual and options.task == "translate":
             raise ValueError(f"{target.name} is English-only: it cannot translate (task translate needs a multilingual model)")
-        if not self.vocab.multilingual and options.multilingual:
-            raise ValueError(f"{target.name} is English-only: it has no languages to tell apart (multilingual)")
+        if not self.vocab.multilingual and (options.multilingual or options.language_detection_segments > 1):
+            raise ValueError(f"{target.name} is English-only: it has no languages to tell apart "
+                             f"({'multilingual' if options.multilingual else 'language_detection_segments'})")
         hotwords = options.hotwords.strip()  # at most the previous text's room, as faster-whisper cuts them
         self._hotwords = self.vocab.encode(" " + hotwords)[: self._previous_room] if hotwords else []
         prefix = options.prefix.strip()  # as faster-whisper cuts it
@@ -1046,17 +1048,18 @@ class Transcriber:
         """[<|startofprev|> [hotwords] previous text] <|startoftranscript|> <|lang|> <|task|>
         [<|notimestamps|>] [[<|0.00|>] prefix]; returns it with the index of
         <|startoftranscript|> and the number of its last tokens forced as the transcript's
-        first (the prefix, the first window's alone: its hotwords left out, as faster-whisper
-        does). Every attempt at a window has the same previous text, as in Whisper (but those
+        first (the prefix, the window at the audio's start alone: its hotwords left out, as
+        faster-whisper does). Every attempt at a window has the same previous text, as in Whisper (but those
         after a greedy copy's retry, which have none: _copied_greedily): a fallback above 0.5
         resets it for the next window."""
         vocab = self.vocab
         context = job.context if not job.unprompted else []
-        forced = self._prefix if job.info.windows == 0 else []
+        forced = self._prefix if job.seek == 0 else []  # as faster-whisper's: none where clips start later
         hotwords = self._hotwords if not forced else []
         previous: list[int] = []
         if context or hotwords:  # the hotwords first, as faster-whisper's; the text keeps the room they leave
-            room = self._previous_room - len(hotwords)
+            # (and a prefix's: a long prompt and a long prefix passed the decoder's 448 positions)
+            room = self._previous_room - len(hotwords) - len(forced)
             previous = [vocab.sot_prev] + hotwords + (context[-room:] if room > 0 else [])
         prompt = previous + vocab.sot_sequence(job.language, self.options.task)
         if self.options.without_timestamps:

