@@ -17,7 +17,7 @@ NEG_INF = float("-inf")
 class Prefix:
     """What the rules need to know about the tokens before each predicted position."""
 
-    generated: Tensor  # [N] tokens generated so far (after the prompt)
+    generated: Tensor  # [N] tokens decoded so far (after the prompt, and a forced prefix)
     last: Tensor | None = None  # [N] previous token (meaningful when generated >= 1)
     penultimate: Tensor | None = None  # [N] token before it (meaningful when generated >= 2)
     last_timestamp: Tensor | None = None  # [N] last timestamp token generated, -1 if none
